@@ -1,0 +1,61 @@
+"""One exception tree for the daemon; classification lives on the error.
+
+    AsyncProcessorError
+    ├── ConfigError                 startup: bad flag, file or field (exit code 2)
+    ├── MessageError                a message that cannot be processed as sent
+    │   ├── InvalidMessage          undecodable / invalid -> INVALID_REQUEST or dead-letter
+    │   └── PayloadUnavailable      a referenced payload could not be fetched
+    ├── GateError                   a gate could not decide (its backend failed)
+    ├── TransportError              the broker failed (retried with backoff by callers)
+    └── DispatchError               one HTTP attempt failed without a usable response
+"""
+
+from __future__ import annotations
+
+
+class AsyncProcessorError(Exception):
+    """Root of every error the daemon raises on purpose."""
+
+    retryable: bool = False
+
+
+class ConfigError(AsyncProcessorError):
+    """A configuration problem; the message names the field and the problem."""
+
+
+class MessageError(AsyncProcessorError):
+    """A message that cannot be processed as sent."""
+
+
+class InvalidMessage(MessageError):  # noqa: N818 - the contract's own name
+    """Undecodable or invalid message.
+
+    ``request_id`` is set when an id could be read, so the caller can answer with an
+    ``INVALID_REQUEST`` result; otherwise the message goes to the dead-letter list.
+    ``reason`` is a short snake_case tag used as a metric label.
+    """
+
+    def __init__(self, message: str, *, reason: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.request_id = request_id
+
+
+class PayloadUnavailable(MessageError):  # noqa: N818 - the contract's own name
+    """A payload referenced by URL could not be fetched before the deadline."""
+
+
+class GateError(AsyncProcessorError):
+    """A gate's backend failed while deciding."""
+
+
+class TransportError(AsyncProcessorError):
+    """The broker failed; callers retry with backoff."""
+
+    retryable = True
+
+
+class DispatchError(AsyncProcessorError):
+    """One HTTP attempt failed with no usable response (refused, reset, timed out)."""
+
+    retryable = True

@@ -1,0 +1,172 @@
+"""The gate model: budget + per-message verdict, with reservations that are always given back.
+
+Input: an ``Envelope`` (a gate may stamp labels such as ``classification``). Output: a
+``Verdict``. Queue gates size fetches with ``budget()`` and judge each fetched message;
+pool gates judge inside the worker. Every gate type registers in ``GATES`` with a
+pydantic params model; ``build_gate`` turns ``gate_type``/``gate_params`` into a Gate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from async_processor.messages import Envelope, Result
+from async_processor.registry import Registry
+
+
+class Action(Enum):
+    CONTINUE = "continue"
+    DROP = "drop"
+    REFUSE = "refuse"
+    WAIT = "wait"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    action: Action
+    result: Result | None = None  # for DROP: the result to publish (else GATE_DROPPED)
+
+
+CONTINUE = Verdict(Action.CONTINUE)
+REFUSE = Verdict(Action.REFUSE)
+WAIT = Verdict(Action.WAIT)
+DROP = Verdict(Action.DROP)
+
+Release = Callable[[], Awaitable[None]]
+
+
+class Releases:
+    """Reservations taken by gates; given back in reverse order, exactly once each."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: list[Release] = []
+
+    def add(self, release: Release) -> None:
+        self._items.append(release)
+
+    def mark(self) -> int:
+        return len(self._items)
+
+    async def rollback(self, mark: int) -> None:
+        """Give back everything added after ``mark`` (composite's all-or-nothing)."""
+        taken, self._items = self._items[mark:], self._items[:mark]
+        await _run_reversed(taken)
+
+    async def release_all(self) -> None:
+        await self.rollback(0)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+async def _run_reversed(items: list[Release]) -> None:
+    first_error: BaseException | None = None
+    for release in reversed(items):
+        try:
+            await release()
+        except Exception as exc:  # one failed release must not leak the others
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
+
+
+class Gate(Protocol):
+    """Admission control. ``budget`` never raises; ``apply`` raises GateError on failure."""
+
+    async def budget(self) -> float: ...
+
+    async def apply(self, message: Envelope, releases: Releases) -> Verdict: ...
+
+
+@dataclass(frozen=True, slots=True)
+class GateOwner:
+    """Who owns a gate: metric labels. Pool gates have empty queue fields."""
+
+    queue_id: str = ""
+    queue_name: str = ""
+    pool: str = ""
+
+
+@dataclass(slots=True)
+class GateContext:
+    """What gate factories may use: owner, process-wide settings and shared clients.
+
+    ``shared`` holds process-wide objects keyed by name (Redis clients per address,
+    Prometheus/HTTP sessions, metric caches) so gates built from the same settings share
+    them; ``closers`` are awaited at shutdown.
+    """
+
+    owner: GateOwner
+    metrics: Any = None  # async_processor.metrics.Metrics (Any avoids an import cycle)
+    prometheus_url: str = ""
+    prometheus_cache_ttl: float = 5.0
+    request_timeout: float = 300.0
+    shared: dict[str, Any] = field(default_factory=dict)
+    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    def for_owner(self, owner: GateOwner) -> GateContext:
+        return GateContext(
+            owner=owner,
+            metrics=self.metrics,
+            prometheus_url=self.prometheus_url,
+            prometheus_cache_ttl=self.prometheus_cache_ttl,
+            request_timeout=self.request_timeout,
+            shared=self.shared,
+            closers=self.closers,
+        )
+
+
+class GateParams(BaseModel):
+    """Base of every gate's params: unknown fields are errors (typos fail at startup)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+GATES: Registry[Gate, GateContext] = Registry("gate")
+
+
+class ConstantParams(GateParams):
+    value: float = 1.0
+
+
+class ConstantGate:
+    """Always the same budget; refuses when it is 0."""
+
+    def __init__(self, value: float) -> None:
+        self._value = min(1.0, max(0.0, value))
+
+    async def budget(self) -> float:
+        return self._value
+
+    async def apply(self, message: Envelope, releases: Releases) -> Verdict:
+        return REFUSE if self._value <= 0 else CONTINUE
+
+
+@GATES.register("constant", ConstantParams)
+def _constant(params: ConstantParams, ctx: GateContext) -> Gate:
+    return ConstantGate(params.value)
+
+
+OPEN_GATE: Gate = ConstantGate(1.0)
+
+
+def build_gate(gate_type: str, gate_params: dict[str, Any] | None, ctx: GateContext) -> Gate:
+    """Gate for a queue/pool entry; empty type = always open; unknown type = ConfigError."""
+    if not gate_type:
+        return OPEN_GATE
+    _load_builtin_gates()
+    return GATES.build(gate_type, gate_params, ctx)
+
+
+def _load_builtin_gates() -> None:
+    """Import the gate modules so they register (kept lazy to avoid import cycles)."""
+    import async_processor.gates as package  # noqa: PLC0415
+
+    package.load_all()

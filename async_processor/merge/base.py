@@ -1,0 +1,38 @@
+"""The merge seam: a pool's per-queue streams in, one bounded stream per pool out.
+
+Input: ``(QueueSpec, receive stream of Work)`` for each queue of one pool. Output: Work
+sent into the pool's stream, with ``stamped_headers`` set (fairness, priority, lane
+objective). A policy's ``run`` returns when every source is closed, and closes the sink.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from async_processor.registry import Registry
+from async_processor.transports.base import QueueSpec
+from async_processor.work import Work
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    queue: QueueSpec
+    stream: ObjectReceiveStream[Work]
+
+
+class MergePolicy(Protocol):
+    async def run(self, pool: str, sources: Sequence[Source], sink: ObjectSendStream[Work]) -> None:
+        """Merge until every source is closed, then close ``sink``."""
+        ...
+
+
+@dataclass(slots=True)
+class MergeContext:
+    metrics: Any = None  # async_processor.metrics.Metrics
+
+
+MERGE_POLICIES: Registry[MergePolicy, MergeContext] = Registry("merge policy")

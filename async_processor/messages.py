@@ -1,0 +1,398 @@
+"""Messages: the request, the Redis envelope around it, and the result.
+
+Input: raw bytes as a broker holds them. Output: ``Envelope`` / ``Request`` objects for
+the pipeline and encoded bytes for the broker, in the reference's JSON shapes.
+
+The payload is kept as the exact JSON text the producer sent (``Request.payload``): it
+is never re-encoded, so key order, big integers and escapes reach the gateway unchanged.
+Decoding records where each top-level value sits in the text instead of rebuilding it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from async_processor.errors import InvalidMessage
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+ENVELOPE_KINDS = ("plain", "redis", "pubsub")
+# Fields of the typed request variants that ride in ``data`` next to the public ones.
+VARIANT_FIELDS = ("request_queue_name", "result_queue_name", "pubsub_id")
+
+
+class ErrorCode(StrEnum):
+    INVALID_REQUEST = "INVALID_REQUEST"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    CANCELLED = "CANCELLED"
+    GATE_DROPPED = "GATE_DROPPED"
+    GATE_ERROR = "GATE_ERROR"
+    INFERENCE_ERROR = "INFERENCE_ERROR"
+    PAYLOAD_UNAVAILABLE = "PAYLOAD_UNAVAILABLE"
+
+
+INVALID_DEADLINE_TEXT = "Failed: deadline is missing or invalid (Unix seconds)."
+DEADLINE_EXCEEDED_TEXT = "deadline exceeded"
+CANCELLED_TEXT = "cancelled"
+GATE_DROPPED_TEXT = "Pool gating dropped request"
+
+
+@dataclass(slots=True)
+class Routing:
+    """The envelope's ``internal`` block: where a message came from and goes to."""
+
+    retry_count: int = 0
+    queue_id: str = ""
+    request_token: str = ""
+    request_queue_name: str = ""
+    result_queue_name: str = ""
+    transport_correlation_id: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def to_obj(self) -> dict[str, Any]:
+        """JSON object with empty/zero fields left out, as the reference writes it."""
+        out: dict[str, Any] = {}
+        if self.retry_count:
+            out["retry_count"] = self.retry_count
+        for name in (
+            "queue_id",
+            "request_token",
+            "request_queue_name",
+            "result_queue_name",
+            "transport_correlation_id",
+        ):
+            value = getattr(self, name)
+            if value:
+                out[name] = value
+        if self.labels:
+            out["labels"] = self.labels
+        return out
+
+    @classmethod
+    def from_obj(cls, obj: object) -> Routing:
+        if obj is None:
+            return cls()
+        if not isinstance(obj, dict):
+            raise ValueError("internal must be an object")
+        retry = obj.get("retry_count", 0) or 0
+        if not isinstance(retry, int) or isinstance(retry, bool) or retry < 0:
+            raise ValueError("internal.retry_count must be a non-negative integer")
+        return cls(
+            retry_count=retry,
+            queue_id=_opt_str(obj, "queue_id"),
+            request_token=_opt_str(obj, "request_token"),
+            request_queue_name=_opt_str(obj, "request_queue_name"),
+            result_queue_name=_opt_str(obj, "result_queue_name"),
+            transport_correlation_id=_opt_str(obj, "transport_correlation_id"),
+            labels=_str_map(obj.get("labels"), "internal.labels"),
+        )
+
+
+@dataclass(slots=True)
+class Request:
+    """The public request message. ``payload`` is the payload's JSON text, verbatim."""
+
+    id: str
+    deadline: int
+    payload: bytes = b"null"
+    created: int = 0
+    metadata: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+    endpoint: str = ""
+    # Variant and unknown fields, kept so that re-encoding loses nothing.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        parts = [b'{"id":', _dumps(self.id)]
+        if self.created:
+            parts += [b',"created":', str(self.created).encode()]
+        parts += [b',"deadline":', str(self.deadline).encode(), b',"payload":', self.payload]
+        if self.metadata:
+            parts += [b',"metadata":', _dumps(self.metadata)]
+        if self.headers:
+            parts += [b',"headers":', _dumps(self.headers)]
+        if self.endpoint:
+            parts += [b',"endpoint":', _dumps(self.endpoint)]
+        for key, value in self.extra.items():
+            parts += [b",", _dumps(key), b":", _dumps(value)]
+        parts.append(b"}")
+        return b"".join(parts)
+
+
+@dataclass(slots=True)
+class Envelope:
+    """A request plus its routing, as carried on the Redis transports."""
+
+    request: Request
+    routing: Routing = field(default_factory=Routing)
+    kind: str = "plain"
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    def encode(self) -> bytes:
+        return b"".join(
+            (
+                b'{"internal":',
+                _dumps(self.routing.to_obj()),
+                b',"request_kind":',
+                _dumps(self.kind),
+                b',"data":',
+                self.request.encode(),
+                b"}",
+            )
+        )
+
+
+@dataclass(slots=True)
+class Result:
+    """Exactly one per request, on the result queue."""
+
+    id: str
+    status_code: int = 0
+    payload: str = ""
+    error_code: str = ""
+    error_message: str = ""
+
+    @classmethod
+    def failure(cls, request_id: str, code: ErrorCode, message: str) -> Result:
+        """A non-HTTP failure; ``payload`` repeats the message for old consumers."""
+        return cls(
+            id=request_id,
+            payload=json.dumps({"error": message}),
+            error_code=code.value,
+            error_message=message,
+        )
+
+    @classmethod
+    def http(cls, request_id: str, status_code: int, body: bytes) -> Result:
+        return cls(
+            id=request_id,
+            status_code=status_code,
+            payload=body.decode("utf-8", errors="replace"),
+        )
+
+    def to_obj(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id}
+        if self.status_code > 0:
+            out["status_code"] = self.status_code
+        out["payload"] = self.payload
+        if self.error_code:
+            out["error_code"] = self.error_code
+        if self.error_message:
+            out["error_message"] = self.error_message
+        return out
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_obj(), ensure_ascii=False, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Result:
+        obj = json.loads(raw)
+        if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+            raise ValueError("result has no string id")
+        return cls(
+            id=obj["id"],
+            status_code=int(obj.get("status_code", 0) or 0),
+            payload=str(obj.get("payload", "")),
+            error_code=str(obj.get("error_code", "")),
+            error_message=str(obj.get("error_message", "")),
+        )
+
+
+# ----------------------------------------------------------------------------- decoding
+
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+_PUBLIC_FIELDS = frozenset(("id", "created", "deadline", "payload", "metadata", "headers", "endpoint"))
+
+
+def decode_envelope(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelope:
+    """Decode a Redis member: an envelope, or a bare request object (taken as ``plain``).
+
+    Raises ``InvalidMessage`` with ``request_id`` set whenever an id could be read.
+    """
+    text = _as_text(raw)
+    top, spans = _scan_object(text, "message", raw_keys=("data", "payload"))
+    if "request_kind" not in top and "data" not in top:
+        return Envelope(request=_request_from(text, top, spans, max_bytes, len(text)))
+    data_span = spans.get("data")
+    data_id = _peek_id(text, data_span)
+    kind = top.get("request_kind")
+    if kind not in ENVELOPE_KINDS:
+        raise InvalidMessage(
+            f"unknown request_kind {kind!r} (known: {', '.join(ENVELOPE_KINDS)})",
+            reason="unknown_kind",
+            request_id=data_id,
+        )
+    if data_span is None:
+        raise InvalidMessage("envelope has no data", reason="malformed", request_id=None)
+    try:
+        routing = Routing.from_obj(top.get("internal"))
+    except ValueError as exc:
+        raise InvalidMessage(str(exc), reason="malformed", request_id=data_id) from exc
+    data, data_spans = _scan_object(text, "data", raw_keys=("payload",), start=data_span[0])
+    request = _request_from(text, data, data_spans, max_bytes, len(text))
+    return Envelope(request=request, routing=routing, kind=str(kind))
+
+
+def decode_request(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Request:
+    """Decode a bare public request (the Pub/Sub wire format)."""
+    text = _as_text(raw)
+    top, spans = _scan_object(text, "message", raw_keys=("payload",))
+    return _request_from(text, top, spans, max_bytes, len(text))
+
+
+def peek_id(raw: bytes | str) -> str | None:
+    """Best-effort id of a message that failed to decode (for its error result)."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if isinstance(obj, dict):
+        data = obj.get("data")
+        candidate = data.get("id") if isinstance(data, dict) else obj.get("id")
+        if isinstance(candidate, str) and candidate:
+            return candidate
+    return None
+
+
+def _request_from(
+    text: str,
+    obj: dict[str, Any],
+    spans: dict[str, tuple[int, int]],
+    max_bytes: int,
+    size: int,
+) -> Request:
+    request_id = obj.get("id")
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidMessage("request has no string id", reason="missing_id")
+    if size > max_bytes:
+        raise InvalidMessage(
+            f"message of {size} bytes exceeds the {max_bytes}-byte limit",
+            reason="too_large",
+            request_id=request_id,
+        )
+    deadline = obj.get("deadline")
+    if isinstance(deadline, float) and deadline.is_integer():
+        deadline = int(deadline)
+    if not isinstance(deadline, int) or isinstance(deadline, bool) or deadline <= 0:
+        raise InvalidMessage(INVALID_DEADLINE_TEXT, reason="invalid_deadline", request_id=request_id)
+    try:
+        created = obj.get("created", 0) or 0
+        if not isinstance(created, int | float) or isinstance(created, bool):
+            raise ValueError("created must be a number")
+        endpoint = obj.get("endpoint", "") or ""
+        if not isinstance(endpoint, str):
+            raise ValueError("endpoint must be a string")
+        request = Request(
+            id=request_id,
+            deadline=deadline,
+            created=int(created),
+            metadata=_str_map(obj.get("metadata"), "metadata"),
+            headers=_str_map(obj.get("headers"), "headers"),
+            endpoint=endpoint,
+            extra={k: v for k, v in obj.items() if k not in _PUBLIC_FIELDS},
+        )
+    except ValueError as exc:
+        raise InvalidMessage(str(exc), reason="malformed", request_id=request_id) from exc
+    span = spans.get("payload")
+    if span is not None:
+        request.payload = text[span[0] : span[1]].encode()
+        if request.payload[:1] not in (b"{", b"n"):
+            raise InvalidMessage(
+                "payload must be a JSON object", reason="malformed", request_id=request_id
+            )
+    return request
+
+
+def _scan_object(
+    text: str, what: str, *, raw_keys: tuple[str, ...], start: int = 0
+) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    """Parse one JSON object; keys in ``raw_keys`` are kept as (start, end) spans only."""
+    try:
+        return _scan_object_unchecked(text, raw_keys, start)
+    except (ValueError, IndexError) as exc:
+        raise InvalidMessage(
+            f"{what} is not a JSON object: {exc}", reason="malformed", request_id=peek_id(text)
+        ) from exc
+
+
+def _scan_object_unchecked(
+    text: str, raw_keys: tuple[str, ...], start: int
+) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    values: dict[str, Any] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    pos = _WS.match(text, start).end()  # type: ignore[union-attr]
+    if text[pos] != "{":
+        raise ValueError("expected '{'")
+    pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
+    if text[pos] == "}":
+        return values, spans
+    while True:
+        if text[pos] != '"':
+            raise ValueError(f"expected a key at offset {pos}")
+        key, pos = json.decoder.scanstring(text, pos + 1)  # type: ignore[attr-defined]
+        pos = _WS.match(text, pos).end()  # type: ignore[union-attr]
+        if text[pos] != ":":
+            raise ValueError(f"expected ':' at offset {pos}")
+        pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
+        value, end = _DECODER.raw_decode(text, pos)
+        if key in raw_keys:
+            spans[key] = (pos, end)
+        else:
+            values[key] = value
+        pos = _WS.match(text, end).end()  # type: ignore[union-attr]
+        if text[pos] == "}":
+            break
+        if text[pos] != ",":
+            raise ValueError(f"expected ',' or '}}' at offset {pos}")
+        pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
+    if start == 0 and _WS.match(text, pos + 1).end() != len(text):  # type: ignore[union-attr]
+        raise ValueError("trailing data after the object")
+    return values, spans
+
+
+def _peek_id(text: str, span: tuple[int, int] | None) -> str | None:
+    if span is None:
+        return None
+    try:
+        obj = json.loads(text[span[0] : span[1]])
+    except ValueError:
+        return None
+    candidate = obj.get("id") if isinstance(obj, dict) else None
+    return candidate if isinstance(candidate, str) and candidate else None
+
+
+def _as_text(raw: bytes | str) -> str:
+    if isinstance(raw, str):
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidMessage("message is not UTF-8", reason="malformed") from exc
+
+
+def _opt_str(obj: dict[str, Any], key: str) -> str:
+    value = obj.get(key, "")
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"internal.{key} must be a string")
+    return value
+
+
+def _str_map(value: object, what: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ValueError(f"{what} must be an object of strings")
+    return dict(value)
+
+
+def _dumps(value: object) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()

@@ -1,0 +1,75 @@
+"""Registry: a config ``type`` string -> a factory and its typed params model.
+
+Input: the ``type`` and raw ``parameters`` mapping from a config file. Output: the built
+plugin (gate, merge policy, transform, transport). One registry per kind of plugin; an
+unknown type or a bad parameter is a ``ConfigError`` naming the known choices or the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from async_processor.errors import ConfigError
+
+T = TypeVar("T")
+C = TypeVar("C")
+P = TypeVar("P", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry(Generic[T, C]):
+    params: type[BaseModel]
+    factory: Callable[[Any, C], T]
+
+
+class Registry(Generic[T, C]):
+    """Type string -> (params model, factory(params, ctx))."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, _Entry[T, C]] = {}
+
+    def register(
+        self, type_name: str, params: type[P]
+    ) -> Callable[[Callable[[P, C], T]], Callable[[P, C], T]]:
+        def decorate(factory: Callable[[P, C], T]) -> Callable[[P, C], T]:
+            if type_name in self._entries:
+                raise RuntimeError(f"{self.kind} type {type_name!r} registered twice")
+            self._entries[type_name] = _Entry(params, factory)
+            return factory
+
+        return decorate
+
+    def known(self) -> list[str]:
+        return sorted(self._entries)
+
+    def params(self, type_name: str, raw: Mapping[str, Any] | None) -> BaseModel:
+        """Validate ``raw`` against the type's params model (ConfigError on failure)."""
+        entry = self._entry(type_name)
+        try:
+            return entry.params.model_validate(dict(raw or {}))
+        except ValidationError as exc:
+            raise ConfigError(f"{self.kind} {type_name!r}: {describe_validation(exc)}") from exc
+
+    def build(self, type_name: str, raw: Mapping[str, Any] | None, ctx: C) -> T:
+        params = self.params(type_name, raw)
+        return self._entry(type_name).factory(params, ctx)
+
+    def _entry(self, type_name: str) -> _Entry[T, C]:
+        try:
+            return self._entries[type_name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown {self.kind} type {type_name!r} (known: {', '.join(self.known())})"
+            ) from None
+
+
+def describe_validation(exc: ValidationError) -> str:
+    """One line naming the first bad field and the problem (for startup errors)."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "value"
+    return f"{where}: {first['msg']}"

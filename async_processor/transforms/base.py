@@ -1,0 +1,46 @@
+"""The transform seam: rewrite the outgoing request (body, content type, headers, URL).
+
+Input: the message's envelope and the ``Outgoing`` request the worker built. Output: the
+same ``Outgoing``, possibly rewritten. Transforms run in config order; once one has
+claimed the body (``body_claimed``), later body rewriters leave it alone. Errors:
+``InvalidMessage`` -> INVALID_REQUEST, ``PayloadUnavailable`` -> PAYLOAD_UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from async_processor.messages import Envelope
+from async_processor.registry import Registry
+
+
+@dataclass(slots=True)
+class Outgoing:
+    url: str
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    content_type: str = "application/json"
+    body_claimed: bool = False
+    deadline: float = 0.0  # Unix seconds: transforms that fetch must finish before it
+
+
+class Transform(Protocol):
+    name: str
+
+    def validate(self, envelope: Envelope) -> None:
+        """Preflight before any gate or HTTP work; raise InvalidMessage to reject."""
+        ...
+
+    async def apply(self, envelope: Envelope, out: Outgoing) -> None: ...
+
+
+@dataclass(slots=True)
+class TransformContext:
+    """Shared resources for transforms (an aiohttp session for fetching, size limit)."""
+
+    http: Any = None  # aiohttp.ClientSession
+    max_message_bytes: int = 4 * 1024 * 1024
+
+
+TRANSFORMS: Registry[Transform, TransformContext] = Registry("transform")

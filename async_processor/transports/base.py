@@ -1,0 +1,117 @@
+"""The transport seam: broker I/O only (fetch, complete, defer, dead-letter, backlog, health).
+
+Input: the transport's config. Output: ``Delivery`` objects for the poller, and durable
+writes of results and hand-backs. Every transport type registers in ``TRANSPORTS``.
+
+Durability contract (DESIGN.md §5.1, §5.12): a delivery stays owned by the broker until
+``complete`` (result written and message acknowledged in one step) or ``defer`` (message
+handed back, due after a delay). ``complete`` writes at most one terminal result per
+request id even when a message was delivered twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+from anyio.abc import TaskStatus
+
+from async_processor.messages import Envelope, Result
+from async_processor.registry import Registry
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSpec:
+    """One configured queue (sorted set, channel or subscription), transport-neutral."""
+
+    id: str
+    name: str
+    pool: str = "default"
+    igw_base_url: str = ""
+    request_path_url: str = "/v1/completions"
+    inference_objective: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    gate_type: str = ""
+    gate_params: Mapping[str, Any] = field(default_factory=dict)
+    result_queue_name: str = ""
+    batch_size: int = 10
+    poll_interval: float = 1.0
+
+
+@dataclass(slots=True, eq=False)
+class Delivery:
+    """One message as fetched: its bytes, the broker's receipt, and (once decoded) its envelope."""
+
+    queue: QueueSpec
+    raw: bytes
+    handle: Any = None  # transport receipt: lease member, ack id, ...
+    attributes: dict[str, str] = field(default_factory=dict)
+    received_at: float = field(default_factory=time.time)  # wall clock, for residence time
+    envelope: Envelope | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Deferral:
+    """Hand a delivery back to the broker, due after ``delay`` seconds.
+
+    The delivery's (possibly updated) envelope is what is written back: retry_count,
+    labels stamped by gates, routing filled by the poller.
+    """
+
+    delivery: Delivery
+    delay: float
+
+
+class Transport(Protocol):
+    kind: str
+    queues: Sequence[QueueSpec]
+
+    def decode(self, delivery: Delivery) -> Envelope:
+        """The delivery's envelope in this transport's wire format (raises InvalidMessage)."""
+        ...
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Background upkeep (leases, retry moves, subscriptions) until cancelled."""
+        ...
+
+    async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
+        """Up to ``limit`` messages, waiting at most ``wait`` s for the first; [] if none."""
+        ...
+
+    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+        """Durably write each result and acknowledge its message, atomically per message."""
+        ...
+
+    async def defer(self, items: Sequence[Deferral]) -> None:
+        """Hand messages back, each due after its delay (0 = at once)."""
+        ...
+
+    async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        """Park a message that has no usable id, with the reason; acknowledge it."""
+        ...
+
+    async def is_cancelled(self, delivery: Delivery) -> bool: ...
+
+    async def backlog(self, queue: QueueSpec) -> int | None:
+        """Messages waiting on the broker for ``queue``, or None when unknown."""
+        ...
+
+    async def health(self) -> None:
+        """Raise TransportError when the broker cannot be used."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(slots=True)
+class TransportContext:
+    """Process-wide settings a transport may need."""
+
+    max_message_bytes: int = 4 * 1024 * 1024
+    metrics: Any = None  # async_processor.metrics.Metrics
+
+
+TRANSPORTS: Registry[Transport, TransportContext] = Registry("transport")

@@ -1,0 +1,5 @@
+"""Shared fixtures: each real server lives in its own plugin module under tests/fixtures."""
+
+pytest_plugins = [
+    "tests.fixtures.servers",
+]
