@@ -8,16 +8,36 @@ reference; unknown fields are errors (DESIGN.md §5.9).
 
 from __future__ import annotations
 
+import argparse
 import json
-from typing import Annotated, Any
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, NoReturn, TypeVar, cast
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from async_processor.durations import Duration
+from async_processor.durations import Duration, format_duration
+from async_processor.errors import ConfigError
+from async_processor.logs import FORMATS, LEVELS
+from async_processor.registry import describe_validation
 from async_processor.transports.base import QueueSpec
 
 DEFAULT_POOL = "default"
 DEFAULT_REQUEST_PATH = "/v1/completions"
+# RFC 7230 token: what a header name may be made of.
+_HEADER_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+Port = Annotated[int, Field(ge=0, le=65535)]
 
 
 class Strict(BaseModel):
@@ -116,8 +136,14 @@ class SortedSetConfig(RedisTransportBase):
 
     def queue_specs(self) -> list[QueueSpec]:
         return [
-            _spec(q, q.id or q.queue_name, q.queue_name, self.batch_size, self.poll_interval_ms,
-                  result_queue_name=q.result_queue_name)
+            _spec(
+                q,
+                q.id or q.queue_name,
+                q.queue_name,
+                self.batch_size,
+                self.poll_interval_ms,
+                result_queue_name=q.result_queue_name,
+            )
             for q in self.queues
         ]
 
@@ -194,6 +220,11 @@ class TransformConfig(Strict):
         default_factory=list, alias="requestTransforms"
     )
 
+    @model_validator(mode="after")
+    def _unique(self) -> TransformConfig:
+        _require_unique("requestTransforms[].name", [t.name for t in self.request_transforms])
+        return self
+
 
 class TLSConfig(Strict):
     ca_cert: str = ""
@@ -201,24 +232,42 @@ class TLSConfig(Strict):
     key: str = ""
     insecure_skip_verify: bool = False
 
+    @model_validator(mode="after")
+    def _pair(self) -> TLSConfig:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("--tls-cert and --tls-key must be given together")
+        return self
+
 
 class RuntimeConfig(Strict):
     """Flag-level settings the pipeline reads (the rest of ``AppConfig``)."""
 
     concurrency: Annotated[int, Field(gt=0)] = 64
-    request_timeout: Duration = 300.0
-    drain_timeout: Duration = 120.0
-    gate_wait_timeout: Duration | None = None  # None = request_timeout
+    request_timeout: Annotated[Duration, Field(gt=0)] = 300.0
+    drain_timeout: Annotated[Duration, Field(ge=0)] = 120.0
+    gate_wait_timeout: Annotated[Duration, Field(ge=0)] | None = None  # None = request_timeout
     prometheus_url: str = ""
-    prometheus_cache_ttl: Duration = 5.0
-    metrics_backlog_poll_interval: Duration = 15.0
-    health_port: int = 8081
-    metrics_port: int = 9090
+    prometheus_cache_ttl: Annotated[Duration, Field(ge=0)] = 5.0  # 0 disables the cache
+    metrics_backlog_poll_interval: Annotated[Duration, Field(ge=0)] = 15.0  # 0 disables
+    health_port: Port = 8081
+    metrics_port: Port = 9090
     bind_address: str = "0.0.0.0"  # noqa: S104 - a pod's probes and scrapes come from outside
-    deadline_header: str = "x-request-deadline"
+    deadline_header: str = "x-request-deadline"  # empty: no deadline header
     max_message_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
     metrics_bearer_token: str = ""
     tls: TLSConfig = Field(default_factory=TLSConfig)
+
+    @field_validator("prometheus_url")
+    @classmethod
+    def _prometheus_url(cls, value: str) -> str:
+        return check_http_url(value) if value else value
+
+    @field_validator("deadline_header")
+    @classmethod
+    def _header(cls, value: str) -> str:
+        if value and not _HEADER_TOKEN.fullmatch(value):
+            raise ValueError(f"{value!r} is not a legal HTTP header name")
+        return value
 
     @property
     def effective_gate_wait_timeout(self) -> float:
@@ -244,7 +293,7 @@ class AppConfig(Strict):
 
 
 def check_http_url(value: str) -> str:
-    from urllib.parse import urlsplit  # noqa: PLC0415 - only at startup
+    from urllib.parse import urlsplit
 
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -283,3 +332,286 @@ def _require_unique(what: str, values: list[str]) -> None:
         if value in seen:
             raise ValueError(f"{what}: duplicate {value!r}")
         seen.add(value)
+
+
+# ------------------------------------------------------------------------------ loading
+
+ENV_PREFIX = "ASYNC_PROCESSOR_"
+TRANSPORT_SOURCES = ("transport_config", "transport_config_file")
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One command-line flag; ``field`` is its path in ``RuntimeConfig`` (if any)."""
+
+    name: str
+    help: str
+    field: str = ""
+    default: str = ""  # for flags outside RuntimeConfig (which holds the others' defaults)
+    choices: tuple[str, ...] = ()
+    boolean: bool = False
+
+    @property
+    def option(self) -> str:
+        return f"--{self.name}"
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("transport", "message transport", default="redis-pubsub",
+         choices=tuple(TRANSPORT_CONFIGS)),
+    Flag("transport-config", "transport config as inline JSON"),
+    Flag("transport-config-file", "transport config JSON file"),
+    Flag("pool-config-file", "worker pools JSON file (default: one pool 'default')"),
+    Flag("request-merge-policy-config-file", "merge policy JSON file (default random-robin)"),
+    Flag("transform-config-file", "request body transforms JSON file"),
+    Flag("concurrency", "workers of the default pool", "concurrency"),
+    Flag("request-timeout", "per-attempt HTTP cap (Go duration)", "request_timeout"),
+    Flag("drain-timeout", "shutdown drain budget (Go duration)", "drain_timeout"),
+    Flag("gate-wait-timeout", "longest pool-gate wait (default: --request-timeout)",
+         "gate_wait_timeout"),
+    Flag("prometheus-url", "Prometheus base URL for prometheus-* gates", "prometheus_url"),
+    Flag("prometheus-cache-ttl", "gate metric cache TTL (0 disables)", "prometheus_cache_ttl"),
+    Flag("metrics-backlog-poll-interval", "broker backlog gauge interval (0 disables)",
+         "metrics_backlog_poll_interval"),
+    Flag("health-port", "port of /healthz and /readyz", "health_port"),
+    Flag("metrics-port", "port of /metrics", "metrics_port"),
+    Flag("bind-address", "address the health and metrics servers listen on", "bind_address"),
+    Flag("deadline-header", "header carrying the remaining deadline (empty disables)",
+         "deadline_header"),
+    Flag("max-message-bytes", "largest accepted message", "max_message_bytes"),
+    Flag("metrics-bearer-token-file", "file holding a bearer token required on /metrics"),
+    Flag("tls-ca-cert", "CA bundle for the gateway", "tls.ca_cert"),
+    Flag("tls-cert", "client certificate for the gateway", "tls.cert"),
+    Flag("tls-key", "client key for the gateway", "tls.key"),
+    Flag("tls-insecure-skip-verify", "skip gateway certificate checks", "tls.insecure_skip_verify",
+         boolean=True),
+    Flag("log-level", "log level", default="info", choices=LEVELS),
+    Flag("log-format", "log format (auto: json unless stderr is a TTY)", default="auto",
+         choices=FORMATS),
+)  # fmt: skip
+_BY_FIELD = {flag.field: flag for flag in FLAGS if flag.field}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as a one-line ConfigError."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def flag_parser(prog: str = "async-processor run") -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=prog,
+        allow_abbrev=False,
+        epilog=(f"Every flag can also be set as {ENV_PREFIX}<FLAG_IN_UPPER_SNAKE>; flags win."),
+    )
+    for flag in FLAGS:
+        default = flag.default or _field_default(flag.field)
+        help_text = f"{flag.help} (default: {default!s}; env {flag.env})"
+        if flag.boolean:
+            parser.add_argument(
+                flag.option, dest=flag.dest, nargs="?", const="true", metavar="BOOL", help=help_text
+            )
+        else:
+            parser.add_argument(flag.option, dest=flag.dest, metavar="VALUE", help=help_text)
+    return parser  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Flag values as given (flag, else environment); absent ones take the defaults."""
+
+    values: Mapping[str, str]
+    sources: Mapping[str, str]  # dest -> "--flag" or "ENV_NAME", for error messages
+
+    def get(self, dest: str) -> str:
+        flag = next(f for f in FLAGS if f.dest == dest)
+        return self.values.get(dest, flag.default)
+
+    @property
+    def log_level(self) -> str:
+        return self.get("log_level")
+
+    @property
+    def log_format(self) -> str:
+        return self.get("log_format")
+
+
+def parse_settings(
+    argv: Sequence[str], env: Mapping[str, str], *, prog: str = "async-processor run"
+) -> Settings:
+    """Flags, then ``ASYNC_PROCESSOR_*`` for the flags not given; choices checked."""
+    parsed = flag_parser(prog).parse_args(list(argv))
+    given = {k: v for k, v in vars(parsed).items() if v is not None}
+    values: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    # The two transport sources are one setting: a flag for either hides the env of both.
+    skip_env = set(TRANSPORT_SOURCES) if given.keys() & set(TRANSPORT_SOURCES) else set()
+    for flag in FLAGS:
+        if flag.dest in given:
+            values[flag.dest], sources[flag.dest] = given[flag.dest], flag.option
+        elif flag.dest not in skip_env and env.get(flag.env, "") != "":
+            values[flag.dest], sources[flag.dest] = env[flag.env], flag.env
+        if flag.choices and flag.dest in values and values[flag.dest] not in flag.choices:
+            raise ConfigError(f"{sources[flag.dest]}: {values[flag.dest]!r} is not one of "
+                              f"{', '.join(flag.choices)}")  # fmt: skip
+    return Settings(values, sources)
+
+
+def load_config(argv: Sequence[str], env: Mapping[str, str]) -> AppConfig:
+    """Flags + environment + files -> a validated ``AppConfig`` (ConfigError otherwise)."""
+    return build_config(parse_settings(argv, env), env)
+
+
+def build_config(settings: Settings, env: Mapping[str, str]) -> AppConfig:
+    transport = settings.get("transport")
+    transport_config, source = _transport_config(settings, transport, env)
+    pools = _pools(settings)
+    _check_pools(transport_config, pools, source)
+    merge_path = settings.get("request_merge_policy_config_file")
+    transforms_path = settings.get("transform_config_file")
+    return AppConfig(
+        transport=transport,
+        transport_config=transport_config,
+        runtime=_runtime(settings),
+        pools=pools,
+        merge_policy=_from_file(MergePolicyConfig, "--request-merge-policy-config-file",
+                                merge_path) if merge_path else MergePolicyConfig(),
+        transforms=_from_file(TransformConfig, "--transform-config-file", transforms_path)
+        if transforms_path else TransformConfig(),
+    )  # fmt: skip
+
+
+def _transport_config(
+    settings: Settings, transport: str, env: Mapping[str, str]
+) -> tuple[TransportConfig, str]:
+    inline, path = settings.get("transport_config"), settings.get("transport_config_file")
+    if inline and path:
+        raise ConfigError("--transport-config and --transport-config-file are mutually exclusive")
+    if not inline and not path:
+        raise ConfigError("one of --transport-config or --transport-config-file is required")
+    source = f"--transport-config-file {path}" if path else "--transport-config"
+    raw = _parse_json(source, inline) if inline else _read_json("--transport-config-file", path)
+    model = TRANSPORT_CONFIGS[transport]
+    is_redis = issubclass(model, RedisTransportBase)
+    if is_redis and isinstance(raw, dict) and not raw.get("url"):
+        # REDIS_URL only fills an empty url: an explicit one wins.
+        raw = {**raw, "url": env.get("REDIS_URL", "")}
+        if not raw["url"]:
+            raise ConfigError(f"{source}: url is required for {transport} (or set REDIS_URL)")
+    config = cast(TransportConfig, _validate(model.model_validate, source, raw))
+    return config, source
+
+
+def _pools(settings: Settings) -> list[PoolConfig]:
+    path = settings.get("pool_config_file")
+    if not path:
+        return []
+    source = f"--pool-config-file {path}"
+    pools = _validate(
+        TypeAdapter(list[PoolConfig]).validate_python,
+        source,
+        _read_json("--pool-config-file", path),
+    )
+    if not pools:
+        raise ConfigError(f"{source}: at least one pool is required")
+    try:
+        _require_unique("[].id", [p.id for p in pools])
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return pools
+
+
+def _check_pools(transport_config: TransportConfig, pools: list[PoolConfig], source: str) -> None:
+    known = [p.id for p in pools] or [DEFAULT_POOL]
+    for spec in transport_config.queue_specs():
+        if spec.pool not in known:
+            raise ConfigError(
+                f"{source}: queue {spec.name!r} names unknown worker_pool_id {spec.pool!r} "
+                f"(pools: {', '.join(known)})"
+            )
+
+
+def _runtime(settings: Settings) -> RuntimeConfig:
+    given: dict[str, Any] = {"tls": {}}
+    for flag in FLAGS:
+        if flag.field and flag.dest in settings.values:
+            group, _, name = flag.field.rpartition(".")
+            (given[group] if group else given)[name] = settings.values[flag.dest]
+    token_file = settings.get("metrics_bearer_token_file")
+    if token_file:
+        given["metrics_bearer_token"] = _read_text("--metrics-bearer-token-file", token_file)
+        if not given["metrics_bearer_token"]:
+            raise ConfigError(f"--metrics-bearer-token-file {token_file}: the file is empty")
+    for name, path in given["tls"].items():
+        if name != "insecure_skip_verify" and path and not os.path.isfile(path):
+            raise ConfigError(f"--tls-{name.replace('_', '-')} {path}: no such file")
+    try:
+        return RuntimeConfig.model_validate(given)
+    except ValidationError as exc:
+        raise ConfigError(_describe_flag_error(exc, settings)) from None
+
+
+def _describe_flag_error(exc: ValidationError, settings: Settings) -> str:
+    first = exc.errors()[0]
+    message = first["msg"].removeprefix("Value error, ")
+    flag = _BY_FIELD.get(".".join(str(part) for part in first["loc"]))
+    if flag is None:
+        return message
+    value = settings.values.get(flag.dest, "")
+    return f"{settings.sources.get(flag.dest, flag.option)}={value!r}: {message}"
+
+
+T = TypeVar("T")
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def _from_file(model: type[ModelT], option: str, path: str) -> ModelT:
+    return _validate(model.model_validate, f"{option} {path}", _read_json(option, path))
+
+
+def _validate(validate: Callable[[Any], T], source: str, raw: Any) -> T:
+    try:
+        return validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {describe_validation(exc)}") from None
+
+
+def _read_text(option: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ConfigError(f"{option} {path}: cannot read: {reason}") from None
+
+
+def _read_json(option: str, path: str) -> Any:
+    return _parse_json(f"{option} {path}", _read_text(option, path))
+
+
+def _parse_json(source: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{source}: malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+
+
+def _field_default(path: str) -> str:
+    """The model default of a flag's field, as text for ``--help``."""
+    if not path:
+        return ""
+    group, _, name = path.rpartition(".")
+    model: type[BaseModel] = TLSConfig if group else RuntimeConfig
+    default = model.model_fields[name].get_default(call_default_factory=True)
+    return format_duration(default) if isinstance(default, float) else str(default)

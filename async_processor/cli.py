@@ -1,0 +1,138 @@
+"""The ``async-processor`` command: run | check-config | sim | demo | submit | results | cancel.
+
+Input: argv and the environment. Output: an exit code. ``run`` (also the default when
+only flags are given, as with the Go binary) loads the config and hands it to
+``processor.run``; ``check-config`` prints the effective config with secrets masked.
+The other subcommands live in their own modules, imported only when used, and get the
+rest of argv (``submit``/``results``/``cancel`` share ``producer_cli`` and get the
+subcommand name first). Any ``ConfigError`` at startup is one stderr line and exit 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+import anyio
+import structlog
+
+from async_processor.config import AppConfig, build_config, parse_settings
+from async_processor.errors import ConfigError
+from async_processor.logs import configure_logging, redact
+
+PROG = "async-processor"
+CONFIG_ERROR_EXIT = 2
+# subcommand -> (module under async_processor, whether main() gets the subcommand name)
+DELEGATED: dict[str, tuple[str, bool]] = {
+    "sim": ("simulator", False),
+    "demo": ("demo", False),
+    "submit": ("producer_cli", True),
+    "results": ("producer_cli", True),
+    "cancel": ("producer_cli", True),
+}
+USAGE = f"""usage: {PROG} [run] [flags...]       run the daemon (default when only flags are given)
+       {PROG} check-config [flags...]  validate the config and print it (secrets masked)
+       {PROG} sim|demo [args...]       inference simulator | local end-to-end demo
+       {PROG} submit|results|cancel [args...]   produce requests, read results, cancel
+Run '{PROG} run --help' for the flags."""
+
+log = structlog.get_logger(__name__)
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    environ = os.environ if env is None else env
+    command, rest = _split(args)
+    try:
+        if command in ("-h", "--help"):
+            print(USAGE)
+            return 0
+        if command == "check-config":
+            return check_config(rest, environ)
+        if command in DELEGATED:
+            return _delegate(command, rest)
+        return run(rest, environ)
+    except (ConfigError, BaseExceptionGroup) as exc:  # a task group wraps what it raises
+        config_error = _find_config_error(exc)
+        if config_error is None:
+            raise
+        print(f"{PROG}: config error: {config_error}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+
+
+def run(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    settings = parse_settings(argv, env)
+    configure_logging(settings.log_level, settings.log_format)
+    config = build_config(settings, env)
+    log.info("config_loaded", config=effective_config(config))
+    processor = _import("processor", "run")
+    anyio.run(processor.run, config)
+    return 0
+
+
+def check_config(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Validate flags, files and plugin types; print the effective config as JSON."""
+    settings = parse_settings(argv, env, prog=f"{PROG} check-config")
+    config = build_config(settings, env)
+    validate_plugins: Callable[[AppConfig], Any] | None = getattr(
+        _optional("processor"), "validate_plugins", None
+    )
+    if validate_plugins is not None:
+        validate_plugins(config)
+    print(json.dumps(effective_config(config), indent=2, sort_keys=False))
+    return 0
+
+
+def effective_config(config: AppConfig) -> dict[str, Any]:
+    """The config as JSON-able data, with every secret masked (for printing and logs)."""
+    data = config.model_dump(mode="json", by_alias=True)
+    masked: dict[str, Any] = redact(data)
+    return masked
+
+
+def _split(args: list[str]) -> tuple[str, list[str]]:
+    """(subcommand, rest); flags alone (or nothing) mean ``run``."""
+    if args and (args[0] in ("run", "check-config", "-h", "--help") or args[0] in DELEGATED):
+        return args[0], args[1:]
+    return "run", args
+
+
+def _delegate(command: str, rest: list[str]) -> int:
+    module_name, with_name = DELEGATED[command]
+    module = _import(module_name, "main")
+    code = module.main([command, *rest] if with_name else rest)
+    return int(code or 0)
+
+
+def _import(module_name: str, attribute: str) -> ModuleType:
+    module = _optional(module_name)
+    if module is None or not hasattr(module, attribute):
+        raise SystemExit(f"{PROG}: async_processor.{module_name} is not available in this build")
+    return module
+
+
+def _optional(module_name: str) -> ModuleType | None:
+    """``async_processor.<module_name>``, or None when that module does not exist."""
+    qualified = f"async_processor.{module_name}"
+    try:
+        return importlib.import_module(qualified)
+    except ModuleNotFoundError as exc:
+        if exc.name != qualified:
+            raise  # the module exists but one of its imports is missing: a real error
+        return None
+
+
+def _find_config_error(exc: BaseException) -> ConfigError | None:
+    if isinstance(exc, ConfigError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _find_config_error(inner)
+            if found is not None:
+                return found
+    return None
