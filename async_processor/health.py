@@ -1,0 +1,123 @@
+"""Health and metrics HTTP servers: /healthz, /readyz and /metrics (no Kubernetes API).
+
+Input: a readiness callback (None = ready, else the reason) and a Prometheus registry.
+Output: two aiohttp servers, each run inside the caller's task group: ``task_status``
+receives the bound port once listening, and cancelling the task stops the server.
+A port already taken is a ``ConfigError`` naming it (fail fast at startup).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Awaitable, Callable
+
+import anyio
+import structlog
+from aiohttp import web
+from anyio.abc import TaskStatus
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from async_processor.errors import ConfigError
+
+READINESS_TIMEOUT = 3.0
+SHUTDOWN_TIMEOUT = 5.0
+
+Readiness = Callable[[], Awaitable[str | None]]
+log = structlog.get_logger(__name__)
+
+
+async def serve_health(
+    host: str,
+    port: int,
+    readiness: Readiness,
+    *,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """GET /healthz (always ok) and GET /readyz (asks ``readiness``, 3 s at most)."""
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_: web.Request) -> web.Response:
+        reason = await _check(readiness)
+        if reason is None:
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "not ready", "error": reason}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    await _serve(app, host, port, "health", task_status)
+
+
+async def serve_metrics(
+    host: str,
+    port: int,
+    registry: CollectorRegistry,
+    *,
+    bearer_token: str = "",
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """GET /metrics in the Prometheus text format; ``Bearer <token>`` required if set."""
+    expected = f"Bearer {bearer_token}".encode()
+
+    async def metrics(request: web.Request) -> web.Response:
+        if bearer_token and not _authorized(request, expected):
+            return web.Response(
+                status=401, text="unauthorized\n", headers={"WWW-Authenticate": "Bearer"}
+            )
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    await _serve(app, host, port, "metrics", task_status)
+
+
+async def _check(readiness: Readiness) -> str | None:
+    """The readiness reason; a timeout or an exception is a reason too."""
+    try:
+        with anyio.fail_after(READINESS_TIMEOUT):
+            return await readiness()
+    except TimeoutError:
+        return f"readiness check timed out after {READINESS_TIMEOUT:g}s"
+    except Exception as exc:  # a broken check means "not ready", never a 500
+        log.warning("readiness_check_failed", error=repr(exc))
+        return str(exc) or type(exc).__name__
+
+
+def _authorized(request: web.Request, expected: bytes) -> bool:
+    given = request.headers.get("Authorization", "").encode()
+    return hmac.compare_digest(given, expected)
+
+
+async def _serve(
+    app: web.Application, host: str, port: int, name: str, task_status: TaskStatus[int]
+) -> None:
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ConfigError(
+                f"cannot listen on {host}:{port} for the {name} server: {reason}"
+            ) from None
+        bound = _bound_port(runner)
+        log.info("server_listening", server=name, host=host, port=bound)
+        task_status.started(bound)
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    address = runner.addresses[0]
+    return int(address[1])

@@ -1,0 +1,140 @@
+"""The health and metrics servers over real HTTP on free ports."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import aiohttp
+import anyio
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from async_processor import health
+from async_processor.errors import ConfigError
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def running(
+    serve: Callable[..., Awaitable[None]], *args: object, **kwargs: object
+) -> AsyncIterator[str]:
+    """Start ``serve`` on a free port in a task group; yield its base URL; stop it."""
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(lambda task_status: serve(*args, task_status=task_status, **kwargs))
+        assert port > 0
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            tg.cancel_scope.cancel()
+
+
+async def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, str]:
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as resp:
+        return resp.status, resp.headers.get("Content-Type", ""), await resp.text()
+
+
+async def test_healthz_ok_and_readiness_toggles() -> None:
+    state: dict[str, str | None] = {"reason": "starting"}
+
+    async def readiness() -> str | None:
+        return state["reason"]
+
+    async with running(health.serve_health, "127.0.0.1", 0, readiness) as base:
+        status, ctype, body = await get(f"{base}/healthz")
+        assert (status, body) == (200, '{"status": "ok"}')
+        assert ctype.startswith("application/json")
+
+        status, ctype, body = await get(f"{base}/readyz")
+        assert status == 503
+        assert ctype.startswith("application/json")
+        assert body == '{"status": "not ready", "error": "starting"}'
+
+        state["reason"] = None
+        status, _, body = await get(f"{base}/readyz")
+        assert (status, body) == (200, '{"status": "ready"}')
+
+        state["reason"] = "draining"
+        status, _, body = await get(f"{base}/readyz")
+        assert status == 503 and '"draining"' in body
+
+
+async def test_readiness_that_raises_or_hangs_is_not_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(health, "READINESS_TIMEOUT", 0.2)
+    mode = {"value": "raise"}
+
+    async def readiness() -> str | None:
+        if mode["value"] == "raise":
+            raise RuntimeError("redis down")
+        await anyio.sleep(5)
+        return None
+
+    async with running(health.serve_health, "127.0.0.1", 0, readiness) as base:
+        status, _, body = await get(f"{base}/readyz")
+        assert status == 503 and "redis down" in body
+        mode["value"] = "hang"
+        with anyio.fail_after(3):
+            status, _, body = await get(f"{base}/readyz")
+        assert status == 503 and "timed out" in body
+
+
+def _registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    Counter("llm_d_async_async_request", "doc", registry=registry).inc(3)
+    return registry
+
+
+async def test_metrics_exposition_without_token() -> None:
+    async with running(health.serve_metrics, "127.0.0.1", 0, _registry()) as base:
+        status, ctype, body = await get(f"{base}/metrics")
+    assert status == 200
+    assert ctype.startswith("text/plain") and "version=" in ctype
+    assert "llm_d_async_async_request_total 3.0" in body
+
+
+async def test_metrics_bearer_token() -> None:
+    async with running(
+        health.serve_metrics, "127.0.0.1", 0, _registry(), bearer_token="s3cret"
+    ) as base:
+        status, _, body = await get(f"{base}/metrics")
+        assert status == 401 and "llm_d_async" not in body
+        status, _, _ = await get(f"{base}/metrics", {"Authorization": "Bearer wrong"})
+        assert status == 401
+        status, _, _ = await get(f"{base}/metrics", {"Authorization": "s3cret"})
+        assert status == 401
+        status, _, body = await get(f"{base}/metrics", {"Authorization": "Bearer s3cret"})
+        assert status == 200 and "llm_d_async_async_request_total 3.0" in body
+
+
+async def test_taken_port_is_a_config_error_naming_it() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+
+        async def ready() -> None:
+            return None
+
+        with pytest.raises(ExceptionGroup) as caught:
+            async with anyio.create_task_group() as tg:
+                await tg.start(health.serve_health, "127.0.0.1", port, ready)
+    assert caught.group_contains(ConfigError, match=f"127.0.0.1:{port} .*(?i:address already in use)")
+
+
+async def test_cancel_stops_the_server() -> None:
+    async def ready() -> None:
+        return None
+
+    async with running(health.serve_health, "127.0.0.1", 0, ready) as base:
+        assert (await get(f"{base}/healthz"))[0] == 200
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await get(f"{base}/healthz")
