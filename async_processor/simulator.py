@@ -1,0 +1,416 @@
+"""Inference simulator: an OpenAI-compatible server standing in for the llm-d router.
+
+Stage: outside the daemon (demo, integration tests, benchmarks). Input: POSTs to
+``/v1/completions`` and ``/v1/chat/completions``. Output: OpenAI-shaped JSON after a
+configurable latency, 429s when its capacity is full, injected faults (5xx, connection
+resets, hangs), and the Prometheus series the prometheus/endpoint-scrape gates read
+(``/metrics``). ``/admin/config``, ``/admin/stats`` and ``/admin/requests`` let tests and
+benchmarks drive load and look at what arrived. It must never be a benchmark's
+bottleneck: zero latency means no sleep at all, gauges are computed at scrape time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from aiohttp import web
+from anyio.abc import TaskStatus
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+RECORDED_REQUESTS = 1000
+DEFAULT_MAX_TOKENS = 16
+JSON = "application/json"
+
+
+class SimConfig(BaseModel):
+    """What the simulator does; every field can change at run time (``POST /admin/config``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    latency: float = Field(0.0, ge=0)  # fixed seconds per request
+    ttft: float = Field(0.0, ge=0)  # added: time to first token
+    per_token: float = Field(0.0, ge=0)  # added: seconds per requested token (max_tokens)
+    max_concurrent: int = Field(0, ge=0)  # running slots; 0 = unlimited
+    max_waiting: int = Field(0, ge=0)  # FIFO queue for a running slot
+    retry_after: float = Field(1.0, ge=0)  # Retry-After header of a capacity 429
+    error_rate: float = Field(0.0, ge=0, le=1)
+    error_status: int = Field(500, ge=400, le=599)
+    reset_rate: float = Field(0.0, ge=0, le=1)  # abort the connection, no response
+    hang_rate: float = Field(0.0, ge=0, le=1)  # never answer until the client goes away
+    seed: int | None = None
+    # Labels of the exported series, as a real llm-d deployment would carry them.
+    model: str = "sim-model"
+    pool: str = "sim-pool"
+    namespace: str = "default"
+    ready_pods: int = Field(1, ge=0)
+
+    def delay(self, max_tokens: int) -> float:
+        return self.latency + self.ttft + self.per_token * max_tokens
+
+
+@dataclass
+class _Waiter:
+    """One request queued for a running slot; ``granted`` means the slot is now its own."""
+
+    event: anyio.Event = field(default_factory=anyio.Event)
+    granted: bool = False
+
+
+@dataclass
+class SimStats:
+    total: int = 0
+    by_status: Counter[str] = field(default_factory=Counter)
+    max_running_seen: int = 0
+    running: int = 0
+    waiting: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "by_status": dict(self.by_status),
+            "max_concurrent_seen": self.max_running_seen,
+            "running": self.running,
+            "waiting": self.waiting,
+        }
+
+
+class Simulator:
+    """The server; ``serve`` runs it until cancelled, ``set_config`` changes it live."""
+
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self._rng = random.Random(self.config.seed)
+        self._stats = SimStats()
+        self._queue: deque[_Waiter] = deque()
+        self._recorded: deque[tuple[str, dict[str, str], bytes]] = deque(maxlen=RECORDED_REQUESTS)
+        self.registry = CollectorRegistry()
+        self.registry.register(_SimCollector(self))
+
+    # -- run-time control -------------------------------------------------------------
+
+    def set_config(self, **changes: Any) -> SimConfig:
+        """Validate and apply changes; a new seed restarts the fault sequence."""
+        self.config = SimConfig.model_validate({**self.config.model_dump(), **changes})
+        if "seed" in changes:
+            self._rng = random.Random(self.config.seed)
+        self._admit_waiters()
+        return self.config
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        self._stats.waiting = len(self._queue)
+        return self._stats.as_dict()
+
+    def recorded(self) -> list[dict[str, Any]]:
+        return [
+            {"path": path, "headers": headers, "body": body.decode("utf-8", "replace")}
+            for path, headers, body in self._recorded
+        ]
+
+    def reset(self) -> None:
+        """Forget counters and recorded requests (running/waiting stay what they are)."""
+        running = self._stats.running
+        self._stats = SimStats(running=running, max_running_seen=running)
+        self._recorded.clear()
+
+    # -- capacity -----------------------------------------------------------------------
+
+    def _has_free_slot(self) -> bool:
+        limit = self.config.max_concurrent
+        return limit == 0 or self._stats.running < limit
+
+    def _take_slot(self) -> None:
+        s = self._stats
+        s.running += 1
+        s.max_running_seen = max(s.max_running_seen, s.running)
+
+    def _release_slot(self) -> None:
+        self._stats.running -= 1
+        self._admit_waiters()
+
+    def _admit_waiters(self) -> None:
+        while self._queue and self._has_free_slot():
+            waiter = self._queue.popleft()
+            waiter.granted = True
+            self._take_slot()
+            waiter.event.set()
+
+    async def _acquire(self) -> bool:
+        """Take a running slot, queueing FIFO; False when the queue is full too."""
+        if self._has_free_slot() and not self._queue:
+            self._take_slot()
+            return True
+        if len(self._queue) >= self.config.max_waiting:
+            return False
+        waiter = _Waiter()
+        self._queue.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            # The client left: give up the place, or the slot if it was handed over.
+            if waiter.granted:
+                self._release_slot()
+            else:
+                self._queue.remove(waiter)
+            raise
+        return True
+
+    # -- handlers -----------------------------------------------------------------------
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self._stats.total += 1
+        self._recorded.append((request.path, dict(request.headers), body))
+        if not await self._acquire():
+            return self._answer(_capacity_response(self.config.retry_after))
+        try:
+            return self._answer(await self._respond(request, body))
+        finally:
+            self._release_slot()
+
+    def _answer(self, response: web.Response) -> web.Response:
+        self._stats.by_status[str(response.status)] += 1
+        return response
+
+    async def _respond(self, request: web.Request, body: bytes) -> web.Response:
+        config = self.config
+        fault = self._draw_fault(config)
+        if fault == "reset":
+            self._stats.by_status["reset"] += 1
+            if request.transport is not None:
+                request.transport.abort()
+            await anyio.sleep_forever()  # cancelled as soon as aiohttp sees the lost connection
+        if fault == "hang":
+            self._stats.by_status["hang"] += 1
+            await anyio.sleep_forever()  # cancelled when the client goes away
+        if fault == "error":
+            return _error_response(config.error_status, "simulated server error", "server_error")
+        try:
+            parsed = json.loads(body)
+            if not isinstance(parsed, dict):
+                raise ValueError("the body is not a JSON object")
+            max_tokens = int(parsed.get("max_tokens") or DEFAULT_MAX_TOKENS)
+        except (ValueError, TypeError) as exc:
+            return _error_response(400, f"invalid request body: {exc}", "invalid_request_error")
+        delay = config.delay(max_tokens)
+        if delay > 0:  # zero latency must not even enter the event loop's timer heap
+            await anyio.sleep(delay)
+        chat = request.path.endswith("/chat/completions")
+        return web.Response(body=_completion_body(parsed, chat, max_tokens), content_type=JSON)
+
+    def _draw_fault(self, config: SimConfig) -> str:
+        if not (config.reset_rate or config.hang_rate or config.error_rate):
+            return ""
+        draw = self._rng.random()
+        for name, rate in (
+            ("reset", config.reset_rate),
+            ("hang", config.hang_rate),
+            ("error", config.error_rate),
+        ):
+            if draw < rate:
+                return name
+            draw -= rate
+        return ""
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _get_config(self, _: web.Request) -> web.Response:
+        return web.json_response(self.config.model_dump())
+
+    async def _post_config(self, request: web.Request) -> web.Response:
+        try:
+            changes = await request.json()
+            if not isinstance(changes, dict):
+                raise ValueError("expected a JSON object")
+            config = self.set_config(**changes)
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            return _error_response(400, str(exc), "invalid_request_error")
+        return web.json_response(config.model_dump())
+
+    async def _get_stats(self, _: web.Request) -> web.Response:
+        return web.json_response(self.stats)
+
+    async def _get_requests(self, _: web.Request) -> web.Response:
+        return web.json_response(self.recorded())
+
+    async def _post_reset(self, _: web.Request) -> web.Response:
+        self.reset()
+        return web.json_response(self.stats)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        for path in COMPLETION_PATHS:
+            app.router.add_post(path, self._completion)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/admin/config", self._get_config)
+        app.router.add_post("/admin/config", self._post_config)
+        app.router.add_get("/admin/stats", self._get_stats)
+        app.router.add_get("/admin/requests", self._get_requests)
+        app.router.add_post("/admin/reset", self._post_reset)
+        return app
+
+    async def serve(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen until cancelled; reports the bound port (useful with ``port=0``)."""
+        # handler_cancellation: a hung or queued request ends when its client goes away.
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, host, port, backlog=4096)
+            await site.start()
+            task_status.started(_bound_port(runner))
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await runner.cleanup()
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    address = runner.addresses[0]
+    return int(address[1])
+
+
+def _completion_body(request: dict[str, Any], chat: bool, max_tokens: int) -> bytes:
+    text = " ".join(["tok"] * min(max_tokens, 4096))
+    if chat:
+        prompt = json.dumps(request.get("messages", ""))
+        choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
+    else:
+        prompt = str(request.get("prompt", ""))
+        choice = {"text": text}
+    prompt_tokens = max(1, len(prompt) // 4)
+    return json.dumps(
+        {
+            "id": f"cmpl-sim-{time.monotonic_ns():x}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": request.get("model", ""),
+            "choices": [{"index": 0, "finish_reason": "length", "logprobs": None, **choice}],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": max_tokens,
+                "total_tokens": prompt_tokens + max_tokens,
+            },
+        }
+    ).encode()
+
+
+def _error_response(status: int, message: str, kind: str) -> web.Response:
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}})
+    return web.Response(status=status, text=body, content_type=JSON)
+
+
+def _capacity_response(retry_after: float) -> web.Response:
+    response = _error_response(429, "simulator capacity is full", "rate_limit_error")
+    response.headers["Retry-After"] = f"{retry_after:g}"
+    response.headers[DROPPED_REASON_HEADER] = "capacity"
+    return response
+
+
+class _SimCollector(Collector):
+    """Gauges computed at scrape time from the live counts (nothing to update per request).
+
+    Names and labels are what the prometheus-budget / -saturation PromQL and the
+    endpoint-scrape gate read: vLLM series carry ``model_name`` and a relabelled
+    ``inference_pool``; EPP pool series carry ``name``; flow-control series carry
+    ``inference_pool``. The queue sizes are the waiting requests, split over the pods.
+    """
+
+    def __init__(self, sim: Simulator) -> None:
+        self._sim = sim
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        c, s = self._sim.config, self._sim.stats
+        running, waiting, pods = s["running"], s["waiting"], c.ready_pods
+        vllm = {"model_name": c.model, "inference_pool": c.pool, "namespace": c.namespace}
+        pool = {"name": c.pool, "namespace": c.namespace}
+        flow = {"inference_pool": c.pool, "model_name": c.model, "namespace": c.namespace}
+        saturation = min(1.0, running / c.max_concurrent) if c.max_concurrent else 0.0
+        yield _gauge("vllm:num_requests_running", "Requests running.", [(vllm, running)])
+        yield _gauge("vllm:num_requests_waiting", "Requests waiting.", [(vllm, waiting)])
+        yield _gauge("inference_pool_ready_pods", "Ready pods in the pool.", [(pool, pods)])
+        per_pod = [({**pool, "model_server_pod": f"sim-{i}"}, waiting / pods) for i in range(pods)]
+        yield _gauge("inference_pool_per_pod_queue_size", "Queued requests per pod.", per_pod)
+        yield _gauge(
+            "inference_extension_flow_control_queue_size", "Flow-control queue.", [(flow, waiting)]
+        )
+        yield _gauge(
+            "inference_extension_flow_control_pool_saturation",
+            "Running / capacity, 0..1.",
+            [({"inference_pool": c.pool, "namespace": c.namespace}, saturation)],
+        )
+
+
+def _gauge(
+    name: str, doc: str, series: Iterable[tuple[dict[str, str], float]]
+) -> GaugeMetricFamily:
+    series = list(series)
+    labels = list(series[0][0]) if series else []
+    family = GaugeMetricFamily(name, doc, labels=labels)
+    for values, value in series:
+        family.add_metric([values[k] for k in labels], value)
+    return family
+
+
+# -- command line ---------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="async-processor sim", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    for name, kind in (
+        ("latency", float), ("ttft", float), ("per-token", float), ("max-concurrent", int),
+        ("max-waiting", int), ("retry-after", float), ("error-rate", float),
+        ("error-status", int), ("reset-rate", float), ("hang-rate", float), ("seed", int),
+        ("model", str), ("pool", str), ("namespace", str), ("ready-pods", int),
+    ):  # fmt: skip
+        p.add_argument(f"--{name}", type=kind, default=None)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``async-processor sim``: serve until SIGINT/SIGTERM."""
+    args = vars(_parser().parse_args(argv))
+    host, port = args.pop("host"), args.pop("port")
+    try:
+        config = SimConfig(**{k: v for k, v in args.items() if v is not None})
+    except ValueError as exc:
+        print(f"invalid simulator settings: {exc}")
+        return 2
+    anyio.run(_serve_until_signal, Simulator(config), host, port)
+    return 0
+
+
+async def _serve_until_signal(sim: Simulator, host: str, port: int) -> None:
+    async with anyio.create_task_group() as tg:
+        bound = await tg.start(sim.serve, host, port)
+        print(f"simulator listening on http://{host}:{bound}", flush=True)
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                break
+        tg.cancel_scope.cancel()
