@@ -1,13 +1,13 @@
 """One exception tree for the daemon; classification lives on the error.
 
-    AsyncProcessorError
-    ├── ConfigError                 startup: bad flag, file or field (exit code 2)
-    ├── MessageError                a message that cannot be processed as sent
-    │   ├── InvalidMessage          undecodable / invalid -> INVALID_REQUEST or dead-letter
-    │   └── PayloadUnavailable      a referenced payload could not be fetched
-    ├── GateError                   a gate could not decide (its backend failed)
-    ├── TransportError              the broker failed (retried with backoff by callers)
-    └── DispatchError               one HTTP attempt failed without a usable response
+AsyncProcessorError
+├── ConfigError                 startup: bad flag, file or field (exit code 2)
+├── MessageError                a message that cannot be processed as sent
+│   ├── InvalidMessage          undecodable / invalid -> INVALID_REQUEST or dead-letter
+│   └── PayloadUnavailable      a referenced payload could not be fetched
+├── GateError                   a gate could not decide (its backend failed)
+├── TransportError              the broker failed (retried with backoff by callers)
+└── DispatchError               one HTTP attempt failed without a usable response
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class MessageError(AsyncProcessorError):
     """A message that cannot be processed as sent."""
 
 
-class InvalidMessage(MessageError):  # noqa: N818 - the contract's own name
+class InvalidMessage(MessageError):
     """Undecodable or invalid message.
 
     ``request_id`` is set when an id could be read, so the caller can answer with an
@@ -41,7 +41,7 @@ class InvalidMessage(MessageError):  # noqa: N818 - the contract's own name
         self.request_id = request_id
 
 
-class PayloadUnavailable(MessageError):  # noqa: N818 - the contract's own name
+class PayloadUnavailable(MessageError):
     """A payload referenced by URL could not be fetched before the deadline."""
 
 

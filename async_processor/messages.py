@@ -208,7 +208,9 @@ class Result:
 
 _WS = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
-_PUBLIC_FIELDS = frozenset(("id", "created", "deadline", "payload", "metadata", "headers", "endpoint"))
+_PUBLIC_FIELDS = frozenset(
+    ("id", "created", "deadline", "payload", "metadata", "headers", "endpoint")
+)
 
 
 def decode_envelope(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelope:
@@ -281,7 +283,9 @@ def _request_from(
     if isinstance(deadline, float) and deadline.is_integer():
         deadline = int(deadline)
     if not isinstance(deadline, int) or isinstance(deadline, bool) or deadline <= 0:
-        raise InvalidMessage(INVALID_DEADLINE_TEXT, reason="invalid_deadline", request_id=request_id)
+        raise InvalidMessage(
+            INVALID_DEADLINE_TEXT, reason="invalid_deadline", request_id=request_id
+        )
     try:
         created = obj.get("created", 0) or 0
         if not isinstance(created, int | float) or isinstance(created, bool):

@@ -46,23 +46,33 @@ class Metrics:
         )
         self.shedded_total = counter("shedded_requests", "Attempts answered 429 by the gateway.")
         self.dead_letter_total = counter(
-            "dead_letter", "Messages with no usable id parked on the dead-letter list.",
+            "dead_letter",
+            "Messages with no usable id parked on the dead-letter list.",
             (*Q_LABELS, "reason"),
         )
         self.gate_decisions_total = counter(
             "gate_decisions", "Gate decisions other than continue.", (*Q_LABELS, "reason")
         )
         self.inference_latency = Histogram(
-            PREFIX + "inference_latency_time_millis", "HTTP attempt latency (ms).",
-            Q_LABELS, buckets=INFERENCE_BUCKETS, registry=r,
+            PREFIX + "inference_latency_time_millis",
+            "HTTP attempt latency (ms).",
+            Q_LABELS,
+            buckets=INFERENCE_BUCKETS,
+            registry=r,
         )
         self.queue_residence = Histogram(
-            PREFIX + "queue_residence_time_millis", "Fetch to worker pickup (ms).",
-            Q_LABELS, buckets=RESIDENCE_BUCKETS, registry=r,
+            PREFIX + "queue_residence_time_millis",
+            "Fetch to worker pickup (ms).",
+            Q_LABELS,
+            buckets=RESIDENCE_BUCKETS,
+            registry=r,
         )
         self.message_latency = Histogram(
-            PREFIX + "message_latency_time_millis", "Publish to ack (ms), Pub/Sub only.",
-            Q_LABELS, buckets=MESSAGE_LATENCY_BUCKETS, registry=r,
+            PREFIX + "message_latency_time_millis",
+            "Publish to ack (ms), Pub/Sub only.",
+            Q_LABELS,
+            buckets=MESSAGE_LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue_depth = gauge("queue_depth", "Messages waiting for a worker in-process.")
         self.inflight = gauge("inflight_requests", "Requests being dispatched.")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import anyio
+
 from async_processor.gates.base import Releases
 from async_processor.messages import Envelope
 from async_processor.metrics import QueueMetrics
@@ -29,3 +31,31 @@ class Work:
     @property
     def queue(self) -> QueueSpec:
         return self.delivery.queue
+
+
+class PoolCapacity:
+    """Free slots of one pool: pollers reserve before fetching, workers give back when done.
+
+    Slots = workers + a small prefetch, so fetching stops when workers are busy and memory
+    is bounded by configuration, not by broker depth (DESIGN.md §6).
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.free = slots
+        self._changed = anyio.Event()
+
+    async def reserve(self, wanted: int) -> int:
+        """Wait for at least one free slot, then take up to ``wanted``."""
+        while self.free <= 0:
+            await self._changed.wait()
+        taken = min(wanted, self.free)
+        self.free -= taken
+        return taken
+
+    def release(self, count: int = 1) -> None:
+        if count <= 0:
+            return
+        self.free += count
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()

@@ -1,0 +1,321 @@
+"""HTTP dispatch: build the gateway request for one message and send one attempt.
+
+Input: a ``Work`` item (admitted) and the settings that shape requests. Output: an
+``Outgoing`` request (URL, headers, verbatim body) and, after sending, a ``retry.Attempt``.
+The attempt is cut at min(deadline, now + request timeout); the deadline also reaches
+the gateway as a header (DESIGN.md §5.6).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import ssl
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol
+from urllib.parse import SplitResult, urlsplit, urlunsplit
+
+import aiohttp
+import anyio
+import structlog
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from async_processor.admission import HandBack, PoolGate, admit
+from async_processor.config import TLSConfig
+from async_processor.errors import ConfigError, InvalidMessage, PayloadUnavailable, TransportError
+from async_processor.merge.headers import apply_stamped, is_valid_header_name, is_valid_header_value
+from async_processor.messages import (
+    CANCELLED_TEXT,
+    DEADLINE_EXCEEDED_TEXT,
+    Envelope,
+    ErrorCode,
+    Result,
+)
+from async_processor.results import Completion, Op
+from async_processor.retry import (
+    DROPPED_REASON_HEADER,
+    Attempt,
+    Counter,
+    Final,
+    Retry,
+    decide,
+    parse_retry_after,
+)
+from async_processor.transforms.base import Outgoing
+from async_processor.transports.base import Deferral, Transport
+from async_processor.work import PoolCapacity, Work
+
+log = structlog.get_logger(__name__)
+
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchSettings:
+    request_timeout: float = 300.0
+    deadline_header: str = "x-request-deadline"
+
+
+def build_request(work: Work, settings: DispatchSettings) -> Outgoing:
+    """URL + headers in the reference's order + the payload bytes as sent by the producer.
+
+    Raises ``InvalidMessage`` for an endpoint that is not a path or an illegal header.
+    """
+    request = work.envelope.request
+    queue = work.queue
+    url = join_url(queue.igw_base_url, request.endpoint or queue.request_path_url)
+    headers = {"Content-Type": "application/json"}
+    if queue.inference_objective:
+        headers[OBJECTIVE_HEADER] = queue.inference_objective
+    for name, value in request.headers.items():
+        if not is_valid_header_name(name) or not is_valid_header_value(value):
+            raise InvalidMessage(
+                f"header {name!r} is not a legal HTTP header",
+                reason="bad_header",
+                request_id=request.id,
+            )
+        headers[name] = value
+    apply_stamped(headers, work.stamped_headers)
+    if settings.deadline_header:
+        apply_stamped(headers, [(settings.deadline_header, str(request.deadline))])
+    return Outgoing(url=url, body=request.payload, headers=headers, deadline=request.deadline)
+
+
+def join_url(base: str, path: str) -> str:
+    """``base`` + ``path`` like Go's url.JoinPath; ``path`` must not change the host."""
+    parts = _split_base(base)
+    if "://" in path or path.startswith("//") or "?" in path or "#" in path:
+        raise InvalidMessage(f"endpoint {path!r} must be a path, not a URL", reason="bad_endpoint")
+    segments = "/".join(s for s in (parts.path.strip("/"), path.strip("/")) if s)
+    joined = posixpath.normpath("/" + segments) if segments else "/"
+    if path.endswith("/") and not joined.endswith("/"):
+        joined += "/"
+    return urlunsplit((parts.scheme, parts.netloc, joined, parts.query, ""))
+
+
+@lru_cache(maxsize=256)
+def _split_base(base: str) -> SplitResult:
+    return urlsplit(base)
+
+
+async def send(session: aiohttp.ClientSession, out: Outgoing, *, timeout: float) -> Attempt:
+    """One POST; any failure to get a complete answer becomes a no-response ``Attempt``."""
+    headers = out.headers
+    if out.content_type != headers.get("Content-Type"):
+        headers = {**headers, "Content-Type": out.content_type}
+    try:
+        async with session.post(
+            out.url,
+            data=out.body,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=max(0.001, timeout)),
+            allow_redirects=True,
+        ) as response:
+            body = await response.read()
+            return Attempt(
+                status=response.status,
+                body=body,
+                retry_after=parse_retry_after(response.headers.get("Retry-After")),
+                dropped_reason=response.headers.get(DROPPED_REASON_HEADER, ""),
+            )
+    except TimeoutError:
+        return Attempt(error=f"attempt timed out after {timeout:.3g}s")
+    except aiohttp.InvalidURL as exc:
+        return Attempt(error=f"invalid URL {exc}", fatal=True)
+    except (aiohttp.ClientError, OSError) as exc:
+        return Attempt(error=f"{type(exc).__name__}: {exc}")
+
+
+def attempt_timeout(deadline: float, request_timeout: float) -> float:
+    """Seconds this attempt may take: min(deadline, now + request timeout)."""
+    return min(deadline - time.time(), request_timeout)
+
+
+def make_session(tls: TLSConfig, workers: int) -> aiohttp.ClientSession:
+    """One session for all workers: keep-alive connections, no global cap beyond the workers."""
+    connector = aiohttp.TCPConnector(
+        limit=max(100, workers),
+        limit_per_host=0,
+        ssl=ssl_context(tls),
+        keepalive_timeout=90,
+        enable_cleanup_closed=True,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        skip_auto_headers=("User-Agent",),
+    )
+
+
+def ssl_context(tls: TLSConfig) -> ssl.SSLContext | bool:
+    if not (tls.ca_cert or tls.cert or tls.insecure_skip_verify):
+        return True
+    ctx = ssl.create_default_context()
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        if tls.ca_cert:
+            ctx.load_verify_locations(cafile=tls.ca_cert)
+        if tls.cert:
+            ctx.load_cert_chain(tls.cert, tls.key or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"--tls-*: cannot load certificates: {exc}") from exc
+    if tls.insecure_skip_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+class TransformChain(Protocol):
+    def validate(self, envelope: Envelope) -> None: ...
+
+    async def apply(self, envelope: Envelope, out: Outgoing) -> None: ...
+
+
+Outcome = Final | Retry | HandBack
+
+
+@dataclass(slots=True)
+class Worker:
+    """One of a pool's N workers: admit, transform, send, classify, settle. One at a time."""
+
+    pool: str
+    settings: DispatchSettings
+    session: aiohttp.ClientSession
+    transport: Transport
+    writer: ObjectSendStream[Op]
+    capacity: PoolCapacity
+    transforms: TransformChain
+    stopping: anyio.Event
+    pool_gate: PoolGate | None = None
+
+    async def run(self, stream: ObjectReceiveStream[Work]) -> None:
+        async with stream, self.writer:
+            async for work in stream:
+                await self.handle(work)
+
+    async def handle(self, work: Work) -> None:
+        metrics = work.metrics
+        metrics.queue_depth.dec()
+        metrics.queue_residence.observe(max(0.0, time.time() - work.delivery.received_at) * 1000)
+        if work.envelope.routing.retry_count == 0:
+            metrics.request_total.inc()
+        outcome: Outcome = HandBack(0.0)
+        try:
+            if not self.stopping.is_set():
+                outcome = await self._process(work)
+        finally:
+            # Settle even when cancelled at the drain timeout: the message goes back at once.
+            with anyio.CancelScope(shield=True):
+                await self._settle(work, outcome)
+
+    async def _process(self, work: Work) -> Outcome:
+        envelope = work.envelope
+        request = envelope.request
+        if request.deadline < time.time():
+            return _failure(
+                request.id, ErrorCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED_TEXT, Counter.DEADLINE
+            )
+        try:
+            self.transforms.validate(envelope)
+            if self.pool_gate is not None:
+                verdict = await admit(work, self.pool_gate, work.releases, self.stopping)
+                if verdict is not None:
+                    return verdict
+            if await self._cancelled(work):
+                return _failure(request.id, ErrorCode.CANCELLED, CANCELLED_TEXT, None)
+            out = build_request(work, self.settings)
+            await self.transforms.apply(envelope, out)
+        except InvalidMessage as exc:
+            return _failure(request.id, ErrorCode.INVALID_REQUEST, str(exc), Counter.FAILED)
+        except PayloadUnavailable as exc:
+            return _failure(request.id, ErrorCode.PAYLOAD_UNAVAILABLE, str(exc), Counter.FAILED)
+        work.metrics.inflight.inc()
+        try:
+            return await self._attempt(work, out)
+        finally:
+            work.metrics.inflight.dec()
+
+    async def _attempt(self, work: Work, out: Outgoing) -> Outcome:
+        envelope = work.envelope
+        request = envelope.request
+        timeout = attempt_timeout(request.deadline, self.settings.request_timeout)
+        if timeout <= 0:
+            return _failure(
+                request.id, ErrorCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED_TEXT, Counter.DEADLINE
+            )
+        started = time.monotonic()
+        attempt = await send(self.session, out, timeout=timeout)
+        latency = time.monotonic() - started
+        work.metrics.inference_latency.observe(latency * 1000)
+        if attempt.shed:
+            work.metrics.shedded_total.inc()
+        self._feedback(envelope, attempt, latency)
+        decision = decide(
+            request.id,
+            attempt,
+            deadline=request.deadline,
+            retry_count=envelope.routing.retry_count,
+        )
+        if isinstance(decision, Retry):
+            envelope.routing.retry_count += 1
+            work.metrics.retries_total.inc()
+            log.info(
+                "request_retry",
+                request_id=request.id,
+                queue=work.queue.name,
+                retry_count=envelope.routing.retry_count,
+                delay=round(decision.delay, 3),
+                cause=attempt.describe(),
+            )
+        elif attempt.status == 0 or attempt.status >= 400:
+            log.info(
+                "request_failed",
+                request_id=request.id,
+                queue=work.queue.name,
+                cause=attempt.describe(),
+            )
+        return decision
+
+    def _feedback(self, envelope: Envelope, attempt: Attempt, latency: float) -> None:
+        """Gates that learn from outcomes (adaptive-concurrency) get every attempt."""
+        observe = getattr(self.pool_gate.gate, "observe", None) if self.pool_gate else None
+        if observe is not None:
+            observe(envelope, attempt.status or None, latency, attempt.dropped_reason)
+
+    async def _cancelled(self, work: Work) -> bool:
+        # The poller checked at fetch; check again only for messages that waited a while.
+        if time.time() - work.delivery.received_at < CANCEL_RECHECK:
+            return False
+        try:
+            return await self.transport.is_cancelled(work.delivery)
+        except TransportError:
+            return False
+
+    async def _settle(self, work: Work, outcome: Outcome) -> None:
+        try:
+            if isinstance(outcome, Final):
+                _count(work, outcome)
+                await self.writer.send(Completion(work.delivery, outcome.result))
+            else:
+                await self.writer.send(Deferral(work.delivery, outcome.delay))
+        finally:
+            self.capacity.release()
+            await work.releases.release_all()
+
+
+CANCEL_RECHECK = 1.0
+
+
+def _failure(request_id: str, code: ErrorCode, text: str, counter: Counter | None) -> Final:
+    return Final(Result.failure(request_id, code, text), counter)
+
+
+def _count(work: Work, final: Final) -> None:
+    m = work.metrics
+    if final.counter is Counter.SUCCESS:
+        m.successful_total.inc()
+    elif final.counter is Counter.FAILED:
+        m.failed_total.inc()
+    elif final.counter is Counter.DEADLINE:
+        m.exceeded_deadline_total.inc()

@@ -1,0 +1,214 @@
+"""Poller, one per queue: budget -> fetch -> decode -> queue gate -> into the pool's lane.
+
+Input: the transport and the queue's gate. Output: ``Work`` items into the queue's
+bounded stream (read by the pool's merge policy), results for messages that end here
+(poison, expired, cancelled, dropped) and deferrals for refused ones.
+
+Fetching is demand-driven (DESIGN.md §5.2): it waits for free pool slots, fetches at
+most min(free slots, floor(batch_size x budget)) in one call, and fetches again at once
+after a full batch; the poll interval only paces an empty or gated queue. A refused
+message is deferred briefly instead of re-popped at once (§5.3). Nothing fetched is
+dropped (§5.4): each message ends as a Work item, a result, a dead letter or a deferral.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import anyio
+import structlog
+from anyio.abc import ObjectSendStream
+
+from async_processor.errors import InvalidMessage, TransportError
+from async_processor.gates.base import Action, Gate, Releases
+from async_processor.messages import (
+    CANCELLED_TEXT,
+    DEADLINE_EXCEEDED_TEXT,
+    GATE_DROPPED_TEXT,
+    Envelope,
+    ErrorCode,
+    Result,
+)
+from async_processor.metrics import QueueMetrics
+from async_processor.results import Completion, Op
+from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport
+from async_processor.work import PoolCapacity, Work
+
+log = structlog.get_logger(__name__)
+
+# A message a gate refused comes back after this long (never a hot re-pop loop).
+REFUSE_DELAY = 1.0
+HAND_BACK_TIMEOUT = 5.0
+MAX_ERROR_BACKOFF = 5.0
+
+
+class Poller:
+    def __init__(
+        self,
+        queue: QueueSpec,
+        transport: Transport,
+        gate: Gate,
+        capacity: PoolCapacity,
+        lane: ObjectSendStream[Work],
+        writer: ObjectSendStream[Op],
+        metrics: QueueMetrics,
+    ) -> None:
+        self.queue = queue
+        self._transport = transport
+        self._gate = gate
+        self._capacity = capacity
+        self._lane = lane
+        self._writer = writer
+        self._metrics = metrics
+        self._log = log.bind(queue=queue.name, pool=queue.pool)
+        self._error_backoff = 0.0
+        # The last delivery handed on (to the lane or the writer): it is no longer ours.
+        self._settled: Delivery | None = None
+
+    async def run(self) -> None:
+        """Poll until cancelled; closes the lane so the merge policy can finish."""
+        async with self._lane, self._writer:
+            while True:
+                await self._cycle()
+
+    async def _cycle(self) -> None:
+        budget = await self._gate.budget()
+        self._metrics.dispatch_budget.set(budget)
+        wanted = min(self.queue.batch_size, math.floor(self.queue.batch_size * budget))
+        if wanted <= 0:
+            await self._note_gate_closed()
+            await anyio.sleep(self.queue.poll_interval)
+            return
+        reserved = await self._capacity.reserve(wanted)
+        try:
+            deliveries = await self._transport.fetch(self.queue, reserved, self.queue.poll_interval)
+        except TransportError as exc:
+            self._capacity.release(reserved)
+            await self._back_off(exc)
+            return
+        self._error_backoff = 0.0
+        self._capacity.release(reserved - len(deliveries))
+        await self._admit_all(deliveries)
+
+    async def _admit_all(self, deliveries: Sequence[Delivery]) -> None:
+        for index, delivery in enumerate(deliveries):
+            try:
+                await self._admit(delivery)
+            except BaseException:
+                # Cancelled (shutdown) mid-batch: hand back the rest at once, not at lease expiry.
+                start = index + 1 if self._settled is delivery else index
+                await self._hand_back(deliveries[start:])
+                raise
+
+    async def _admit(self, delivery: Delivery) -> None:
+        envelope = await self._decode(delivery)
+        if envelope is None:
+            return
+        request = envelope.request
+        if request.deadline < time.time():
+            self._metrics.exceeded_deadline_total.inc()
+            await self._finish(
+                delivery,
+                Result.failure(request.id, ErrorCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED_TEXT),
+            )
+            return
+        if await self._cancelled(delivery):
+            await self._finish(
+                delivery, Result.failure(request.id, ErrorCode.CANCELLED, CANCELLED_TEXT)
+            )
+            return
+        await self._gate_and_forward(delivery)
+
+    async def _gate_and_forward(self, delivery: Delivery) -> None:
+        envelope = delivery.envelope
+        assert envelope is not None
+        releases = Releases()
+        forwarded = False
+        try:
+            verdict = await self._gate.apply(envelope, releases)
+            if verdict.action in (Action.CONTINUE, Action.WAIT):
+                # Wait means nothing at queue level: the pool gate is where workers park.
+                await self._lane.send(Work(delivery, envelope, self._metrics, releases))
+                forwarded = True
+                self._settled = delivery
+            elif verdict.action is Action.REFUSE:
+                overflow = envelope.routing.labels.get("classification") == "overflow"
+                self._metrics.gate_decision("quota_exhausted" if overflow else "gate_closed")
+                await self._defer(delivery, REFUSE_DELAY)
+            else:
+                self._metrics.gate_decision("dropped")
+                result = verdict.result or Result.failure(
+                    envelope.id, ErrorCode.GATE_DROPPED, GATE_DROPPED_TEXT
+                )
+                await self._finish(delivery, result)
+        except Exception as exc:  # a gate backend failure defers the message, never drops it
+            self._metrics.gate_decision("error")
+            self._log.warning("queue_gate_error", request_id=envelope.id, error=str(exc))
+            await self._defer(delivery, REFUSE_DELAY)
+        finally:
+            if not forwarded:
+                with anyio.CancelScope(shield=True):
+                    await releases.release_all()
+
+    async def _decode(self, delivery: Delivery) -> Envelope | None:
+        try:
+            delivery.envelope = self._transport.decode(delivery)
+        except InvalidMessage as exc:
+            await self._poison(delivery, exc)
+            return None
+        return delivery.envelope
+
+    async def _poison(self, delivery: Delivery, exc: InvalidMessage) -> None:
+        self._log.warning(
+            "message_rejected", reason=exc.reason, request_id=exc.request_id, error=str(exc)
+        )
+        if exc.request_id:
+            self._metrics.failed_total.inc()
+            await self._finish(
+                delivery, Result.failure(exc.request_id, ErrorCode.INVALID_REQUEST, str(exc))
+            )
+            return
+        self._metrics.dead_letter(exc.reason)
+        try:
+            await self._transport.dead_letter(delivery, exc.reason, str(exc))
+        except TransportError as err:
+            # The lease brings it back later; it will be dead-lettered then.
+            self._log.warning("dead_letter_failed", error=str(err))
+        self._capacity.release()
+
+    async def _cancelled(self, delivery: Delivery) -> bool:
+        try:
+            return await self._transport.is_cancelled(delivery)
+        except TransportError as exc:
+            self._log.warning("cancel_check_failed", error=str(exc))
+            return False
+
+    async def _finish(self, delivery: Delivery, result: Result) -> None:
+        await self._writer.send(Completion(delivery, result))
+        self._settled = delivery
+        self._capacity.release()
+
+    async def _defer(self, delivery: Delivery, delay: float) -> None:
+        await self._writer.send(Deferral(delivery, delay))
+        self._settled = delivery
+        self._capacity.release()
+
+    async def _hand_back(self, deliveries: Sequence[Delivery]) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(HAND_BACK_TIMEOUT):
+            for delivery in deliveries:
+                await self._defer(delivery, 0.0)
+
+    async def _note_gate_closed(self) -> None:
+        try:
+            backlog = await self._transport.backlog(self.queue)
+        except TransportError:
+            return
+        if backlog:
+            self._metrics.gate_decision("gate_closed")
+
+    async def _back_off(self, exc: TransportError) -> None:
+        self._error_backoff = min(MAX_ERROR_BACKOFF, max(0.1, self._error_backoff * 2))
+        self._log.warning("fetch_failed", error=str(exc), retry_in=self._error_backoff)
+        await anyio.sleep(self._error_backoff)

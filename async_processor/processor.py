@@ -1,0 +1,291 @@
+"""Processor: wires the stages in one task group; start, ready, drain, stop.
+
+Input: a validated ``AppConfig``. Output: a running daemon: pollers -> merge lanes ->
+workers -> result writer, plus /healthz, /readyz, /metrics and broker upkeep.
+
+Shutdown (SIGTERM): /readyz turns 503, pollers stop (handing back what they hold),
+merge lanes flush to the workers, which hand back anything not yet started and finish
+what is in flight within ``--drain-timeout``; past it, in-flight calls are cancelled
+and handed back at once. A second signal hands back at once.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import aiohttp
+import anyio
+import structlog
+from anyio.abc import TaskGroup, TaskStatus
+
+from async_processor.admission import PoolGate
+from async_processor.config import AppConfig, PoolConfig
+from async_processor.dispatch import DispatchSettings, TransformChain, Worker, make_session
+from async_processor.gates.base import Gate, GateContext, GateOwner, build_gate
+from async_processor.health import serve_health, serve_metrics
+from async_processor.merge import build_merge_policy
+from async_processor.merge.base import MergeContext, MergePolicy, Source
+from async_processor.metrics import Metrics
+from async_processor.poller import Poller
+from async_processor.results import ResultWriter
+from async_processor.transforms import build_transform_chain
+from async_processor.transforms.base import TransformContext
+from async_processor.transports import build_transport
+from async_processor.transports.base import QueueSpec, Transport, TransportContext
+from async_processor.work import PoolCapacity, Work
+
+log = structlog.get_logger(__name__)
+
+WRITER_FLUSH_TIMEOUT = 30.0
+
+
+@dataclass(slots=True)
+class _Pool:
+    config: PoolConfig
+    queues: list[QueueSpec]
+    capacity: PoolCapacity
+    gate: PoolGate | None
+
+
+class Processor:
+    def __init__(
+        self,
+        config: AppConfig,
+        *,
+        metrics: Metrics | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        rt = config.runtime
+        self.transport = transport or build_transport(
+            config.transport,
+            config.transport_config,
+            TransportContext(max_message_bytes=rt.max_message_bytes, metrics=self.metrics),
+        )
+        self.gate_ctx = GateContext(
+            owner=GateOwner(),
+            metrics=self.metrics,
+            prometheus_url=rt.prometheus_url,
+            prometheus_cache_ttl=rt.prometheus_cache_ttl,
+            request_timeout=rt.request_timeout,
+        )
+        self.merge_policy: MergePolicy = build_merge_policy(
+            config.merge_policy, MergeContext(metrics=self.metrics)
+        )
+        self.queue_gates = {q.name: self._queue_gate(q) for q in config.queue_specs()}
+        self.pools = [self._pool(p, config.queue_specs()) for p in config.effective_pools()]
+        self.ready = False
+        self.stopping = anyio.Event()
+        self.health_port = 0
+        self.metrics_port = 0
+        self._stop_requested = anyio.Event()
+        self._drain_scope: anyio.CancelScope | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        rt = self.config.runtime
+        async with AsyncExitStack() as stack:
+            stack.push_async_callback(self._close_gates)
+            stack.push_async_callback(self.transport.aclose)
+            session = make_session(rt.tls, sum(p.config.workers for p in self.pools))
+            stack.push_async_callback(session.close)
+            transforms = build_transform_chain(
+                self.config.transforms,
+                TransformContext(http=session, max_message_bytes=rt.max_message_bytes),
+            )
+            async with anyio.create_task_group() as services:
+                await self._start_services(services)
+                await self._run_pipeline(session, transforms, task_status)
+                services.cancel_scope.cancel()
+        log.info("processor_stopped")
+
+    def request_stop(self, *, force: bool = False) -> None:
+        """Begin a graceful drain; ``force`` (a second signal) hands everything back now."""
+        if not self.stopping.is_set():
+            log.info("drain_started", drain_timeout=self.config.runtime.drain_timeout)
+        self.ready = False
+        self.stopping.set()
+        self._stop_requested.set()
+        if self._drain_scope is not None:
+            limit = 0.0 if force else self.config.runtime.drain_timeout
+            deadline = anyio.current_time() + limit
+            self._drain_scope.deadline = min(self._drain_scope.deadline, deadline)
+
+    async def readiness(self) -> str | None:
+        if not self.ready:
+            return "draining" if self.stopping.is_set() else "starting"
+        try:
+            await self.transport.health()
+        except Exception as exc:
+            return f"transport unhealthy: {exc}"
+        return None
+
+    # ------------------------------------------------------------------ wiring
+
+    async def _start_services(self, tg: TaskGroup) -> None:
+        rt = self.config.runtime
+        self.health_port = await tg.start(
+            serve_health, rt.bind_address, rt.health_port, self.readiness
+        )
+        self.metrics_port = await tg.start(
+            _serve_metrics,
+            rt.bind_address,
+            rt.metrics_port,
+            self.metrics,
+            rt.metrics_bearer_token,
+        )
+        await tg.start(self.transport.run)
+        if rt.metrics_backlog_poll_interval > 0:
+            tg.start_soon(self._backlog_loop, rt.metrics_backlog_poll_interval)
+
+    async def _run_pipeline(
+        self,
+        session: aiohttp.ClientSession,
+        transforms: TransformChain,
+        task_status: TaskStatus[None],
+    ) -> None:
+        writer = ResultWriter(self.transport)
+        async with anyio.create_task_group() as pipeline:
+            pipeline.start_soon(writer.run)
+            with anyio.CancelScope() as drain:
+                self._drain_scope = drain
+                async with anyio.create_task_group() as work:
+                    pollers = self._start_pools(work, writer, session, transforms)
+                    async with anyio.create_task_group() as polling:
+                        for poller in pollers:
+                            polling.start_soon(poller.run)
+                        self.ready = True
+                        log.info(
+                            "processor_ready",
+                            queues=[q.name for q in self.config.queue_specs()],
+                            pools=[p.config.id for p in self.pools],
+                            health_port=self.health_port,
+                            metrics_port=self.metrics_port,
+                        )
+                        task_status.started()
+                        await self._stop_requested.wait()
+                        polling.cancel_scope.cancel()
+            writer.close()
+            pipeline.cancel_scope.deadline = anyio.current_time() + WRITER_FLUSH_TIMEOUT
+
+    def _start_pools(
+        self,
+        tg: TaskGroup,
+        writer: ResultWriter,
+        session: aiohttp.ClientSession,
+        transforms: TransformChain,
+    ) -> list[Poller]:
+        rt = self.config.runtime
+        settings = DispatchSettings(rt.request_timeout, rt.deadline_header)
+        pollers: list[Poller] = []
+        for pool in self.pools:
+            sink, merged = anyio.create_memory_object_stream[Work](max(1, len(pool.queues)))
+            sources: list[Source] = []
+            for queue in pool.queues:
+                lane_in, lane_out = anyio.create_memory_object_stream[Work](queue.batch_size)
+                sources.append(Source(queue, lane_out))
+                metrics = self.metrics.queue(queue.id, queue.name, pool.config.id)
+                pollers.append(
+                    Poller(
+                        queue,
+                        self.transport,
+                        self.queue_gates[queue.name],
+                        pool.capacity,
+                        lane_in,
+                        writer.sender(),
+                        metrics,
+                    )
+                )
+            tg.start_soon(self.merge_policy.run, pool.config.id, sources, sink)
+            for _ in range(pool.config.workers):
+                worker = Worker(
+                    pool.config.id,
+                    settings,
+                    session,
+                    self.transport,
+                    writer.sender(),
+                    pool.capacity,
+                    transforms,
+                    self.stopping,
+                    pool.gate,
+                )
+                tg.start_soon(worker.run, merged.clone())
+            merged.close()
+        return pollers
+
+    def _queue_gate(self, queue: QueueSpec) -> Gate:
+        owner = GateOwner(queue.id, queue.name, queue.pool)
+        return build_gate(queue.gate_type, dict(queue.gate_params), self.gate_ctx.for_owner(owner))
+
+    def _pool(self, config: PoolConfig, queues: Sequence[QueueSpec]) -> _Pool:
+        self.metrics.pool_worker_limit.labels(config.id).set(config.workers)
+        gate = None
+        if config.gate_type:
+            owner = GateOwner(pool=config.id)
+            built = build_gate(
+                config.gate_type, dict(config.gate_params), self.gate_ctx.for_owner(owner)
+            )
+            gate = PoolGate(
+                built, self.metrics.pool(config.id), self.config.runtime.effective_gate_wait_timeout
+            )
+        # A little prefetch beyond the workers hides the fetch round trip.
+        slots = config.workers + max(1, config.workers // 4)
+        mine = [q for q in queues if q.pool == config.id]
+        return _Pool(config, mine, PoolCapacity(slots), gate)
+
+    async def _backlog_loop(self, interval: float) -> None:
+        specs = self.config.queue_specs()
+        while True:
+            for queue in specs:
+                try:
+                    depth = await self.transport.backlog(queue)
+                except Exception as exc:
+                    log.warning("backlog_poll_failed", queue=queue.name, error=str(exc))
+                    depth = None
+                if depth is not None:
+                    self.metrics.queue(queue.id, queue.name, queue.pool).broker_backlog.set(depth)
+            await anyio.sleep(interval)
+
+    async def _close_gates(self) -> None:
+        for close in self.gate_ctx.closers:
+            with anyio.CancelScope(shield=True):
+                await close()
+
+
+async def _serve_metrics(
+    host: str,
+    port: int,
+    metrics: Metrics,
+    token: str,
+    *,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    await serve_metrics(host, port, metrics.registry, bearer_token=token, task_status=task_status)
+
+
+def validate_plugins(config: AppConfig) -> None:
+    """Build every gate, merge policy and transport without starting them (check-config)."""
+    Processor(config)
+
+
+async def run(config: AppConfig) -> None:
+    """The daemon: run until SIGTERM/SIGINT, drain, exit."""
+    processor = Processor(config)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch_signals, processor)
+        await processor.run()
+        tg.cancel_scope.cancel()
+
+
+async def _watch_signals(processor: Processor) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        count = 0
+        async for signum in signals:
+            count += 1
+            log.info("signal_received", signal=signal.Signals(signum).name, count=count)
+            processor.request_stop(force=count > 1)
