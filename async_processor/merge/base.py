@@ -36,3 +36,17 @@ class MergeContext:
 
 
 MERGE_POLICIES: Registry[MergePolicy, MergeContext] = Registry("merge policy")
+
+
+async def emit(sink: ObjectSendStream[Work], work: Work) -> None:
+    """Send ``work`` into the pool's stream, counting it in ``queue_depth`` while it waits.
+
+    The worker decrements ``queue_depth`` on pickup. The gauge goes up before the send so a
+    fast worker never sees it below zero; a send that fails takes the count back.
+    """
+    work.metrics.queue_depth.inc()
+    try:
+        await sink.send(work)
+    except BaseException:
+        work.metrics.queue_depth.dec()
+        raise

@@ -1,0 +1,105 @@
+"""Header legality and stamping, shared by the merge policies, transforms and dispatch.
+
+Stage: merge (stamping) and dispatch (applying). Input: a message's envelope and the
+policy's header params. Output: ``(name, value)`` pairs for ``Work.stamped_headers``.
+
+Header order on the wire (DESIGN.md §4, reference pipeline.md §3.2), later wins:
+
+1. ``Content-Type: application/json``
+2. ``x-gateway-inference-objective: <queue inference_objective>`` when configured
+3. the caller's ``headers`` from the message (exact keys)
+4. the stamped headers, in order: fairness id, priority (tier-priority), lane objective.
+
+The dispatcher builds 1–3 and then calls ``apply_stamped``, which deletes every letter-case
+variant of a stamped name before setting it, so a caller's ``X-LLM-D-Inference-Fairness-Id``
+can never ride next to the stamped one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from async_processor.messages import Envelope
+
+DEFAULT_FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
+DEFAULT_FAIRNESS_ATTRIBUTE = "userid"
+MAX_FAIRNESS_ID_BYTES = 256
+
+# RFC 7230 token: tchar = "!" / "#" / "$" / "%" / "&" / "'" / "*" / "+" / "-" / "." /
+# "^" / "_" / "`" / "|" / "~" / DIGIT / ALPHA
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# Field values: any character except CTLs (0x00-0x1F, 0x7F); HTAB is allowed. Characters
+# >= 0x80 are allowed (obs-text), as Go's httpguts does.
+_ILLEGAL_VALUE_CHAR = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def is_valid_header_name(name: str) -> bool:
+    """True for a non-empty RFC 7230 token."""
+    return _TOKEN.fullmatch(name) is not None
+
+
+def is_valid_header_value(value: str) -> bool:
+    """True when ``value`` has no control character other than HTAB (so no CR/LF)."""
+    return _ILLEGAL_VALUE_CHAR.search(value) is None
+
+
+def check_header_name(name: str) -> str:
+    """Pydantic-style check: return ``name`` or raise ValueError naming it."""
+    if not is_valid_header_name(name):
+        raise ValueError(f"{name!r} is not a legal HTTP header name (RFC 7230 token)")
+    return name
+
+
+def check_header_value(value: str) -> str:
+    if not is_valid_header_value(value):
+        raise ValueError(f"{value!r} is not a legal HTTP header value (control characters)")
+    return value
+
+
+def apply_stamped(headers: dict[str, str], stamped: list[tuple[str, str]]) -> None:
+    """Set each stamped header in order, first deleting every letter-case variant of it."""
+    for name, value in stamped:
+        folded = name.lower()
+        for existing in [k for k in headers if k.lower() == folded]:
+            del headers[existing]
+        headers[name] = value
+
+
+class MergeParams(BaseModel):
+    """Params every merge policy takes: the fairness pair. Unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # None (absent or JSON null) means the default header; "" turns stamping off.
+    fairness_header: str | None = Field(default=None, validate_default=True)
+    fairness_attribute: str = DEFAULT_FAIRNESS_ATTRIBUTE
+
+    @field_validator("fairness_header")
+    @classmethod
+    def _fairness_header(cls, value: str | None) -> str:
+        if value is None:
+            return DEFAULT_FAIRNESS_HEADER
+        return check_header_name(value) if value else ""
+
+    @field_validator("fairness_attribute")
+    @classmethod
+    def _fairness_attribute(cls, value: str) -> str:
+        return value or DEFAULT_FAIRNESS_ATTRIBUTE
+
+    def fairness_stamp(self, envelope: Envelope) -> tuple[str, str] | None:
+        """The fairness header for this message, or None to leave caller headers alone."""
+        if not self.fairness_header:
+            return None
+        value = fairness_id(envelope.request.metadata, self.fairness_attribute)
+        return None if value is None else (self.fairness_header, value)
+
+
+def fairness_id(metadata: Mapping[str, str], attribute: str) -> str | None:
+    """``metadata[attribute]`` when usable as a header value: non-empty, ≤ 256 bytes, legal."""
+    value = metadata.get(attribute, "")
+    if not value or len(value.encode()) > MAX_FAIRNESS_ID_BYTES:
+        return None
+    return value if is_valid_header_value(value) else None
