@@ -1,0 +1,200 @@
+"""Client library for the redis-sortedset transport: submit, cancel, read results.
+
+Stage: the producer/consumer side (used by ``submit``/``results``, the demo, tests and
+users). Input: request objects (a dict or ``messages.Request``). Output: envelopes on the
+request sorted set (score = deadline), cancellation markers, and ``messages.Result``
+objects read from the result list. Behaves like the Go reference's producer (DESIGN.md §4):
+each submission gets a fresh 32-hex ``request_token``; ``request-active:<id>`` holds it
+until the deadline; ``cancel`` copies it to ``request-cancel:<id>`` for 7 days.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from async_processor.errors import InvalidMessage
+from async_processor.messages import Envelope, Request, Result, Routing, decode_request
+from async_processor.transports import redis_keys as keys
+from async_processor.transports.redis_sortedset import connect, redis_errors
+
+SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many
+
+
+class SortedSetClient:
+    """Producer and result consumer over one Redis connection pool."""
+
+    def __init__(
+        self,
+        url: str,
+        request_queue: str = keys.DEFAULT_REQUEST_QUEUE,
+        result_queue: str = keys.DEFAULT_RESULT_LIST,
+    ) -> None:
+        self.request_queue = request_queue
+        self.result_queue = result_queue
+        # No socket timeout: BRPOP blocks for as long as the caller asked.
+        self._redis: Redis = connect(url, socket_timeout=None)
+        self._cancel = self._redis.register_script(keys.script_source("cancel"))
+
+    async def __aenter__(self) -> SortedSetClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+    # ------------------------------------------------------------------ producing
+
+    async def submit(
+        self,
+        request: dict[str, Any] | Request,
+        *,
+        queue: str | None = None,
+        result_queue: str | None = None,
+    ) -> str:
+        """Enqueue one request; returns its token (raises ValueError if it is invalid)."""
+        tokens = await self.submit_many([request], queue=queue, result_queue=result_queue)
+        return tokens[0]
+
+    async def submit_many(
+        self,
+        requests: Iterable[dict[str, Any] | Request],
+        *,
+        queue: str | None = None,
+        result_queue: str | None = None,
+    ) -> list[str]:
+        """Enqueue many requests, one MULTI/EXEC round trip per chunk; returns the tokens."""
+        target = queue or self.request_queue
+        results_to = result_queue or self.result_queue
+        tokens: list[str] = []
+        batch = [_as_request(r) for r in requests]
+        for start in range(0, len(batch), SUBMIT_CHUNK):
+            chunk = batch[start : start + SUBMIT_CHUNK]
+            with redis_errors("submit"):
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    for request in chunk:
+                        tokens.append(self._queue_submit(pipe, request, target, results_to))
+                    await pipe.execute()
+        return tokens
+
+    def _queue_submit(self, pipe: Pipeline, request: Request, queue: str, result_queue: str) -> str:
+        """The reference producer's three commands for one request, added to ``pipe``."""
+        token = secrets.token_hex(16)
+        envelope = Envelope(
+            request=request,
+            routing=Routing(
+                request_token=token, request_queue_name=queue, result_queue_name=result_queue
+            ),
+            kind="redis",
+        )
+        ttl = max(1, request.deadline - int(time.time()))
+        pipe.delete(keys.cancel_key(request.id))
+        pipe.set(keys.active_key(request.id), token, ex=ttl)
+        pipe.zadd(queue, {envelope.encode(): request.deadline})
+        return token
+
+    async def cancel(self, ids: Iterable[str]) -> int:
+        """Mark requests cancelled (idempotent); returns how many were still active."""
+        id_list = list(ids)
+        if not id_list:
+            return 0
+        with redis_errors("cancel"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for request_id in id_list:
+                    await self._cancel(
+                        keys=[keys.active_key(request_id), keys.cancel_key(request_id)],
+                        args=[keys.CANCEL_TTL_SECONDS],
+                        client=pipe,
+                    )
+                marked = await pipe.execute()
+        return sum(int(m) for m in marked)
+
+    # ------------------------------------------------------------------ consuming
+
+    async def results(
+        self,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - BRPOP's server-side wait
+        result_queue: str | None = None,
+    ) -> AsyncIterator[Result]:
+        """Results in arrival order; ends after ``timeout`` s with none (None = never ends)."""
+        while (result := await self._pop(result_queue, timeout)) is not None:
+            yield result
+
+    async def drain_results(
+        self,
+        n: int,
+        timeout: float,  # noqa: ASYNC109 - the total BRPOP budget, as in results()
+        *,
+        result_queue: str | None = None,
+    ) -> list[Result]:
+        """Up to ``n`` results, waiting at most ``timeout`` s in total."""
+        out: list[Result] = []
+        give_up = time.monotonic() + timeout
+        while len(out) < n and (remaining := give_up - time.monotonic()) > 0:
+            result = await self._pop(result_queue, remaining)
+            if result is None:
+                break
+            out.append(result)
+        return out
+
+    async def _pop(self, result_queue: str | None, wait: float | None) -> Result | None:
+        """One BRPOP (0 = block forever, so a finite wait is at least 10 ms)."""
+        seconds = 0.0 if wait is None else max(wait, 0.01)
+        with redis_errors("result read"):
+            popped = await self._redis.brpop([result_queue or self.result_queue], timeout=seconds)
+        return None if popped is None else Result.decode(popped[1])
+
+    # ------------------------------------------------------------------ depths
+
+    async def request_depth(self, queue: str | None = None) -> int:
+        """Requests waiting in the sorted set (not counting claimed ones)."""
+        with redis_errors("depth"):
+            return int(await self._redis.zcard(queue or self.request_queue))
+
+    async def inflight_depth(self, queue: str | None = None) -> int:
+        """Requests claimed by a processor and not yet answered or handed back."""
+        with redis_errors("depth"):
+            return int(await self._redis.zcard(keys.inflight_key(queue or self.request_queue)))
+
+    async def result_depth(self, result_queue: str | None = None) -> int:
+        with redis_errors("depth"):
+            return int(await self._redis.llen(result_queue or self.result_queue))
+
+    async def clear(self, names: Sequence[str] | None = None) -> None:
+        """Delete the request queue, its in-flight keys and the result list (or ``names``)."""
+        q = self.request_queue
+        targets = names or [q, keys.inflight_key(q), keys.inflight_meta_key(q), self.result_queue]
+        with redis_errors("clear"):
+            await self._redis.delete(*targets)
+
+
+def _as_request(request: dict[str, Any] | Request) -> Request:
+    """A validated ``Request``; a dict's payload is encoded once, then kept verbatim."""
+    if isinstance(request, dict):
+        text = json.dumps(request, ensure_ascii=False, separators=(",", ":"))
+        try:
+            request = decode_request(text)
+        except InvalidMessage as exc:
+            raise ValueError(f"invalid request: {exc}") from exc
+    if not request.id:
+        raise ValueError("request id must not be empty")
+    if request.deadline <= time.time():
+        raise ValueError(
+            f"request {request.id!r}: deadline {request.deadline} is not in the future"
+        )
+    return request

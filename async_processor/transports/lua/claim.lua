@@ -1,0 +1,22 @@
+-- Claim up to ARGV[1] members with the lowest score (earliest deadline) under a lease.
+-- KEYS[1] queue zset (member = envelope, score = deadline)
+-- KEYS[2] in-flight zset (claim id -> lease expiry, Redis clock)
+-- KEYS[3] in-flight hash (claim id -> "<original score>|<member>")
+-- ARGV[1] max count, ARGV[2] lease seconds, ARGV[3] claim id prefix (unique per process and fetch)
+-- Returns {claim id, member, score, ...}; {} when the queue is empty.
+local popped = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[1]))
+if #popped == 0 then
+  return popped
+end
+local t = redis.call('TIME')
+local expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2])
+local out = {}
+for i = 1, #popped, 2 do
+  local claim = ARGV[3] .. ':' .. ((i + 1) / 2)
+  redis.call('ZADD', KEYS[2], expiry, claim)
+  redis.call('HSET', KEYS[3], claim, popped[i + 1] .. '|' .. popped[i])
+  out[#out + 1] = claim
+  out[#out + 1] = popped[i]
+  out[#out + 1] = popped[i + 1]
+end
+return out

@@ -1,0 +1,397 @@
+"""redis-sortedset transport: leased claims from deadline-ordered sorted sets.
+
+Stage: broker I/O for ``--transport redis-sortedset``. Input: ``SortedSetConfig`` (queues
+are sorted sets of envelopes scored by deadline). Output: ``Delivery`` objects for the
+poller; results on Redis lists; hand-backs on the queue or the shared retry set.
+
+At-least-once (DESIGN.md §5.1): a fetch moves members into ``<queue>:inflight`` under a
+lease (one Lua call); the heartbeat extends the leases this process holds; any replica's
+reaper puts expired claims back with their deadline score; ``complete``/``defer``/
+``dead_letter`` acknowledge a claim atomically with their write. ``kill -9`` loses nothing:
+a dead replica's claims come back after one lease.
+
+Exactly one result (§5.12): ``complete`` writes the result only if it sets the marker
+``request-done:<id>:<fp>`` (TTL ``dedup_ttl_seconds``) in the same script. ``fp`` is the
+envelope's ``request_token`` (the client sets a fresh one per submission, so a resubmitted
+id gets a new result), else a digest of the request itself (a resubmission that changes
+anything, e.g. its deadline, is new; a byte-identical one within the TTL is a duplicate),
+else (undecodable message) the id alone for the TTL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError
+
+from async_processor.config import SortedSetConfig
+from async_processor.errors import TransportError
+from async_processor.messages import Envelope, Result, decode_envelope
+from async_processor.transports import redis_keys as keys
+from async_processor.transports.base import (
+    TRANSPORTS,
+    Deferral,
+    Delivery,
+    QueueSpec,
+    TransportContext,
+)
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_URL = "redis://localhost:6379/0"
+FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on an empty queue
+RETRY_MOVE_INTERVAL = 0.2  # seconds between checks of the retry set for due members
+CHUNK = 500  # members per reaper / retry-mover / heartbeat script call
+UPKEEP_MAX_BACKOFF = 5.0
+# Stop extending a claim this long after its deadline: by then the pipeline has answered
+# it, so a claim still held is a leak, and letting it expire hands the message back.
+STALE_CLAIM_GRACE = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A delivery's receipt: the claim id in ``<queue>:inflight`` and its original score."""
+
+    id: str
+    score: float
+
+
+def connect(url: str, *, socket_timeout: float | None = 30.0) -> Redis:
+    """One ``redis.asyncio`` client (and pool) for a redis://, rediss:// or unix:// URL.
+
+    Retries once quickly on a dropped connection; longer outages surface as errors so
+    the pipeline's own backoff applies.
+    """
+    return Redis.from_url(
+        url or DEFAULT_URL,
+        socket_connect_timeout=5.0,
+        socket_timeout=socket_timeout,
+        health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1),
+    )
+
+
+@contextmanager
+def redis_errors(action: str) -> Iterator[None]:
+    """Turn a Redis or socket failure into ``TransportError`` (retryable by callers)."""
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        raise TransportError(f"redis {action} failed: {type(exc).__name__}: {exc}") from exc
+
+
+class SortedSetTransport:
+    kind = "redis-sortedset"
+
+    def __init__(
+        self, config: SortedSetConfig, ctx: TransportContext, *, client: Redis | None = None
+    ) -> None:
+        self.config = config
+        self.queues: Sequence[QueueSpec] = config.queue_specs()
+        self._ctx = ctx
+        self._redis = client if client is not None else connect(config.url)
+        self._scripts = keys.register_scripts(self._redis)
+        self._owner = uuid.uuid4().hex  # claim ids are unique per process and fetch
+        self._fetches = itertools.count()
+        # Claims this process holds, per queue name: the heartbeat extends them.
+        self._held: dict[str, dict[str, Delivery]] = {q.name: {} for q in self.queues}
+
+    # ------------------------------------------------------------------ fetch and decode
+
+    async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
+        """Claim up to ``limit`` earliest-deadline members; poll an empty queue for ``wait`` s."""
+        if limit <= 0:
+            return []
+        give_up = anyio.current_time() + wait
+        while True:
+            deliveries = await self._claim(queue, limit)
+            remaining = give_up - anyio.current_time()
+            if deliveries or remaining <= 0:
+                return deliveries
+            await anyio.sleep(min(remaining, FETCH_POLL_STEP))
+
+    async def _claim(self, queue: QueueSpec, limit: int) -> list[Delivery]:
+        prefix = f"{self._owner}:{next(self._fetches)}"
+        with redis_errors("claim"):
+            flat = await self._scripts["claim"](
+                keys=[
+                    queue.name,
+                    keys.inflight_key(queue.name),
+                    keys.inflight_meta_key(queue.name),
+                ],
+                args=[limit, self.config.lease_seconds, prefix],
+            )
+        held = self._held[queue.name]
+        deliveries = []
+        for i in range(0, len(flat), 3):
+            claim = Claim(id=flat[i].decode(), score=float(flat[i + 2]))
+            delivery = Delivery(queue=queue, raw=bytes(flat[i + 1]), handle=claim)
+            held[claim.id] = delivery
+            deliveries.append(delivery)
+        return deliveries
+
+    def decode(self, delivery: Delivery) -> Envelope:
+        """The member's envelope with routing filled from the queue (queue labels win)."""
+        envelope = decode_envelope(delivery.raw, max_bytes=self._ctx.max_message_bytes)
+        routing = envelope.routing
+        routing.request_queue_name = routing.request_queue_name or delivery.queue.name
+        routing.queue_id = routing.queue_id or delivery.queue.id
+        routing.labels = {**routing.labels, **delivery.queue.labels}
+        delivery.envelope = envelope
+        return envelope
+
+    # ------------------------------------------------------------------ acknowledgements
+
+    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+        """Per item, one script: result + dedup marker + ack + cancellation cleanup."""
+        if not items:
+            return
+        with redis_errors("complete"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for delivery, result in items:
+                    await self._scripts["complete"](
+                        keys=self._complete_keys(delivery, result),
+                        args=[
+                            _claim(delivery).id,
+                            result.encode(),
+                            self.config.dedup_ttl_seconds,
+                            _token(delivery),
+                        ],
+                        client=pipe,
+                    )
+                replies = await pipe.execute()
+        lost = []
+        for (delivery, result), (written, held) in zip(items, replies, strict=True):
+            self._release(delivery)
+            if not written:
+                log.info(
+                    "duplicate_result_skipped", request_id=result.id, queue=delivery.queue.name
+                )
+            if not held:
+                lost.append(delivery)
+        await self._drop_returned(lost)
+
+    def _complete_keys(self, delivery: Delivery, result: Result) -> list[str]:
+        name = delivery.queue.name
+        return [
+            keys.done_key(result.id, _fingerprint(delivery)),
+            self._result_list(delivery),
+            keys.inflight_key(name),
+            keys.inflight_meta_key(name),
+            keys.active_key(result.id),
+            keys.cancel_key(result.id),
+        ]
+
+    def _result_list(self, delivery: Delivery) -> str:
+        """Queue config > the envelope's routing > the transport default (the reference's order)."""
+        routed = delivery.envelope.routing.result_queue_name if delivery.envelope else ""
+        return delivery.queue.result_queue_name or routed or self.config.result_queue_name
+
+    async def _drop_returned(self, deliveries: list[Delivery]) -> None:
+        """A completed message whose lease had expired may be back on its queue: remove it
+        so no replica works on it again (the dedup marker already stops a second result)."""
+        if not deliveries:
+            return
+        log.warning("lease_expired_before_complete", count=len(deliveries))
+        with redis_errors("complete"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for delivery in deliveries:
+                    pipe.zrem(delivery.queue.name, delivery.raw)
+                await pipe.execute()
+
+    async def defer(self, items: Sequence[Deferral]) -> None:
+        """Hand back: delay <= 0 to the queue at its deadline, else to the retry set."""
+        if not items:
+            return
+        with redis_errors("defer"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for item in items:
+                    await self._scripts["defer"](
+                        keys=self._ack_keys(item.delivery, self._defer_target(item)),
+                        args=[_claim(item.delivery).id, *_defer_args(item)],
+                        client=pipe,
+                    )
+                replies = await pipe.execute()
+        for item, handed_back in zip(items, replies, strict=True):
+            self._release(item.delivery)
+            if not handed_back:
+                log.warning("defer_skipped_lease_lost", queue=item.delivery.queue.name)
+
+    def _defer_target(self, item: Deferral) -> str:
+        return item.delivery.queue.name if item.delay <= 0 else self.config.retry_queue_name
+
+    async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        """Park on ``<queue>:dead-letter`` as {reason, detail, raw, time, queue}; ack it."""
+        entry = {
+            "reason": reason,
+            "detail": detail,
+            "raw": delivery.raw.decode("utf-8", errors="replace"),
+            "time": time.time(),
+            "queue": delivery.queue.name,
+        }
+        target = keys.dead_letter_key(delivery.queue.name)
+        with redis_errors("dead_letter"):
+            parked = await self._scripts["dead_letter"](
+                keys=self._ack_keys(delivery, target),
+                args=[_claim(delivery).id, json.dumps(entry, ensure_ascii=False)],
+            )
+        self._release(delivery)
+        if not parked:
+            log.warning("dead_letter_skipped_lease_lost", queue=delivery.queue.name)
+
+    def _ack_keys(self, delivery: Delivery, target: str) -> list[str]:
+        name = delivery.queue.name
+        return [keys.inflight_key(name), keys.inflight_meta_key(name), target]
+
+    def _release(self, delivery: Delivery) -> None:
+        self._held[delivery.queue.name].pop(_claim(delivery).id, None)
+
+    # ------------------------------------------------------------------ queries
+
+    async def is_cancelled(self, delivery: Delivery) -> bool:
+        """The producer's cancel marker holds this submission's token (no token: never)."""
+        token = _token(delivery)
+        if not token or delivery.envelope is None:
+            return False
+        with redis_errors("cancel check"):
+            marker = await self._redis.get(keys.cancel_key(delivery.envelope.id))
+        return marker == token.encode()
+
+    async def backlog(self, queue: QueueSpec) -> int | None:
+        """Members waiting in the queue (claimed ones not counted)."""
+        with redis_errors("backlog"):
+            return int(await self._redis.zcard(queue.name))
+
+    async def health(self) -> None:
+        with redis_errors("ping"):
+            await self._redis.ping()
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+    # ------------------------------------------------------------------ upkeep
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Heartbeat, reaper and retry mover, until cancelled."""
+        lease = self.config.lease_seconds
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_every, "heartbeat", lease / 3, self.heartbeat)
+            tg.start_soon(_every, "reap", lease / 2, self.reap)
+            tg.start_soon(_every, "retry_move", RETRY_MOVE_INTERVAL, self.move_due)
+            task_status.started()
+
+    async def heartbeat(self) -> None:
+        """Extend every lease this process holds; forget claims that were taken back."""
+        for name, held in self._held.items():
+            claim_ids = self._live_claims(held)
+            for start in range(0, len(claim_ids), CHUNK):
+                with redis_errors("heartbeat"):
+                    lost = await self._scripts["extend"](
+                        keys=[keys.inflight_key(name)],
+                        args=[self.config.lease_seconds, *claim_ids[start : start + CHUNK]],
+                    )
+                for claim_id in lost:
+                    held.pop(claim_id.decode(), None)
+                if lost:
+                    log.warning("leases_lost", queue=name, count=len(lost))
+
+    def _live_claims(self, held: dict[str, Delivery]) -> list[str]:
+        """Held claim ids, dropping those long past their deadline (a leak, see above)."""
+        cutoff = time.time() - STALE_CLAIM_GRACE
+        stale = [cid for cid, d in held.items() if _deadline(d) < cutoff]
+        for claim_id in stale:
+            log.warning("stale_claim_released", claim=claim_id)
+            del held[claim_id]
+        return list(held)
+
+    async def reap(self) -> None:
+        """Put every expired claim of every configured queue back with its deadline score."""
+        for queue in self.queues:
+            name = queue.name
+            inflight = [name, keys.inflight_key(name), keys.inflight_meta_key(name)]
+            await _drain("reap", self._scripts["reap"], inflight)
+
+    async def move_due(self) -> None:
+        """Move every due retry back to its origin queue, scored by its deadline."""
+        retry_keys = [self.config.retry_queue_name, self.queues[0].name]
+        await _drain("retry_move", self._scripts["move_due"], retry_keys)
+
+
+async def _drain(action: str, script: AsyncScript, script_keys: list[str]) -> None:
+    """Repeat a chunked move script until a call moves less than a full chunk."""
+    total = 0
+    while True:
+        with redis_errors(action):
+            moved = int(await script(keys=script_keys, args=[CHUNK]))
+        total += moved
+        if moved < CHUNK:
+            break
+    if total:
+        log.info(f"{action}_moved", count=total)
+
+
+async def _every(name: str, interval: float, step: Callable[[], Awaitable[None]]) -> None:
+    """Run ``step`` every ``interval`` s; on failure log and back off, never crash."""
+    failures = 0
+    while True:
+        try:
+            await step()
+            failures = 0
+        except TransportError as exc:
+            failures += 1
+            log.warning("upkeep_failed", task=name, error=str(exc), failures=failures)
+        delay = interval if not failures else min(UPKEEP_MAX_BACKOFF, interval * 2**failures)
+        await anyio.sleep(delay)
+
+
+def _claim(delivery: Delivery) -> Claim:
+    if not isinstance(delivery.handle, Claim):
+        raise TypeError("delivery was not fetched by the redis-sortedset transport")
+    return delivery.handle
+
+
+def _token(delivery: Delivery) -> str:
+    return delivery.envelope.routing.request_token if delivery.envelope else ""
+
+
+def _fingerprint(delivery: Delivery) -> str:
+    """What tells this submission apart from a later one with the same id (module docstring)."""
+    envelope = delivery.envelope
+    if envelope is None:
+        return ""
+    if envelope.routing.request_token:
+        return envelope.routing.request_token
+    return "sha-" + hashlib.blake2b(envelope.request.encode(), digest_size=8).hexdigest()
+
+
+def _deadline(delivery: Delivery) -> float:
+    envelope = delivery.envelope
+    return float(envelope.request.deadline) if envelope else _claim(delivery).score
+
+
+def _defer_args(item: Deferral) -> list[bytes | float | str]:
+    """(member, score, mode): the updated envelope at its deadline, or due after the delay."""
+    delivery = item.delivery
+    member = delivery.envelope.encode() if delivery.envelope else delivery.raw
+    if item.delay > 0:
+        return [member, item.delay, "delay"]
+    return [member, _deadline(delivery), "at"]
+
+
+@TRANSPORTS.register("redis-sortedset", SortedSetConfig)
+def build(config: SortedSetConfig, ctx: TransportContext) -> SortedSetTransport:
+    return SortedSetTransport(config, ctx)

@@ -1,0 +1,410 @@
+"""redis-sortedset transport against a real redis-server: leases, reaper, retries, results."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+
+from async_processor.config import SortedSetConfig
+from async_processor.errors import TransportError
+from async_processor.messages import Envelope, Request, Result, Routing
+from async_processor.transports import build_transport, redis_keys
+from async_processor.transports.base import Deferral, Delivery, TransportContext
+from async_processor.transports.redis_sortedset import CHUNK, SortedSetTransport
+from tests.fixtures.servers import free_port
+
+pytestmark = pytest.mark.anyio
+GW = "http://gw.test:8000"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def r(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def make_config(redis_url: str, unique: str) -> Callable[..., SortedSetConfig]:
+    def make(**overrides: Any) -> SortedSetConfig:
+        queues = overrides.pop(
+            "queues",
+            [{"queue_name": f"{unique}-q", "id": "qid", "igw_base_url": GW,
+              "labels": {"tier": "batch", "team": "config"}}],
+        )  # fmt: skip
+        raw = {
+            "url": redis_url,
+            "retry_queue_name": f"{unique}-retry",
+            "result_queue_name": f"{unique}-results",
+            "lease_seconds": 5,
+            "queues": queues,
+            **overrides,
+        }
+        return SortedSetConfig.model_validate(raw)
+
+    return make
+
+
+@asynccontextmanager
+async def opened(config: SortedSetConfig) -> AsyncIterator[SortedSetTransport]:
+    transport = SortedSetTransport(config, TransportContext())
+    try:
+        yield transport
+    finally:
+        await transport.aclose()
+
+
+@asynccontextmanager
+async def running(transport: SortedSetTransport) -> AsyncIterator[None]:
+    async with anyio.create_task_group() as tg:
+        await tg.start(transport.run)
+        yield
+        tg.cancel_scope.cancel()
+
+
+def member(
+    request_id: str,
+    deadline: int,
+    *,
+    token: str = "",
+    result_queue: str = "",
+    labels: dict[str, str] | None = None,
+) -> bytes:
+    routing = Routing(request_token=token, result_queue_name=result_queue, labels=labels or {})
+    request = Request(id=request_id, deadline=deadline, payload=b'{"prompt": "hi", "n": 1}')
+    return Envelope(request=request, routing=routing, kind="redis").encode()
+
+
+def future(seconds: int = 600) -> int:
+    return int(time.time()) + seconds
+
+
+async def results_of(r: Redis, name: str) -> list[Result]:
+    return [Result.decode(raw) for raw in await r.lrange(name, 0, -1)]
+
+
+async def fetch_one(transport: SortedSetTransport, decode: bool = True) -> Delivery:
+    [delivery] = await transport.fetch(transport.queues[0], 1, 0)
+    if decode:
+        transport.decode(delivery)
+    return delivery
+
+
+async def test_fetch_claims_earliest_deadlines_and_fills_routing(make_config, r) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    base = future()
+    mid = member("mid", base + 20, labels={"team": "msg", "x": "1"})
+    await r.zadd(q, {member("late", base + 30): base + 30, member("early", base + 10): base + 10})
+    await r.zadd(q, {mid: base + 20})
+    async with opened(config) as transport:
+        deliveries = await transport.fetch(transport.queues[0], 2, 0)
+        envelopes = [transport.decode(d) for d in deliveries]
+        assert [e.id for e in envelopes] == ["early", "mid"]
+        assert await r.zcard(q) == 1
+        assert await r.zcard(redis_keys.inflight_key(q)) == 2
+        assert await r.hlen(redis_keys.inflight_meta_key(q)) == 2
+        routing = envelopes[1].routing
+        assert (routing.request_queue_name, routing.queue_id) == (q, "qid")
+        assert routing.labels == {"team": "config", "x": "1", "tier": "batch"}
+        assert deliveries[0].envelope is envelopes[0]
+        assert await transport.backlog(transport.queues[0]) == 1
+
+
+async def test_fetch_waits_for_a_message_then_gives_up(make_config, r) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    async with opened(config) as transport:
+        started = time.monotonic()
+        assert await transport.fetch(transport.queues[0], 5, 0.3) == []
+        assert time.monotonic() - started >= 0.29
+
+        async def add_later() -> None:
+            await anyio.sleep(0.2)
+            await r.zadd(q, {member("late-arrival", future()): future()})
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(add_later)
+            got = await transport.fetch(transport.queues[0], 5, 3.0)
+        assert [transport.decode(d).id for d in got] == ["late-arrival"]
+
+
+async def test_expired_lease_is_reaped_with_its_deadline_score(make_config, r) -> None:
+    config = make_config(lease_seconds=0.3)
+    q = config.queues[0].queue_name
+    deadline = future()
+    raw = member("crashy", deadline)
+    await r.zadd(q, {raw: deadline})
+    async with opened(config) as crashed, opened(config) as survivor:
+        await crashed.fetch(crashed.queues[0], 1, 0)  # claimed, then never answered
+        assert await r.zcard(q) == 0
+        async with running(survivor):  # another replica's reaper takes it back
+            with anyio.fail_after(3):
+                while await r.zscore(q, raw) is None:
+                    await anyio.sleep(0.05)
+        assert await r.zscore(q, raw) == deadline
+        assert await r.zcard(redis_keys.inflight_key(q)) == 0
+        assert await r.hlen(redis_keys.inflight_meta_key(q)) == 0
+
+
+async def test_heartbeat_keeps_a_long_request_claimed(make_config, r) -> None:
+    config = make_config(lease_seconds=0.3)
+    q = config.queues[0].queue_name
+    await r.zadd(q, {member("long", future()): future()})
+    async with opened(config) as worker, opened(config) as other, running(worker), running(other):
+        delivery = await fetch_one(worker)
+        await anyio.sleep(1.2)  # four leases long
+        assert await r.zcard(q) == 0
+        assert await r.zcard(redis_keys.inflight_key(q)) == 1
+        await worker.complete([(delivery, Result.http("long", 200, b"{}"))])
+    assert [x.id for x in await results_of(r, config.result_queue_name)] == ["long"]
+    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+
+
+async def test_two_replicas_claim_disjoint_messages(make_config, r) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    await r.zadd(q, {member(f"m{i}", deadline + i): deadline + i for i in range(60)})
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+
+    async def drain(name: str, transport: SortedSetTransport) -> None:
+        while batch := await transport.fetch(transport.queues[0], 7, 0):
+            seen[name] += [transport.decode(d).id for d in batch]
+
+    async with opened(config) as a, opened(config) as b, anyio.create_task_group() as tg:
+        tg.start_soon(drain, "a", a)
+        tg.start_soon(drain, "b", b)
+    assert not set(seen["a"]) & set(seen["b"])
+    assert sorted(seen["a"] + seen["b"]) == sorted(f"m{i}" for i in range(60))
+
+
+async def test_one_result_when_completed_twice_or_delivered_twice(make_config, r) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    raw = member("dup", deadline, token="a" * 32)
+    await r.zadd(q, {raw: deadline})
+    async with opened(config) as a, opened(config) as b:
+        first = await fetch_one(a)
+        await r.zadd(q, {raw: deadline})  # the same message delivered again
+        second = await fetch_one(b)
+        await a.complete([(first, Result.http("dup", 200, b"one"))])
+        await a.complete([(first, Result.http("dup", 200, b"again"))])
+        await b.complete([(second, Result.http("dup", 200, b"two"))])
+    assert [(x.id, x.payload) for x in await results_of(r, config.result_queue_name)] == [
+        ("dup", "one")
+    ]
+    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+    assert await r.ttl(redis_keys.done_key("dup", "a" * 32)) > 0
+
+
+async def test_complete_after_lost_lease_removes_the_returned_message(make_config, r) -> None:
+    config = make_config(lease_seconds=0.2)
+    q = config.queues[0].queue_name
+    deadline = future()
+    await r.zadd(q, {member("slow", deadline): deadline})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        await anyio.sleep(0.3)
+        await transport.reap()
+        assert await r.zcard(q) == 1  # back on the queue
+        await transport.complete([(delivery, Result.http("slow", 200, b"{}"))])
+    assert await r.zcard(q) == 0
+    assert len(await results_of(r, config.result_queue_name)) == 1
+
+
+async def test_resubmission_gets_a_new_result(make_config, r) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    submissions = [
+        member("re", deadline, token="1" * 32),
+        member("re", deadline, token="2" * 32),  # new token: a new submission
+        member("bare", deadline),
+        member("bare", deadline),  # byte-identical without a token: a duplicate
+        member("bare", deadline + 1),  # changed without a token: a new submission
+    ]
+    async with opened(config) as transport:
+        for raw in submissions:
+            await r.zadd(q, {raw: deadline})
+            delivery = await fetch_one(transport)
+            await transport.complete([(delivery, Result.http(delivery.envelope.id, 200, b""))])
+    ids = [x.id for x in await results_of(r, config.result_queue_name)]
+    assert sorted(ids) == ["bare", "bare", "re", "re"]
+
+
+@pytest.mark.parametrize(
+    ("queue_result", "routed", "expected"),
+    [
+        ("from-queue", "from-message", "from-queue"),
+        ("", "from-message", "from-message"),
+        ("", "", "default"),
+    ],
+)
+async def test_result_routing_precedence(
+    make_config, r, unique, queue_result, routed, expected
+) -> None:
+    queue = {"queue_name": f"{unique}-q", "igw_base_url": GW, "result_queue_name": ""}
+    if queue_result:
+        queue["result_queue_name"] = f"{unique}-{queue_result}"
+    config = make_config(queues=[queue], result_queue_name=f"{unique}-default")
+    request_id = f"{unique}-routed"  # the dedup marker is per id, server-wide
+    raw = member(request_id, future(), result_queue=f"{unique}-{routed}" if routed else "")
+    await r.zadd(f"{unique}-q", {raw: future()})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        await transport.complete([(delivery, Result.http(request_id, 200, b"{}"))])
+    assert await r.llen(f"{unique}-{expected}") == 1
+
+
+async def test_complete_cleans_cancellation_keys_of_its_own_token_only(make_config, r) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    token = "c" * 32
+    await r.zadd(
+        q, {member("mine", future(), token=token): 1, member("old", future(), token=token): 2}
+    )
+    await r.set(redis_keys.active_key("mine"), token)
+    await r.set(redis_keys.cancel_key("mine"), token)
+    await r.set(redis_keys.active_key("old"), "d" * 32)  # resubmitted meanwhile
+    async with opened(config) as transport:
+        for delivery in await transport.fetch(transport.queues[0], 2, 0):
+            envelope = transport.decode(delivery)
+            await transport.complete([(delivery, Result.http(envelope.id, 200, b""))])
+    assert await r.exists(redis_keys.active_key("mine"), redis_keys.cancel_key("mine")) == 0
+    assert await r.get(redis_keys.active_key("old")) == b"d" * 32
+
+
+async def test_defer_zero_returns_the_updated_envelope_at_its_deadline(make_config, r) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    await r.zadd(q, {member("back", deadline): deadline})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        assert delivery.envelope is not None
+        delivery.envelope.routing.labels["classification"] = "overflow"
+        await transport.defer([Deferral(delivery, 0)])
+        [(raw, score)] = await r.zrange(q, 0, -1, withscores=True)
+    assert score == deadline
+    assert raw == delivery.envelope.encode()
+    assert json.loads(raw)["internal"]["labels"]["classification"] == "overflow"
+    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+
+
+async def test_defer_with_delay_parks_in_retry_set_until_due(make_config, r) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    await r.zadd(q, {member("later", deadline): deadline})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        assert delivery.envelope is not None
+        delivery.envelope.routing.retry_count = 1
+        before = time.time()
+        await transport.defer([Deferral(delivery, 1.0)])
+        [(raw, due)] = await r.zrange(config.retry_queue_name, 0, -1, withscores=True)
+        assert before + 0.9 < due < time.time() + 1.1
+        assert await r.zcard(q) == 0 and await r.zcard(redis_keys.inflight_key(q)) == 0
+        async with running(transport):
+            await anyio.sleep(0.5)
+            assert await r.zcard(q) == 0  # not yet due
+            with anyio.fail_after(2):
+                while not await r.zcard(q):
+                    await anyio.sleep(0.05)
+    assert await r.zrange(q, 0, -1, withscores=True) == [(raw, float(deadline))]
+    assert json.loads(raw)["internal"]["retry_count"] == 1
+    assert await r.zcard(config.retry_queue_name) == 0
+
+
+async def test_retry_mover_drains_every_due_member_to_its_origin(make_config, r, unique) -> None:
+    queues = [
+        {"queue_name": f"{unique}-a", "igw_base_url": GW},
+        {"queue_name": f"{unique}-b", "igw_base_url": GW},
+    ]
+    config = make_config(queues=queues)
+    deadline = future()
+    due = {}
+    for i in range(CHUNK + 100):
+        origin = f"{unique}-b" if i % 2 else ""  # no origin: the first configured queue
+        env = Envelope(Request(id=f"r{i}", deadline=deadline + i),
+                       Routing(request_queue_name=origin), kind="redis")  # fmt: skip
+        due[env.encode()] = time.time() - 1
+    await r.zadd(config.retry_queue_name, due)
+    await r.zadd(config.retry_queue_name, {member("not-yet", deadline): time.time() + 60})
+    async with opened(config) as transport:
+        await transport.move_due()
+    assert await r.zcard(config.retry_queue_name) == 1
+    assert await r.zcard(f"{unique}-a") + await r.zcard(f"{unique}-b") == CHUNK + 100
+    assert await r.zscore(f"{unique}-b", next(iter(k for k in due if b'"r1"' in k))) == deadline + 1
+    assert await r.zscore(f"{unique}-a", next(iter(due))) == deadline
+
+
+async def test_dead_letter_entry(make_config, r) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    await r.zadd(q, {b'{"no": "id"}': 5})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport, decode=False)
+        await transport.dead_letter(delivery, "missing_id", "request has no string id")
+    [raw] = await r.lrange(redis_keys.dead_letter_key(q), 0, -1)
+    entry = json.loads(raw)
+    assert entry.keys() == {"reason", "detail", "raw", "time", "queue"}
+    assert (entry["reason"], entry["raw"], entry["queue"]) == ("missing_id", '{"no": "id"}', q)
+    assert abs(entry["time"] - time.time()) < 5
+    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+
+
+async def test_is_cancelled_matches_the_token(make_config, r) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    await r.zadd(q, {member("c1", future(), token="e" * 32): 1, member("c2", future()): 2})
+    await r.set(redis_keys.cancel_key("c1"), "e" * 32)
+    await r.set(redis_keys.cancel_key("c2"), "e" * 32)
+    async with opened(config) as transport:
+        with_token, without = await transport.fetch(transport.queues[0], 2, 0)
+        transport.decode(with_token)
+        transport.decode(without)
+        assert await transport.is_cancelled(with_token)
+        assert not await transport.is_cancelled(without)
+        await r.set(redis_keys.cancel_key("c1"), "f" * 32)  # a newer submission's cancel
+        assert not await transport.is_cancelled(with_token)
+
+
+async def test_redis_down_raises_transport_error_and_upkeep_survives(make_config) -> None:
+    config = make_config(url=f"redis://127.0.0.1:{free_port()}/0", lease_seconds=0.3)
+    async with opened(config) as transport:
+        queue = transport.queues[0]
+        with pytest.raises(TransportError):
+            await transport.health()
+        with pytest.raises(TransportError):
+            await transport.fetch(queue, 5, 0)
+        with pytest.raises(TransportError):
+            await transport.backlog(queue)
+        fake = Delivery(queue=queue, raw=member("x", future()), handle=None)
+        with pytest.raises(TypeError):  # not one of ours: a programming error, not Redis
+            await transport.complete([(fake, Result.http("x", 200, b""))])
+        with anyio.move_on_after(0.5) as scope:
+            await transport.run()
+        assert scope.cancelled_caught  # upkeep kept retrying instead of crashing
+
+
+async def test_registered_in_the_transport_registry(make_config) -> None:
+    config = make_config()
+    transport = build_transport("redis-sortedset", config, TransportContext())
+    assert isinstance(transport, SortedSetTransport)
+    await transport.health()
+    await transport.aclose()
