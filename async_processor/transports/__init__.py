@@ -7,7 +7,7 @@ import importlib
 from async_processor.transports.base import TRANSPORTS, Transport, TransportContext
 
 # Modules that register transport types in ``TRANSPORTS`` when imported.
-_TRANSPORT_MODULES: tuple[str, ...] = ()
+_TRANSPORT_MODULES: tuple[str, ...] = ("redis_sortedset",)
 
 
 def build_transport(kind: str, config: object, ctx: TransportContext) -> Transport:
