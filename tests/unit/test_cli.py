@@ -1,0 +1,177 @@
+"""The CLI: subcommand dispatch, check-config output, one-line config errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from async_processor import cli
+from async_processor.config import AppConfig
+from async_processor.errors import ConfigError
+
+QUEUE = {"queue_name": "q1", "igw_base_url": "http://gw:8000"}
+
+
+@pytest.fixture
+def transport_file(tmp_path: Path) -> str:
+    path = tmp_path / "transport.json"
+    path.write_text(json.dumps({"url": "redis://app:hunter2@redis:6379/0", "queues": [QUEUE]}))
+    return str(path)
+
+
+@pytest.fixture
+def fake_processor(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
+    """A stand-in ``async_processor.processor`` recording what it was given."""
+    calls: dict[str, Any] = {}
+    module = types.ModuleType("async_processor.processor")
+
+    async def run(config: AppConfig) -> None:
+        calls["run"] = config
+        if calls.get("fail"):
+            raise ExceptionGroup("task group", [ConfigError("pool gate: unknown gate type 'x'")])
+
+    def validate_plugins(config: AppConfig) -> None:
+        calls["validated"] = config
+        if calls.get("fail"):
+            raise ConfigError("unknown gate type 'prometheus-saturaton' (known: constant)")
+
+    module.run = run  # type: ignore[attr-defined]
+    module.validate_plugins = validate_plugins  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "async_processor.processor", module)
+    logging_calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(cli, "configure_logging", lambda lvl, fmt: logging_calls.append((lvl, fmt)))
+    return types.SimpleNamespace(calls=calls, logging=logging_calls)
+
+
+def test_flags_only_means_run(transport_file: str, fake_processor: types.SimpleNamespace) -> None:
+    argv = ["--transport", "redis-sortedset", "--transport-config-file", transport_file]
+    env = {"ASYNC_PROCESSOR_LOG_FORMAT": "json"}
+    assert cli.main(argv, env) == 0
+    config = fake_processor.calls["run"]
+    assert isinstance(config, AppConfig) and config.transport == "redis-sortedset"
+    assert fake_processor.logging == [("info", "json")]
+    assert cli.main(["run", *argv, "--concurrency", "3", "--log-level", "debug"], {}) == 0
+    assert fake_processor.calls["run"].runtime.concurrency == 3
+    assert fake_processor.logging[-1] == ("debug", "auto")
+
+
+def test_config_error_from_the_processor_group_exits_2(
+    transport_file: str, fake_processor: types.SimpleNamespace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_processor.calls["fail"] = True
+    code = cli.main(["run", "--transport-config-file", transport_file], {})
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err == "async-processor: config error: pool gate: unknown gate type 'x'\n"
+
+
+def test_check_config_masks_secrets(
+    tmp_path: Path,
+    transport_file: str,
+    fake_processor: types.SimpleNamespace,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("tok-XYZ-secret")
+    argv = ["check-config", "--transport", "redis-sortedset", "--transport-config-file",
+            transport_file, "--metrics-bearer-token-file", str(token)]  # fmt: skip
+    assert cli.main(argv, {}) == 0
+    out = capsys.readouterr().out
+    printed = json.loads(out)
+    assert printed["transport_config"]["url"] == "redis://app:***@redis:6379/0"
+    assert printed["runtime"]["metrics_bearer_token"] == "***"
+    assert "hunter2" not in out and "tok-XYZ-secret" not in out
+    assert printed["transport_config"]["queues"][0]["queue_name"] == "q1"
+    assert "run" not in fake_processor.calls
+    assert fake_processor.calls["validated"].transport == "redis-sortedset"
+
+
+def test_check_config_reports_plugin_errors(
+    transport_file: str, fake_processor: types.SimpleNamespace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_processor.calls["fail"] = True
+    assert cli.main(["check-config", "--transport-config-file", transport_file], {}) == 2
+    assert "prometheus-saturaton" in capsys.readouterr().err
+
+
+def test_check_config_without_a_processor_module(
+    transport_file: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "_optional", lambda name: None)
+    assert cli.main(["check-config", "--transport-config-file", transport_file], {}) == 0
+    assert json.loads(capsys.readouterr().out)["transport"] == "redis-pubsub"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["check-config"],
+        ["run", "--bogus"],
+        ["--transport", "kafka", "--transport-config", "{}"],
+        ["check-config", "--transport-config", "{not json"],
+        ["check-config", "--transport-config", '{"url": "redis://h:1", "queues": []}'],
+        ["check-config", "--transport-config", '{"url": "redis://h:1"}', "--concurrency", "x"],
+        ["check-config", "--transport-config-file", "/nonexistent/t.json"],
+        ["check-config", "--transport-config", "{}", "--tls-key", "/etc/hostname"],
+    ],
+)
+def test_every_config_error_is_one_line_and_exit_2(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(argv, {}) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("async-processor: config error: ")
+    assert "Traceback" not in captured.err
+
+
+def test_env_flag_errors_name_the_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    env = {"ASYNC_PROCESSOR_HEALTH_PORT": "-1", "REDIS_URL": "redis://h:1"}
+    assert cli.main(["check-config", "--transport-config", json.dumps({"queues": [QUEUE]})], env)
+    assert "ASYNC_PROCESSOR_HEALTH_PORT='-1'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "module", "expected"),
+    [
+        (["sim", "--port", "1"], "simulator", ["--port", "1"]),
+        (["demo"], "demo", []),
+        (["submit", "--queue", "q"], "producer_cli", ["submit", "--queue", "q"]),
+        (["results", "-n", "3"], "producer_cli", ["results", "-n", "3"]),
+        (["cancel", "id-1"], "producer_cli", ["cancel", "id-1"]),
+    ],
+)
+def test_delegated_subcommands_get_the_rest_of_argv(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], module: str, expected: list[str]
+) -> None:
+    seen: list[list[str]] = []
+    fake = types.ModuleType(f"async_processor.{module}")
+    fake.main = lambda args: seen.append(args) or 7  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, f"async_processor.{module}", fake)
+    assert cli.main(argv, {}) == 7
+    assert seen == [expected]
+
+
+def test_missing_delegate_module_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "_optional", lambda name: None)
+    with pytest.raises(SystemExit, match=r"async_processor\.simulator is not available"):
+        cli.main(["sim"], {})
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"], {}) == 0
+    assert "check-config" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "--help"], {})
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "--request-timeout" in out and "ASYNC_PROCESSOR_REQUEST_TIMEOUT" in out
+    assert "default: 5m" in out
