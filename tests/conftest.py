@@ -3,4 +3,6 @@
 pytest_plugins = [
     "tests.fixtures.servers",
     "tests.fixtures.simulator",
+    "tests.fixtures.daemon",
+    "tests.fixtures.prometheus",
 ]

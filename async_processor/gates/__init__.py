@@ -5,7 +5,15 @@ from __future__ import annotations
 import importlib
 
 # Modules that register gate types in ``GATES`` when imported.
-_GATE_MODULES: tuple[str, ...] = ()
+_GATE_MODULES: tuple[str, ...] = (
+    "basic",
+    "adaptive",
+    "redis",
+    "leased_rate",
+    "prometheus",
+    "scrape",
+    "tiers",
+)
 
 
 def load_all() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -83,6 +83,37 @@ class Gate(Protocol):
     async def budget(self) -> float: ...
 
     async def apply(self, message: Envelope, releases: Releases) -> Verdict: ...
+
+
+# Longest a parked pool worker sleeps before asking a gate again (reference: 50 ms).
+WAIT_POLL_INTERVAL = 0.05
+
+
+@runtime_checkable
+class WaitsForChange(Protocol):
+    """Optional: a gate that can wake parked workers early (e.g. when a slot frees).
+
+    ``wait_changed`` returns when the gate's answer may have changed or after ``timeout``
+    seconds, whichever is first; it never raises. Callers re-``apply`` afterwards.
+    Gates without it are re-asked every ``WAIT_POLL_INTERVAL``.
+    """
+
+    async def wait_changed(self, timeout: float) -> None: ...
+
+
+@runtime_checkable
+class Observes(Protocol):
+    """Optional: a pool gate that learns from dispatch outcomes (adaptive-concurrency).
+
+    The dispatcher calls ``observe`` after each HTTP attempt of a message the gate
+    admitted: ``status`` None means no response; ``latency`` in seconds;
+    ``dropped_reason`` is the ``x-llm-d-request-dropped-reason`` header ("" if absent).
+    Must not block or raise.
+    """
+
+    def observe(
+        self, message: Envelope, status: int | None, latency: float, dropped_reason: str
+    ) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +198,6 @@ def build_gate(gate_type: str, gate_params: dict[str, Any] | None, ctx: GateCont
 
 def _load_builtin_gates() -> None:
     """Import the gate modules so they register (kept lazy to avoid import cycles)."""
-    import async_processor.gates as package  # noqa: PLC0415
+    import async_processor.gates as package
 
     package.load_all()

@@ -1,0 +1,211 @@
+"""Redis-backed gates: ``redis`` (external budget key) and ``redis-quota`` (per attribute).
+
+Input: a message (quota keys on one of its metadata values). Output: a ``Verdict``; quota
+reservations are taken by atomic Lua scripts and given back through ``Releases``.
+Clients come from ``redis_client``: one per ``address`` per process, where ``address``
+is ``host:port`` or a full ``redis://`` / ``rediss://`` URL (auth, db, TLS); they are
+closed with the gate context at shutdown.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Annotated, Literal
+
+import redis.asyncio as aioredis
+import structlog
+from pydantic import AfterValidator, Field
+from redis.exceptions import RedisError
+
+from async_processor.errors import GateError
+from async_processor.gates.base import CONTINUE, GATES, REFUSE, Gate, GateContext, Releases, Verdict
+from async_processor.gates.params import Duration, Int, Params, Str
+from async_processor.gates.shared import shielded
+from async_processor.messages import Envelope
+
+log = structlog.get_logger(__name__)
+
+# Bound every call: a gate that hangs on a dead Redis would stall the whole pipeline.
+SOCKET_TIMEOUT = 5.0
+
+
+def redis_client(ctx: GateContext, address: str) -> aioredis.Redis:
+    """The process-wide client for ``address`` (created once, closed at shutdown)."""
+    key = f"redis:{address}"
+    client: aioredis.Redis | None = ctx.shared.get(key)
+    if client is None:
+        if "://" in address:
+            client = aioredis.Redis.from_url(
+                address, socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT
+            )
+        else:
+            host, _, port = address.rpartition(":")
+            client = aioredis.Redis(
+                host=host or "localhost",
+                port=int(port or 6379),
+                socket_timeout=SOCKET_TIMEOUT,
+                socket_connect_timeout=SOCKET_TIMEOUT,
+            )
+        ctx.shared[key] = client
+        ctx.closers.append(client.aclose)
+    return client
+
+
+def _address(value: str) -> str:
+    if "://" not in value:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError("must be host:port or a redis:// / rediss:// URL")
+    elif not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("URL scheme must be redis://, rediss:// or unix://")
+    return value
+
+
+Address = Annotated[Str, AfterValidator(_address)]
+
+
+class RedisAddress(Params):
+    """``address`` is required by every Redis gate; checked at startup."""
+
+    address: Address
+
+
+# ------------------------------------------------------------------------------ redis
+
+
+class RedisBudgetParams(RedisAddress):
+    budget_key: Str = "dispatch-gate-budget"
+
+
+class RedisBudgetGate:
+    """Budget read from a key an operator or controller writes.
+
+    Missing key or a value that is not a finite number (NaN included): 1.0 (open), as the
+    reference. Redis unreachable: 0.0 (closed).
+    """
+
+    def __init__(self, client: aioredis.Redis, key: str) -> None:
+        self._client = client
+        self._key = key
+
+    async def budget(self) -> float:
+        try:
+            raw = await self._client.get(self._key)
+        except (RedisError, OSError) as exc:
+            log.warning("redis_gate_unavailable", key=self._key, error=str(exc))
+            return 0.0
+        if raw is None:
+            return 1.0
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if math.isnan(value):
+            log.warning("redis_gate_value_unparsable", key=self._key)
+            return 1.0
+        return min(1.0, max(0.0, value))
+
+    async def apply(self, message: Envelope, releases: Releases) -> Verdict:
+        return REFUSE if await self.budget() <= 0 else CONTINUE
+
+
+@GATES.register("redis", RedisBudgetParams)
+def _redis(params: RedisBudgetParams, ctx: GateContext) -> Gate:
+    return RedisBudgetGate(redis_client(ctx, params.address), params.budget_key)
+
+
+# ------------------------------------------------------------------------ redis-quota
+
+# KEYS[1] quota key; ARGV limit, ttl seconds. 1 = reserved, 0 = over the limit.
+CONCURRENCY_ACQUIRE = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if current >= tonumber(ARGV[1]) then return 0 end
+redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+# Never below zero; a key left at 0 keeps its TTL and expires on its own.
+CONCURRENCY_RELEASE = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if current > 0 then
+  local left = redis.call('DECR', KEYS[1])
+  if left > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+end
+return 1
+"""
+# Sliding-window log. ARGV now_ns, window_ns, limit, ttl, member. The member carries a
+# unique suffix so two acquires in the same nanosecond both count (the reference's
+# member == score collapses them).
+RATE_ACQUIRE = """
+local now = tonumber(ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], 0, now - tonumber(ARGV[2]))
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+
+class QuotaParams(RedisAddress):
+    attribute: Str = "userid"
+    mode: Literal["rate-limit", "concurrency"] = "rate-limit"
+    limit: Int = Field(gt=0)
+    window: Duration = Field(default=60.0, ge=0)
+    prefix: Str = "quota:"
+    gating_mode: Literal["blocking", "classifying"] = "blocking"
+
+
+class RedisQuotaGate:
+    """Per-attribute quota; stamps ``classification`` = reserved / overflow."""
+
+    def __init__(self, client: aioredis.Redis, params: QuotaParams) -> None:
+        self.params = params
+        self._client = client
+        self._concurrency = params.mode == "concurrency"
+        window = int(params.window)
+        if self._concurrency:
+            self._ttl = window if window > 0 else 300
+            self._acquire = client.register_script(CONCURRENCY_ACQUIRE)
+            self._release = client.register_script(CONCURRENCY_RELEASE)
+        else:
+            self._ttl = window * 2 if window > 0 else 3600
+            self._acquire = client.register_script(RATE_ACQUIRE)
+
+    def key(self, value: str) -> str:
+        return f"{self.params.prefix}{self.params.attribute}:{value}"
+
+    async def budget(self) -> float:
+        return 1.0  # the quota is per message, not per fetch
+
+    async def apply(self, message: Envelope, releases: Releases) -> Verdict:
+        value = message.request.metadata.get(self.params.attribute)
+        if value is None:
+            return CONTINUE
+        key = self.key(value)
+        try:
+            reserved = bool(await self._acquire(keys=[key], args=self._acquire_args()))
+        except (RedisError, OSError) as exc:
+            raise GateError(f"redis-quota on {key!r}: {exc}") from exc
+        message.routing.labels["classification"] = "reserved" if reserved else "overflow"
+        if not reserved and self.params.gating_mode == "blocking":
+            return REFUSE
+        if reserved and self._concurrency:
+            releases.add(shielded(lambda: self._give_back(key), "redis-quota"))
+        return CONTINUE
+
+    def _acquire_args(self) -> list[int | str]:
+        if self._concurrency:
+            return [self.params.limit, self._ttl]
+        now = time.time_ns()
+        window_ns = int(self.params.window * 1e9)
+        return [now, window_ns, self.params.limit, self._ttl, f"{now}-{uuid.uuid4().hex[:8]}"]
+
+    async def _give_back(self, key: str) -> None:
+        await self._release(keys=[key], args=[self._ttl])
+
+
+@GATES.register("redis-quota", QuotaParams)
+def _redis_quota(params: QuotaParams, ctx: GateContext) -> Gate:
+    return RedisQuotaGate(redis_client(ctx, params.address), params)

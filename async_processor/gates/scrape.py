@@ -1,0 +1,110 @@
+"""``endpoint-scrape``: a metric gate that reads a ``/metrics`` page, no Prometheus server.
+
+Input: the Prometheus text exposition at ``url`` (e.g. vLLM's or the EPP's), filtered by
+``labels``; optionally the ready-pod count from ``pods_url``/``pods_metric``. Output: a
+``MetricGate`` budget. ``value_type: saturation`` (default) turns the value into a budget
+as ``1 - value / (pods × max_count_per_pod)`` (or ``1 - value`` without a capacity);
+``value_type: budget`` uses the value as the budget itself. Cached like PromQL sources.
+Unlike the reference, the gauges carry the owner's queue/pool labels.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import Field, model_validator
+
+from async_processor.errors import GateError
+from async_processor.gates.base import GATES, Gate, GateContext
+from async_processor.gates.metric import MetricGate, Sample, cached
+from async_processor.gates.params import Float, Params, Str, StrMap
+from async_processor.gates.prometheus import metrics_session
+
+_VALUE_TYPES = frozenset(("gauge", "counter", "unknown", "untyped"))
+
+
+async def scrape(ctx: GateContext, url: str, metric: str, labels: dict[str, str]) -> list[Sample]:
+    """Series of ``metric`` at ``url`` whose labels include every ``labels`` pair."""
+    try:
+        async with metrics_session(ctx).get(url) as response:
+            if response.status != 200:
+                raise GateError(f"scrape of {url} answered HTTP {response.status}")
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise GateError(f"scrape of {url} failed: {exc!r}") from exc
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as exc:
+        raise GateError(f"scrape of {url}: unparsable exposition: {exc}") from exc
+    return [
+        Sample(float(s.value), dict(s.labels))
+        for family in families
+        if family.type in _VALUE_TYPES
+        for s in family.samples
+        if s.name == metric and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+
+
+class ScrapeParams(Params):
+    url: Str = Field(min_length=1)
+    metric: Str = Field(min_length=1)
+    labels: StrMap = Field(default_factory=dict)
+    value_type: Literal["saturation", "budget"] = "saturation"
+    max_count_per_pod: Float = Field(default=0.0, ge=0)
+    baseline: Float = 0.0
+    fallback: Float = 0.0
+    pods_url: Str = ""
+    pods_metric: Str = ""
+    pods_labels: StrMap = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _budget_has_no_capacity(self) -> Self:
+        if self.value_type == "budget" and (self.max_count_per_pod or self.pods_url):
+            raise ValueError("value_type budget takes no max_count_per_pod or pods_url")
+        return self
+
+
+class ScrapeSource:
+    def __init__(self, ctx: GateContext, params: ScrapeParams) -> None:
+        self._ctx = ctx
+        self.params = params
+
+    async def query(self) -> list[Sample]:
+        p = self.params
+        samples = await scrape(self._ctx, p.url, p.metric, p.labels)
+        if p.value_type == "budget":
+            return [Sample(_clamp(s.value), s.labels) for s in samples]
+        capacity = await self._capacity() if samples else 0.0
+        return [Sample(1 - _clamp(_ratio(s.value, capacity)), s.labels) for s in samples]
+
+    async def _capacity(self) -> float:
+        p = self.params
+        if not (p.pods_url and p.pods_metric):
+            return p.max_count_per_pod
+        pods = await scrape(self._ctx, p.pods_url, p.pods_metric, p.pods_labels)
+        if not pods:
+            raise GateError(f"pods metric {p.pods_metric!r} not found at {p.pods_url}")
+        if pods[0].value <= 0:
+            raise GateError(f"ready pods is {pods[0].value:g}")
+        return pods[0].value * p.max_count_per_pod
+
+
+def _ratio(value: float, capacity: float) -> float:
+    return value / capacity if capacity > 0 else value
+
+
+def _clamp(value: float) -> float:
+    return min(1.0, max(0.0, value)) if value == value else value  # NaN stays NaN
+
+
+@GATES.register("endpoint-scrape", ScrapeParams)
+def _endpoint_scrape(params: ScrapeParams, ctx: GateContext) -> Gate:
+    return MetricGate(
+        cached(ScrapeSource(ctx, params), ctx.prometheus_cache_ttl),
+        threshold=params.baseline,
+        fallback=params.fallback,
+        ctx=ctx,
+        name="endpoint-scrape",
+    )

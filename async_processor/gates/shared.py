@@ -1,0 +1,113 @@
+"""Helpers shared by gate modules: process-wide gauges, shielded releases, forwarding.
+
+Input: a ``GateContext`` (metrics registry, ``shared`` cache) or inner gates. Output:
+gauges bound to the gate's owner, release callables that survive cancellation, and the
+optional ``observe`` / ``wait_changed`` hooks forwarded through wrapper gates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+import anyio
+import structlog
+from prometheus_client import Gauge
+
+from async_processor.gates.base import (
+    WAIT_POLL_INTERVAL,
+    Gate,
+    GateContext,
+    Observes,
+    Release,
+    WaitsForChange,
+)
+from async_processor.messages import Envelope
+from async_processor.metrics import PREFIX, Q_LABELS
+
+log = structlog.get_logger(__name__)
+
+# A release talks to a backend; bound it so shutdown cannot hang on a dead Redis.
+RELEASE_TIMEOUT = 5.0
+
+
+def owner_gauge(ctx: GateContext, name: str, doc: str) -> Gauge | None:
+    """``llm_d_async_async_<name>`` bound to the owner's queue labels (None without metrics).
+
+    The family is registered once per registry and cached in ``ctx.shared``.
+    """
+    if ctx.metrics is None:
+        return None
+    registry = ctx.metrics.registry
+    key = f"gauge:{PREFIX}{name}:{id(registry)}"
+    family = ctx.shared.get(key)
+    if family is None:
+        family = ctx.shared[key] = Gauge(PREFIX + name, doc, Q_LABELS, registry=registry)
+    owner = ctx.owner
+    child: Gauge = family.labels(owner.queue_id, owner.queue_name, owner.pool)
+    return child
+
+
+def shielded(release: Callable[[], Awaitable[None]], what: str) -> Release:
+    """A release that finishes even when the caller is being cancelled; errors are logged."""
+
+    async def run() -> None:
+        with anyio.move_on_after(RELEASE_TIMEOUT, shield=True) as scope:
+            try:
+                await release()
+            except Exception as exc:  # a failed release must not fail the request
+                log.warning("gate_release_failed", gate=what, error=str(exc))
+        if scope.cancelled_caught:
+            log.warning("gate_release_timed_out", gate=what)
+
+    return run
+
+
+def observe_all(
+    gates: Sequence[Gate], message: Envelope, status: int | None, latency: float, reason: str
+) -> None:
+    """Forward a dispatch outcome to every inner gate that learns from it."""
+    for gate in gates:
+        if isinstance(gate, Observes):
+            gate.observe(message, status, latency, reason)
+
+
+async def wait_any_changed(gates: Sequence[Gate], timeout: float) -> None:
+    """Return when any inner gate may have changed, or after ``timeout``.
+
+    Inner gates that cannot signal a change are polled, so the wait is then capped at
+    ``WAIT_POLL_INTERVAL``.
+    """
+    waiters = [g for g in gates if isinstance(g, WaitsForChange)]
+    if len(waiters) < len(gates):
+        timeout = min(timeout, WAIT_POLL_INTERVAL)
+    if not waiters:
+        await anyio.sleep(timeout)
+        return
+    async with anyio.create_task_group() as tg:
+
+        async def one(gate: WaitsForChange) -> None:
+            await gate.wait_changed(timeout)
+            tg.cancel_scope.cancel()
+
+        for gate in waiters:
+            tg.start_soon(one, gate)
+
+
+class ChangeSignal:
+    """Wakes every ``wait`` when ``notify`` is called (one-shot event, renewed lazily)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event: anyio.Event | None = None  # created inside the event loop
+
+    def notify(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self, timeout: float) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
+        with anyio.move_on_after(timeout):
+            await self._event.wait()

@@ -1,0 +1,81 @@
+"""``tier-priority-admission``: pool-level admission by tier and quota classification.
+
+Input: a message carrying the ``tier`` label (interactive / async / batch) and the
+``classification`` label stamped by a queue-level classifying ``redis-quota``. Output:
+CONTINUE while the inner saturation gate admits; when it refuses (saturated): WAIT for
+reserved traffic, DROP with a 429 payload for interactive overflow, REFUSE otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field
+
+from async_processor.errors import GateError
+from async_processor.gates.base import (
+    CONTINUE,
+    GATES,
+    REFUSE,
+    WAIT,
+    Action,
+    Gate,
+    GateContext,
+    Releases,
+    Verdict,
+)
+from async_processor.gates.basic import build_inner
+from async_processor.gates.params import GateSpec, Params, Str, json_object
+from async_processor.gates.shared import observe_all, wait_any_changed
+from async_processor.messages import Envelope, Result
+
+# Exactly the reference's payload, spaces included.
+TOO_MANY_REQUESTS = '{"error": "Too Many Requests", "code": 429}'
+
+
+class TierParams(Params):
+    saturation_gate: Str = Field(min_length=1)
+    saturation_gate_params: Annotated[dict[str, Any], BeforeValidator(json_object)] = Field(
+        default_factory=dict
+    )
+    tier_label: Str = "tier"
+
+
+class TierPriorityAdmissionGate:
+    def __init__(self, inner: Gate, tier_label: str) -> None:
+        self.inner = inner
+        self.tier_label = tier_label
+
+    async def budget(self) -> float:
+        return await self.inner.budget()
+
+    async def apply(self, message: Envelope, releases: Releases) -> Verdict:
+        try:
+            verdict = await self.inner.apply(message, releases)
+        except GateError as exc:
+            raise GateError(f"saturation gate failed: {exc}") from exc
+        if verdict.action is not Action.REFUSE:
+            return CONTINUE  # an inner WAIT or DROP does not mean saturated
+        labels = message.routing.labels
+        classification = labels.get("classification")
+        if classification == "reserved":
+            return WAIT
+        if labels.get(self.tier_label) == "interactive" and classification == "overflow":
+            return Verdict(Action.DROP, Result(id=message.id, payload=TOO_MANY_REQUESTS))
+        return REFUSE
+
+    def observe(
+        self, message: Envelope, status: int | None, latency: float, dropped_reason: str
+    ) -> None:
+        observe_all([self.inner], message, status, latency, dropped_reason)
+
+    async def wait_changed(self, timeout: float) -> None:
+        await wait_any_changed([self.inner], timeout)
+
+
+@GATES.register("tier-priority-admission", TierParams)
+def _tiers(params: TierParams, ctx: GateContext) -> Gate:
+    spec = GateSpec(gate_type=params.saturation_gate, gate_params=params.saturation_gate_params)
+    return TierPriorityAdmissionGate(
+        build_inner(spec, ctx, "tier-priority-admission"), params.tier_label
+    )
