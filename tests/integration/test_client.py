@@ -1,0 +1,174 @@
+"""The client library against a real redis-server, and its round trip through the transport."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+
+from async_processor.client import SortedSetClient
+from async_processor.config import SortedSetConfig
+from async_processor.errors import TransportError
+from async_processor.messages import ErrorCode, Request, Result, decode_envelope
+from async_processor.transports import redis_keys
+from async_processor.transports.base import TransportContext
+from async_processor.transports.redis_sortedset import SortedSetTransport
+from tests.fixtures.servers import free_port
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def r(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def client(redis_url: str, unique: str) -> AsyncIterator[SortedSetClient]:
+    async with SortedSetClient(redis_url, f"{unique}-q", f"{unique}-results") as c:
+        yield c
+
+
+def request(request_id: str, in_seconds: int = 600) -> dict[str, object]:
+    return {
+        "id": request_id,
+        "deadline": int(time.time()) + in_seconds,
+        "payload": {"model": "m", "prompt": "hi", "big": 12345678901234567890123},
+        "metadata": {"tenant": "t1"},
+    }
+
+
+async def test_submit_writes_the_reference_envelope_and_markers(client, r, unique) -> None:
+    req = request(f"{unique}-1")
+    token = await client.submit(req)
+    assert len(token) == 32 and int(token, 16) >= 0
+    [(raw, score)] = await r.zrange(f"{unique}-q", 0, -1, withscores=True)
+    assert score == req["deadline"]
+    obj = json.loads(raw)
+    assert obj["request_kind"] == "redis"
+    assert obj["internal"] == {
+        "request_token": token,
+        "request_queue_name": f"{unique}-q",
+        "result_queue_name": f"{unique}-results",
+    }
+    assert obj["data"]["metadata"] == {"tenant": "t1"}
+    assert b'"big":12345678901234567890123' in raw  # payload bytes kept exact
+    assert await r.get(redis_keys.active_key(f"{unique}-1")) == token.encode()
+    assert 590 <= await r.ttl(redis_keys.active_key(f"{unique}-1")) <= 600
+
+
+async def test_submit_keeps_a_request_payload_verbatim(client, r, unique) -> None:
+    payload = b'{"z": 1, "a": [1.0, 2e3], "s": "\\u00e9"}'
+    await client.submit(Request(id=f"{unique}-v", deadline=int(time.time()) + 60, payload=payload))
+    [raw] = await r.zrange(f"{unique}-q", 0, -1)
+    assert decode_envelope(raw).request.payload == payload
+
+
+async def test_submit_routes_to_other_queues(client, r, unique) -> None:
+    await client.submit(request(f"{unique}-o"), queue=f"{unique}-other", result_queue="elsewhere")
+    [raw] = await r.zrange(f"{unique}-other", 0, -1)
+    assert json.loads(raw)["internal"]["result_queue_name"] == "elsewhere"
+    assert await client.request_depth() == 0
+    assert await client.request_depth(f"{unique}-other") == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"deadline": 2_000_000_000},
+        {"id": "", "deadline": 2_000_000_000},
+        {"id": "past", "deadline": 1_000},
+        {"id": "no-deadline"},
+    ],
+)
+async def test_submit_rejects_invalid_requests(client, bad) -> None:
+    with pytest.raises(ValueError):
+        await client.submit(bad)
+    assert await client.request_depth() == 0
+
+
+async def test_submit_many_pipelines_thousands(client, r, unique) -> None:
+    tokens = await client.submit_many(request(f"{unique}-{i}") for i in range(1200))
+    assert len(set(tokens)) == 1200
+    assert await client.request_depth() == 1200
+    assert await r.get(redis_keys.active_key(f"{unique}-1199")) == tokens[-1].encode()
+
+
+async def test_cancel_copies_the_active_token(client, r, unique) -> None:
+    token = await client.submit(request(f"{unique}-c"))
+    assert await client.cancel([f"{unique}-c", f"{unique}-unknown"]) == 1
+    assert await r.get(redis_keys.cancel_key(f"{unique}-c")) == token.encode()
+    assert await r.ttl(redis_keys.cancel_key(f"{unique}-c")) > 6 * 24 * 3600
+    assert not await r.exists(redis_keys.cancel_key(f"{unique}-unknown"))
+    # A resubmission clears the old cancellation.
+    await client.submit(request(f"{unique}-c"))
+    assert not await r.exists(redis_keys.cancel_key(f"{unique}-c"))
+
+
+async def test_round_trip_through_the_transport(client, redis_url, unique) -> None:
+    await client.submit_many(
+        [request(f"{unique}-a"), request(f"{unique}-b"), request(f"{unique}-x")]
+    )
+    await client.cancel([f"{unique}-x"])
+    config = SortedSetConfig.model_validate(
+        {"url": redis_url, "queues": [{"queue_name": f"{unique}-q", "igw_base_url": "http://gw:1"}]}
+    )
+    transport = SortedSetTransport(config, TransportContext())
+    try:
+        deliveries = await transport.fetch(transport.queues[0], 10, 0)
+        assert await client.inflight_depth() == 3
+        done = []
+        for delivery in deliveries:
+            envelope = transport.decode(delivery)
+            if await transport.is_cancelled(delivery):
+                done.append(
+                    (delivery, Result.failure(envelope.id, ErrorCode.CANCELLED, "cancelled"))
+                )
+            else:
+                done.append((delivery, Result.http(envelope.id, 200, b'{"ok":true}')))
+        await transport.complete(done)
+    finally:
+        await transport.aclose()
+    assert await client.result_depth() == 3
+    got = await client.drain_results(5, timeout=0.5)
+    assert {(x.id, x.status_code, x.error_code) for x in got} == {
+        (f"{unique}-a", 200, ""),
+        (f"{unique}-b", 200, ""),
+        (f"{unique}-x", 0, "CANCELLED"),
+    }
+    assert await client.inflight_depth() == 0
+
+
+async def test_results_iterator_waits_then_ends(client, r, unique) -> None:
+    async def produce() -> None:
+        await anyio.sleep(0.2)
+        await r.lpush(f"{unique}-results", Result.http("late", 200, b"x").encode())
+
+    seen = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(produce)
+        async for result in client.results(timeout=1.0):
+            seen.append(result.id)
+    assert seen == ["late"]
+    started = time.monotonic()
+    assert await client.drain_results(1, timeout=0.2) == []
+    assert time.monotonic() - started < 2
+
+
+async def test_client_raises_transport_error_when_redis_is_down() -> None:
+    async with SortedSetClient(f"redis://127.0.0.1:{free_port()}/0") as down:
+        with pytest.raises(TransportError):
+            await down.submit(request("nobody-home"))
+        with pytest.raises(TransportError):
+            await down.request_depth()
