@@ -1,0 +1,160 @@
+"""Messages: verbatim payload bytes, envelopes, bare requests, errors, result shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from async_processor.errors import InvalidMessage
+from async_processor.messages import (
+    INVALID_DEADLINE_TEXT,
+    Envelope,
+    ErrorCode,
+    Request,
+    Result,
+    Routing,
+    decode_envelope,
+    decode_request,
+    peek_id,
+)
+
+# Key order z-before-a, a 20-digit integer (beyond int64 and exact float), escapes.
+PAYLOAD = (
+    b'{"z": 1, "a": 12345678901234567890, "f": 1.10, '
+    b'"s": "caf\\u00e9 \\"quoted\\"\\n\\/", "nested": {"b": [1, 2e3]}}'
+)
+BARE = b'{"id": "r1", "deadline": 1900000000, "payload": ' + PAYLOAD + b"}"
+
+
+def envelope_bytes(kind: str = "redis", data: bytes = BARE) -> bytes:
+    return (
+        b'{"internal": {"retry_count": 2, "queue_id": "q", "labels": {"tier": "batch"}}, '
+        b'"request_kind": "' + kind.encode() + b'", "data": ' + data + b"}"
+    )
+
+
+def test_payload_bytes_pass_through_verbatim() -> None:
+    request = decode_request(BARE)
+    assert request.payload == PAYLOAD
+    assert (request.id, request.deadline) == ("r1", 1900000000)
+    envelope = decode_envelope(envelope_bytes())
+    assert envelope.request.payload == PAYLOAD
+    assert PAYLOAD in envelope.encode()
+    again = decode_envelope(envelope.encode())
+    assert again.request.payload == PAYLOAD
+    assert json.loads(again.request.payload)["a"] == 12345678901234567890
+
+
+def test_envelope_routing_and_reencoding() -> None:
+    envelope = decode_envelope(envelope_bytes())
+    assert envelope.kind == "redis"
+    assert envelope.routing.retry_count == 2
+    assert envelope.routing.queue_id == "q"
+    assert envelope.routing.labels == {"tier": "batch"}
+    obj = json.loads(envelope.encode())
+    assert list(obj) == ["internal", "request_kind", "data"]
+    assert obj["internal"] == {"retry_count": 2, "queue_id": "q", "labels": {"tier": "batch"}}
+
+
+def test_bare_request_is_a_plain_envelope() -> None:
+    envelope = decode_envelope(BARE)
+    assert envelope.kind == "plain"
+    assert envelope.routing == Routing()
+    assert envelope.id == "r1"
+    assert envelope.request.payload == PAYLOAD
+
+
+def test_unknown_fields_survive_a_round_trip() -> None:
+    raw = b'{"id":"r2","deadline":1900000000,"payload":{},"result_queue_name":"rq","x":[1]}'
+    request = decode_request(raw)
+    assert request.extra == {"result_queue_name": "rq", "x": [1]}
+    assert json.loads(request.encode()) == json.loads(raw)
+
+
+def test_request_encode_omits_empty_fields() -> None:
+    request = Request(id="r3", deadline=5, payload=b'{"p":1}')
+    assert request.encode() == b'{"id":"r3","deadline":5,"payload":{"p":1}}'
+    full = Request(
+        id="r4", deadline=5, created=4, metadata={"userid": "u"}, headers={"h": "v"}, endpoint="/e"
+    )
+    assert json.loads(full.encode()) == {
+        "id": "r4", "created": 4, "deadline": 5, "payload": None,
+        "metadata": {"userid": "u"}, "headers": {"h": "v"}, "endpoint": "/e",
+    }  # fmt: skip
+
+
+def test_unknown_kind_names_the_request() -> None:
+    with pytest.raises(InvalidMessage) as caught:
+        decode_envelope(envelope_bytes(kind="kafka"))
+    assert caught.value.reason == "unknown_kind"
+    assert caught.value.request_id == "r1"
+    assert "kafka" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "deadline", [b"", b', "deadline": "soon"', b', "deadline": 0', b', "deadline": true']
+)
+def test_missing_or_bad_deadline(deadline: bytes) -> None:
+    raw = b'{"id": "r5"' + deadline + b', "payload": {}}'
+    with pytest.raises(InvalidMessage) as caught:
+        decode_envelope(raw)
+    assert (caught.value.reason, caught.value.request_id) == ("invalid_deadline", "r5")
+    assert str(caught.value) == INVALID_DEADLINE_TEXT
+
+
+def test_oversize_message_keeps_its_id() -> None:
+    raw = b'{"id": "big", "deadline": 1900000000, "payload": {"p": "' + b"x" * 2000 + b'"}}'
+    with pytest.raises(InvalidMessage) as caught:
+        decode_envelope(raw, max_bytes=1000)
+    assert (caught.value.reason, caught.value.request_id) == ("too_large", "big")
+    assert decode_envelope(raw, max_bytes=len(raw)).id == "big"
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason", "request_id"),
+    [
+        (b'{"deadline": 1900000000, "payload": {}}', "missing_id", None),
+        (b'{"id": "r6", "deadline": 1900000000, "payload": [1]}', "malformed", "r6"),
+        (b'{"id": "r7", "deadline": 1900000000, "metadata": {"a": 1}}', "malformed", "r7"),
+        (b'{"id": "r8", "deadline": 1', "malformed", None),
+        (b"not json", "malformed", None),
+        (b"\xff\xfe", "malformed", None),
+        (b'{"id": "r9", "deadline": 1900000000} trailing', "malformed", None),
+    ],
+)
+def test_invalid_messages(raw: bytes, reason: str, request_id: str | None) -> None:
+    with pytest.raises(InvalidMessage) as caught:
+        decode_envelope(raw)
+    assert (caught.value.reason, caught.value.request_id) == (reason, request_id)
+
+
+def test_peek_id() -> None:
+    assert peek_id(envelope_bytes()) == "r1"
+    assert peek_id(BARE) == "r1"
+    assert peek_id(b"[]") is None
+    assert peek_id(b"{bad") is None
+
+
+def test_result_shapes() -> None:
+    ok = Result.http("r1", 200, b'{"choices":[]}')
+    assert json.loads(ok.encode()) == {"id": "r1", "status_code": 200, "payload": '{"choices":[]}'}
+    failed = Result.failure("r2", ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded")
+    assert json.loads(failed.encode()) == {
+        "id": "r2",
+        "payload": '{"error": "deadline exceeded"}',
+        "error_code": "DEADLINE_EXCEEDED",
+        "error_message": "deadline exceeded",
+    }
+    assert Result("r3").encode() == b'{"id":"r3","payload":""}'
+    assert Result.decode(failed.encode()) == failed
+    assert Result.decode(ok.encode()) == ok
+    with pytest.raises(ValueError, match="no string id"):
+        Result.decode(b'{"payload": ""}')
+
+
+def test_envelope_encode_leaves_out_empty_routing() -> None:
+    envelope = Envelope(request=Request(id="r", deadline=9, payload=b"{}"))
+    assert envelope.encode() == (
+        b'{"internal":{},"request_kind":"plain","data":{"id":"r","deadline":9,"payload":{}}}'
+    )
