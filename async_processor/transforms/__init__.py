@@ -1,0 +1,86 @@
+"""Request transforms: the ``--transform-config-file`` chain.
+
+Stage: transforms, between the pool gate and the HTTP send. Input: the envelope and the
+``Outgoing`` request built by dispatch (body = the payload's exact bytes). Output: the same
+``Outgoing``, rewritten by the configured transforms in config order.
+
+Chain rules: ``validate`` runs every transform before any gate or HTTP work, the first
+error stops. ``apply`` runs every transform on every attempt; payload sources and editors
+(``payload_url``, ``set_params``) and header setters (``set_headers``) always run, and the
+first body rewriter that applies (``gcs_uri_multipart``) claims the body
+(``out.body_claimed``) so later rewriters skip. With no transform applying, the bytes sent
+are exactly the payload's bytes. Errors carry the reference's wording and name the
+transform: ``InvalidMessage`` -> INVALID_REQUEST, ``PayloadUnavailable`` ->
+PAYLOAD_UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from async_processor.config import TransformConfig, TransformEntry
+from async_processor.errors import ConfigError, InvalidMessage, MessageError, PayloadUnavailable
+from async_processor.messages import Envelope
+from async_processor.transforms import gcs_multipart, headers_params, payload_url
+from async_processor.transforms.base import TRANSFORMS, Outgoing, Transform, TransformContext
+
+__all__ = ["TRANSFORMS", "TransformChain", "build_transform_chain"]
+
+_TRANSFORM_MODULES = (gcs_multipart, headers_params, payload_url)  # imported to register
+
+VALIDATE_FAILED = "Failed to validate request for transform"
+TRANSFORM_FAILED = "Failed to transform request body"
+
+
+class TransformChain:
+    def __init__(self, steps: Sequence[tuple[TransformEntry, Transform]]) -> None:
+        self._steps = tuple(steps)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def validate(self, envelope: Envelope) -> None:
+        for entry, transform in self._steps:
+            try:
+                transform.validate(envelope)
+            except MessageError as exc:
+                raise _named(exc, VALIDATE_FAILED, entry, envelope) from exc
+
+    async def apply(self, envelope: Envelope, out: Outgoing) -> None:
+        for entry, transform in self._steps:
+            try:
+                await transform.apply(envelope, out)
+            except MessageError as exc:
+                raise _named(exc, TRANSFORM_FAILED, entry, envelope) from exc
+
+
+def build_transform_chain(config: TransformConfig, ctx: TransformContext) -> TransformChain:
+    """Build every entry; an unknown type, bad parameter or repeated name is a ConfigError."""
+    steps: list[tuple[TransformEntry, Transform]] = []
+    seen: set[str] = set()
+    for index, entry in enumerate(config.request_transforms):
+        where = f"requestTransforms[{index}] ({entry.name})"
+        if entry.name in seen:
+            raise ConfigError(f"{where}: duplicate transform plugin name {entry.name!r}")
+        seen.add(entry.name)
+        try:
+            transform = TRANSFORMS.build(
+                entry.type, entry.parameters, replace(ctx, name=entry.name)
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        steps.append((entry, transform))
+    return TransformChain(steps)
+
+
+def _named(
+    exc: MessageError, prefix: str, entry: TransformEntry, envelope: Envelope
+) -> MessageError:
+    """The same error, worded as the reference does and naming the transform."""
+    where = f"transform {entry.name}/{entry.type}: {exc}"
+    if isinstance(exc, PayloadUnavailable):
+        return PayloadUnavailable(where)
+    if isinstance(exc, InvalidMessage):
+        return InvalidMessage(f"{prefix}: {where}", reason=exc.reason, request_id=envelope.id)
+    return exc

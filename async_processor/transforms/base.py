@@ -41,6 +41,7 @@ class TransformContext:
 
     http: Any = None  # aiohttp.ClientSession
     max_message_bytes: int = 4 * 1024 * 1024
+    name: str = ""  # the config entry's ``name``, set per transform by the chain builder
 
 
 TRANSFORMS: Registry[Transform, TransformContext] = Registry("transform")
