@@ -65,8 +65,11 @@ def test_thousand_messages_thousand_results(
     queue, results = f"{unique}:q", f"{unique}:results"
     ids = [f"m{i}" for i in range(1000)]
     _submit(r, queue, results, ids, int(time.time()) + 600)
-    daemon = daemon_factory.start(sortedset_config(redis_url, simulator.url, [queue],
-                                                   result_list=results), "--concurrency", "64")
+    daemon = daemon_factory.start(
+        sortedset_config(redis_url, simulator.url, [queue], result_list=results),
+        "--concurrency",
+        "64",
+    )
     got = _collect(r, results, 1000, 60)
     assert sorted(x.id for x in got) == sorted(ids)
     assert {x.status_code for x in got} == {200}
@@ -82,8 +85,9 @@ def test_kill9_twice_then_restart_every_id_exactly_one_result(
     queue, results = f"{unique}:q", f"{unique}:results"
     ids = [f"k{i}" for i in range(1500)]
     _submit(r, queue, results, ids, int(time.time()) + 600)
-    config = sortedset_config(redis_url, simulator.url, [queue], result_list=results,
-                              lease_seconds=2)
+    config = sortedset_config(
+        redis_url, simulator.url, [queue], result_list=results, lease_seconds=2
+    )
     for at_least in (200, 600):
         daemon = daemon_factory.start(config, "--concurrency", "32")
         _wait_results(r, results, at_least, 60)
@@ -98,7 +102,9 @@ def test_kill9_twice_then_restart_every_id_exactly_one_result(
 
 
 def test_redis_restart_with_aof_loses_nothing(
-    private_redis: RedisServer, unique: str, simulator: SimulatorProcess,
+    private_redis: RedisServer,
+    unique: str,
+    simulator: SimulatorProcess,
     daemon_factory: DaemonFactory,
 ) -> None:
     simulator.configure(latency=0.02)
@@ -106,9 +112,13 @@ def test_redis_restart_with_aof_loses_nothing(
     queue, results = f"{unique}:q", f"{unique}:results"
     ids = [f"a{i}" for i in range(800)]
     _submit(r, queue, results, ids, int(time.time()) + 600)
-    daemon_factory.start(sortedset_config(private_redis.url, simulator.url, [queue],
-                                          result_list=results, lease_seconds=3),
-                         "--concurrency", "16")
+    daemon_factory.start(
+        sortedset_config(
+            private_redis.url, simulator.url, [queue], result_list=results, lease_seconds=3
+        ),
+        "--concurrency",
+        "16",
+    )
     _wait_results(r, results, 150, 60)
     private_redis.restart()  # same port and AOF: the daemon must reconnect and carry on
     r = _sync(private_redis.url)
@@ -156,15 +166,17 @@ def test_poison_messages_get_results_or_dead_letters_and_do_not_block(
         b"{not json": 1.0,
         b'{"request_kind":"weird","data":{"id":"p-kind","deadline":1}}': 2.0,
         json.dumps({"request_kind": "plain", "data": {"id": "p-nodeadline"}}).encode(): 3.0,
-        json.dumps({"request_kind": "plain",
-                    "data": {"id": "p-expired", "deadline": 1000, "payload": {}}}).encode(): 4.0,
+        json.dumps(
+            {"request_kind": "plain", "data": {"id": "p-expired", "deadline": 1000, "payload": {}}}
+        ).encode(): 4.0,
         json.dumps({"id": "p-bare", "deadline": soon, "payload": {}}).encode(): 5.0,
         json.dumps({"request_kind": "plain", "data": {"deadline": soon}}).encode(): 6.0,
     }
     r.zadd(queue, poison)
     _submit(r, queue, results, ["good"], soon)
-    daemon = daemon_factory.start(sortedset_config(redis_url, simulator.url, [queue],
-                                                   result_list=results))
+    daemon = daemon_factory.start(
+        sortedset_config(redis_url, simulator.url, [queue], result_list=results)
+    )
     got = {x.id: x for x in _collect(r, results, 5, 30)}
     assert got["good"].status_code == 200
     assert got["p-bare"].status_code == 200  # a bare request object is taken as plain
@@ -176,8 +188,10 @@ def test_poison_messages_get_results_or_dead_letters_and_do_not_block(
         time.sleep(0.05)
     dead = [json.loads(x) for x in r.lrange(f"{queue}:dead-letter", 0, -1)]
     assert len(dead) == 2
-    assert {d["raw"] for d in dead} == {"{not json", json.dumps(
-        {"request_kind": "plain", "data": {"deadline": soon}})}
+    assert {d["raw"] for d in dead} == {
+        "{not json",
+        json.dumps({"request_kind": "plain", "data": {"deadline": soon}}),
+    }
     assert all(d["reason"] for d in dead)
     assert daemon.metric("llm_d_async_async_dead_letter_total", queue_name=queue) == 2
     assert r.zcard(queue) == 0
@@ -194,8 +208,11 @@ def test_deadline_order_at_concurrency_one(
     for i in reversed(range(2000)):  # inserted in reverse: order must come from the deadline
         pipe.zadd(queue, {_envelope(ids[i], base + i, queue, results): base + i})
     pipe.execute()
-    daemon_factory.start(sortedset_config(redis_url, simulator.url, [queue], result_list=results),
-                         "--concurrency", "1")
+    daemon_factory.start(
+        sortedset_config(redis_url, simulator.url, [queue], result_list=results),
+        "--concurrency",
+        "1",
+    )
     got = _collect(r, results, 2000, 120)
     # LPUSH + RPOP: results come out in completion order.
     assert [x.id for x in got] == ids

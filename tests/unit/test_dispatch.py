@@ -21,14 +21,21 @@ def _work(raw: bytes = RAW, **queue_kw: object) -> Work:
     return Work(delivery, envelope, Metrics().queue("q", "q", "default"))
 
 
-@pytest.mark.parametrize(("base", "path", "expected"), [
-    ("http://h:80/", "/v1/completions", "http://h:80/v1/completions"),
-    ("http://h/api", "v1/x", "http://h/api/v1/x"),
-    ("http://h/api/", "/v1//x", "http://h/api/v1/x"),
-    ("http://h", "/v1/a/../b", "http://h/v1/b"),
-    ("http://h/base?tenant=1", "/v1/chat/completions", "http://h/base/v1/chat/completions?tenant=1"),
-    ("https://h", "/", "https://h/"),
-])
+@pytest.mark.parametrize(
+    ("base", "path", "expected"),
+    [
+        ("http://h:80/", "/v1/completions", "http://h:80/v1/completions"),
+        ("http://h/api", "v1/x", "http://h/api/v1/x"),
+        ("http://h/api/", "/v1//x", "http://h/api/v1/x"),
+        ("http://h", "/v1/a/../b", "http://h/v1/b"),
+        (
+            "http://h/base?tenant=1",
+            "/v1/chat/completions",
+            "http://h/base/v1/chat/completions?tenant=1",
+        ),
+        ("https://h", "/", "https://h/"),
+    ],
+)
 def test_join_url_like_go_joinpath(base: str, path: str, expected: str) -> None:
     assert join_url(base, path) == expected
 
@@ -46,8 +53,10 @@ def test_body_is_the_payload_bytes_verbatim() -> None:
 
 
 def test_header_order_and_deadline_header() -> None:
-    raw = (b'{"id":"r1","deadline":1900000000,"payload":{},'
-           b'"headers":{"X-Tenant":"t","content-type":"application/x"}}')
+    raw = (
+        b'{"id":"r1","deadline":1900000000,"payload":{},'
+        b'"headers":{"X-Tenant":"t","content-type":"application/x"}}'
+    )
     work = _work(raw, inference_objective="batch-obj")
     work.stamped_headers = [("x-llm-d-inference-fairness-id", "u1")]
     out = build_request(work, DispatchSettings(deadline_header="x-request-deadline"))
@@ -68,9 +77,14 @@ def test_endpoint_overrides_queue_path() -> None:
     assert build_request(_work(raw), DispatchSettings()).url == "http://gw:8000/v1/chat/completions"
 
 
-@pytest.mark.parametrize("headers", [
-    b'{"X-Bad":"a\\r\\nInjected: 1"}', b'{"Bad Name":"v"}', b'{"X-Nul":"a\\u0000b"}',
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        b'{"X-Bad":"a\\r\\nInjected: 1"}',
+        b'{"Bad Name":"v"}',
+        b'{"X-Nul":"a\\u0000b"}',
+    ],
+)
 def test_illegal_caller_headers_are_invalid_request(headers: bytes) -> None:
     raw = b'{"id":"r1","deadline":1900000000,"payload":{},"headers":' + headers + b"}"
     with pytest.raises(InvalidMessage) as err:

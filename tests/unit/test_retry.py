@@ -13,8 +13,15 @@ NOW = 1_800_000_000.0
 
 
 def _decide(attempt: Attempt, *, remaining: float = 3600, retry_count: int = 0, **kw: object):
-    return decide("r1", attempt, deadline=NOW + remaining, retry_count=retry_count, now=NOW,
-                  rng=random.Random(7), **kw)
+    return decide(
+        "r1",
+        attempt,
+        deadline=NOW + remaining,
+        retry_count=retry_count,
+        now=NOW,
+        rng=random.Random(7),
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("status", [200, 201, 204, 302])
@@ -35,10 +42,17 @@ def test_other_4xx_is_final_failure_with_body(status: int) -> None:
     assert (out.result.status_code, out.result.payload) == (status, "bad")
 
 
-@pytest.mark.parametrize("attempt", [
-    Attempt(status=429), Attempt(status=500), Attempt(status=503), Attempt(status=600),
-    Attempt(error="ConnectionRefusedError"), Attempt(error="attempt timed out"),
-])
+@pytest.mark.parametrize(
+    "attempt",
+    [
+        Attempt(status=429),
+        Attempt(status=500),
+        Attempt(status=503),
+        Attempt(status=600),
+        Attempt(error="ConnectionRefusedError"),
+        Attempt(error="attempt timed out"),
+    ],
+)
 def test_retryable_outcomes_retry_before_deadline(attempt: Attempt) -> None:
     out = _decide(attempt, remaining=100)
     assert isinstance(out, Retry)
@@ -73,8 +87,9 @@ def test_deadline_passed_uses_earlier_http_answer() -> None:
     assert out.result.status_code == 429
 
 
-@pytest.mark.parametrize(("n", "low", "high"), [(1, 2, 4), (2, 4, 8), (3, 8, 16), (4, 16, 32),
-                                                 (5, 30, 60), (9, 30, 60)])
+@pytest.mark.parametrize(
+    ("n", "low", "high"), [(1, 2, 4), (2, 4, 8), (3, 8, 16), (4, 16, 32), (5, 30, 60), (9, 30, 60)]
+)
 def test_equal_jitter_ranges(n: int, low: float, high: float) -> None:
     rng = random.Random(1)
     delays = [backoff(n, 10_000, None, rng) for _ in range(500)]

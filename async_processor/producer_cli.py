@@ -1,0 +1,158 @@
+"""Producer and consumer commands on the client library: ``submit``, ``results``, ``cancel``.
+
+Input: JSONL request lines (our request format, or OpenAI batch-input lines
+``{custom_id, method, url, body}``), result lists, request ids. Output: requests on a
+Redis sorted set, results as JSONL, cancellation markers. Long work shows progress on
+stderr (a ``\\r`` bar on a terminal, periodic lines otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+import anyio
+
+from async_processor.client import SortedSetClient
+from async_processor.durations import parse_duration
+from async_processor.errors import TransportError
+
+CHUNK = 1000
+
+
+class Progress:
+    """A small progress display on stderr (no dependency)."""
+
+    def __init__(self, label: str, total: int | None, stream: IO[str] = sys.stderr) -> None:
+        self.label, self.total, self.stream = label, total, stream
+        self.done = 0
+        self._tty = stream.isatty()
+        self._last = 0.0
+        self._started = time.monotonic()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self._last >= (0.1 if self._tty else 5.0):
+            self._last = now
+            self._show(end="\r" if self._tty else "\n")
+
+    def finish(self) -> None:
+        self._show(end="\n")
+
+    def _show(self, end: str) -> None:
+        rate = self.done / max(1e-6, time.monotonic() - self._started)
+        if self.total:
+            width = 30
+            filled = int(width * self.done / self.total)
+            bar = "#" * filled + "-" * (width - filled)
+            text = f"{self.label} [{bar}] {self.done}/{self.total} ({rate:.0f}/s)"
+        else:
+            text = f"{self.label} {self.done} ({rate:.0f}/s)"
+        self.stream.write(text + end)
+        self.stream.flush()
+
+
+def request_from_line(line: str, *, deadline: int, default_endpoint: str = "") -> dict[str, Any]:
+    """Our request object from a JSONL line; OpenAI batch-input lines are converted."""
+    obj = json.loads(line)
+    if not isinstance(obj, dict):
+        raise ValueError("each line must be a JSON object")
+    if "custom_id" in obj and "body" in obj:
+        request: dict[str, Any] = {"id": str(obj["custom_id"]), "payload": obj["body"]}
+        url = obj.get("url") or default_endpoint
+        if url:
+            request["endpoint"] = url
+        obj = request
+    obj.setdefault("deadline", deadline)
+    if default_endpoint and "endpoint" not in obj:
+        obj["endpoint"] = default_endpoint
+    return obj
+
+
+def _lines(path: str) -> Iterator[str]:
+    with sys.stdin if path == "-" else open(path, encoding="utf-8") as handle:  # noqa: SIM115
+        for line in handle:
+            if line.strip():
+                yield line
+
+
+async def _submit(args: argparse.Namespace) -> int:
+    deadline = int(time.time() + parse_duration(args.deadline_in))
+    lines = list(_lines(args.file))
+    progress = Progress("submitted", len(lines))
+    async with SortedSetClient(args.redis_url, args.queue, args.result_queue) as client:
+        for start in range(0, len(lines), CHUNK):
+            chunk = [
+                request_from_line(line, deadline=deadline, default_endpoint=args.endpoint)
+                for line in lines[start : start + CHUNK]
+            ]
+            await client.submit_many(chunk)
+            progress.advance(len(chunk))
+    progress.finish()
+    return 0
+
+
+async def _results(args: argparse.Namespace) -> int:
+    out = sys.stdout if args.output == "-" else open(args.output, "a", encoding="utf-8")  # noqa: SIM115
+    progress = Progress("results", args.count or None)
+    timeout = None if args.follow else parse_duration(args.timeout)
+    try:
+        async with SortedSetClient(args.redis_url, result_queue=args.result_queue) as client:
+            async for result in client.results(timeout=timeout):
+                out.write(json.dumps(result.to_obj(), ensure_ascii=False) + "\n")
+                out.flush()
+                progress.advance()
+                if args.count and progress.done >= args.count:
+                    break
+    finally:
+        progress.finish()
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+async def _cancel(args: argparse.Namespace) -> int:
+    async with SortedSetClient(args.redis_url) as client:
+        marked = await client.cancel(args.ids)
+    print(f"cancelled {marked} of {len(args.ids)} (others were finished or unknown)")
+    return 0
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"async-processor {command}")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    if command == "submit":
+        p.add_argument("file", help="JSONL of requests or OpenAI batch-input lines ('-' = stdin)")
+        p.add_argument("--queue", default="request-sortedset")
+        p.add_argument("--result-queue", default="result-list")
+        p.add_argument("--deadline-in", default="1h", help="deadline for lines without one")
+        p.add_argument("--endpoint", default="", help="endpoint for lines without one")
+    elif command == "results":
+        p.add_argument("--result-queue", default="result-list")
+        p.add_argument("--output", "-o", default="-", help="JSONL file to append to ('-' = stdout)")
+        p.add_argument("--follow", "-f", action="store_true", help="keep waiting for results")
+        p.add_argument("--timeout", default="5s", help="stop after this long with no result")
+        p.add_argument("--count", "-n", type=int, default=0, help="stop after this many")
+    else:
+        p.add_argument("ids", nargs="+")
+    return p
+
+
+COMMANDS = {"submit": _submit, "results": _results, "cancel": _cancel}
+
+
+def main(argv: list[str]) -> int:
+    """``argv[0]`` names the command (submit, results or cancel), as the CLI passes it."""
+    command, rest = argv[0], argv[1:]
+    args = _parser(command).parse_args(rest)
+    try:
+        return anyio.run(COMMANDS[command], args)
+    except (TransportError, OSError, ValueError) as exc:
+        print(f"async-processor {command}: {exc}", file=sys.stderr)
+        return 1

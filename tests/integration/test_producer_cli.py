@@ -1,0 +1,82 @@
+"""submit / results / cancel commands against a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import redis
+
+from async_processor.cli import main
+from async_processor.messages import Result, decode_envelope
+from async_processor.producer_cli import request_from_line
+
+
+def test_openai_batch_line_becomes_a_request() -> None:
+    line = json.dumps(
+        {
+            "custom_id": "c1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": []},
+        }
+    )
+    req = request_from_line(line, deadline=123)
+    assert req == {
+        "id": "c1",
+        "payload": {"model": "m", "messages": []},
+        "endpoint": "/v1/chat/completions",
+        "deadline": 123,
+    }
+
+
+def test_submit_jsonl_then_cancel(tmp_path: Path, redis_url: str, unique: str) -> None:
+    lines = [
+        json.dumps({"id": "a", "payload": {"n": 12345678901234567890}}),
+        json.dumps(
+            {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
+        ),
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    queue = f"{unique}:q"
+    code = main(
+        ["submit", str(src), "--redis-url", redis_url, "--queue", queue, "--deadline-in", "10m"]
+    )
+    assert code == 0
+    r = redis.Redis.from_url(redis_url)
+    members = r.zrange(queue, 0, -1, withscores=True)
+    envelopes = {decode_envelope(m).id: (decode_envelope(m), score) for m, score in members}
+    assert set(envelopes) == {"a", "b"}
+    env_a, score_a = envelopes["a"]
+    assert env_a.request.payload == b'{"n":12345678901234567890}'
+    assert abs(score_a - (time.time() + 600)) < 30
+    assert envelopes["b"][0].request.endpoint == "/v1/completions"
+    assert main(["cancel", "a", "--redis-url", redis_url]) == 0
+    assert r.get("request-cancel:a") == env_a.routing.request_token.encode()
+
+
+def test_results_drains_to_jsonl(tmp_path: Path, redis_url: str, unique: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    results = f"{unique}:results"
+    for i in range(3):
+        r.lpush(results, Result.http(f"id{i}", 200, b"ok").encode())
+    out = tmp_path / "out.jsonl"
+    code = main(
+        [
+            "results",
+            "--redis-url",
+            redis_url,
+            "--result-queue",
+            results,
+            "--output",
+            str(out),
+            "--timeout",
+            "200ms",
+        ]
+    )
+    assert code == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["id"] for g in got] == ["id0", "id1", "id2"]
+    assert r.llen(results) == 0
