@@ -9,6 +9,7 @@ stderr (a ``\\r`` bar on a terminal, periodic lines otherwise).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -72,11 +73,11 @@ def request_from_line(line: str, *, deadline: int, default_endpoint: str = "") -
     obj.setdefault("deadline", deadline)
     if default_endpoint and "endpoint" not in obj:
         obj["endpoint"] = default_endpoint
-    return obj
+    return dict(obj)
 
 
 def _lines(path: str) -> Iterator[str]:
-    with sys.stdin if path == "-" else open(path, encoding="utf-8") as handle:  # noqa: SIM115
+    with sys.stdin if path == "-" else open(path, encoding="utf-8") as handle:
         for line in handle:
             if line.strip():
                 yield line
@@ -99,7 +100,7 @@ async def _submit(args: argparse.Namespace) -> int:
 
 
 async def _results(args: argparse.Namespace) -> int:
-    out = sys.stdout if args.output == "-" else open(args.output, "a", encoding="utf-8")  # noqa: SIM115
+    out: IO[str] = args.out
     progress = Progress("results", args.count or None)
     timeout = None if args.follow else parse_duration(args.timeout)
     try:
@@ -112,8 +113,6 @@ async def _results(args: argparse.Namespace) -> int:
                     break
     finally:
         progress.finish()
-        if out is not sys.stdout:
-            out.close()
     return 0
 
 
@@ -152,7 +151,14 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     args = _parser(command).parse_args(rest)
     try:
-        return anyio.run(COMMANDS[command], args)
+        with contextlib.ExitStack() as stack:
+            if command == "results":
+                args.out = (
+                    sys.stdout
+                    if args.output == "-"
+                    else stack.enter_context(open(args.output, "a", encoding="utf-8"))
+                )
+            return anyio.run(COMMANDS[command], args)
     except (TransportError, OSError, ValueError) as exc:
         print(f"async-processor {command}: {exc}", file=sys.stderr)
         return 1
