@@ -249,3 +249,46 @@ def test_merge_and_transform_file_errors(tmp_path: Path) -> None:
     reserved = write(tmp_path, "tr2.json", {"responseTransforms": []})
     message = error_of([*sortedset_args(tmp_path), "--transform-config-file", reserved])
     assert "responseTransforms: Extra inputs are not permitted" in message
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "config"
+
+
+@pytest.mark.parametrize(
+    ("transport", "name", "queues"),
+    [
+        ("redis-sortedset", "sortedset.json", ["requests-interactive", "requests-batch"]),
+        ("redis-pubsub", "redis-pubsub.json", ["request-queue"]),
+        ("gcp-pubsub", "gcp-pubsub.json", ["async-requests-sub"]),
+    ],
+)
+def test_example_transport_configs_load(transport: str, name: str, queues: list[str]) -> None:
+    path = str(EXAMPLES / name)
+    cfg = load_config(["--transport", transport, "--transport-config-file", path], {})
+    assert [spec.name for spec in cfg.queue_specs()] == queues
+
+
+@pytest.mark.parametrize("merge", ["merge-random-robin.json", "merge-tier-priority.json"])
+def test_example_files_load_together(merge: str) -> None:
+    cfg = load_config(
+        ["--transport", "redis-sortedset",
+         "--transport-config-file", str(EXAMPLES / "sortedset.json"),
+         "--pool-config-file", str(EXAMPLES / "pools.json"),
+         "--request-merge-policy-config-file", str(EXAMPLES / merge),
+         "--transform-config-file", str(EXAMPLES / "transforms.json")],
+        {},
+    )  # fmt: skip
+    assert [p.id for p in cfg.effective_pools()] == ["default", "bulk"]
+    assert cfg.merge_policy.type == json.loads((EXAMPLES / merge).read_text())["type"]
+    assert [t.name for t in cfg.transforms.request_transforms] == ["gcs-multipart"]
+    specs = {spec.id: spec for spec in cfg.queue_specs()}
+    assert specs["batch"].result_queue_name == "results-batch"
+    assert specs["interactive"].labels == {"tier": "interactive"}
+
+
+def test_every_example_is_described_and_tested() -> None:
+    readme = (EXAMPLES / "README.md").read_text()
+    source = Path(__file__).read_text()
+    for example in sorted(EXAMPLES.glob("*.json")):
+        assert f"`{example.name}`" in readme
+        assert f'"{example.name}"' in source
