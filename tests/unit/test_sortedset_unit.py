@@ -1,0 +1,188 @@
+"""redis-sortedset transport logic and its Lua scripts on fakeredis (fast; real Redis in
+tests/integration/test_sortedset.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import fakeredis
+import pytest
+
+from async_processor.config import SortedSetConfig
+from async_processor.errors import InvalidMessage, TransportError
+from async_processor.messages import Envelope, Request, Result, Routing
+from async_processor.transports import redis_keys
+from async_processor.transports.base import Deferral, TransportContext
+from async_processor.transports.redis_sortedset import (
+    STALE_CLAIM_GRACE,
+    SortedSetTransport,
+    _every,
+    _fingerprint,
+)
+
+pytestmark = pytest.mark.anyio
+Q = "queue-a"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[fakeredis.FakeAsyncRedis]:
+    client = fakeredis.FakeAsyncRedis()
+    yield client
+    await client.aclose()
+
+
+def make(fake: fakeredis.FakeAsyncRedis, **overrides: object) -> SortedSetTransport:
+    raw = {
+        "queues": [
+            {"queue_name": Q, "id": "a", "igw_base_url": "http://gw:1", "labels": {"k": "cfg"}},
+            {"queue_name": "queue-b", "igw_base_url": "http://gw:1", "result_queue_name": "qb"},
+        ],
+        "lease_seconds": 5,
+        **overrides,
+    }
+    config = SortedSetConfig.model_validate(raw)
+    return SortedSetTransport(config, TransportContext(max_message_bytes=2000), client=fake)
+
+
+def envelope(request_id: str, deadline: int, token: str = "", origin: str = "") -> bytes:
+    routing = Routing(request_token=token, request_queue_name=origin, labels={"k": "msg"})
+    return Envelope(Request(id=request_id, deadline=deadline), routing, kind="redis").encode()
+
+
+def soon() -> int:
+    return int(time.time()) + 600
+
+
+async def test_claim_then_complete_acknowledges_and_writes_once(fake) -> None:
+    transport = make(fake)
+    await fake.zadd(Q, {envelope("x", soon(), token="t"): soon()})
+    [delivery] = await transport.fetch(transport.queues[0], 10, 0)
+    assert transport.decode(delivery).routing.labels == {"k": "cfg"}
+    meta = await fake.hget(redis_keys.inflight_meta_key(Q), delivery.handle.id)
+    score, raw = meta.split(b"|", 1)
+    assert (float(score), raw) == (delivery.handle.score, delivery.raw)
+    await transport.complete([(delivery, Result.http("x", 200, b"a"))] * 2)
+    assert await fake.llen("result-list") == 1
+    assert await fake.exists(redis_keys.done_key("x", "t"))
+    assert await fake.zcard(redis_keys.inflight_key(Q)) == 0
+
+
+async def test_reap_returns_expired_claims_only(fake) -> None:
+    transport = make(fake, lease_seconds=0.05)
+    await fake.zadd(Q, {envelope("old", 100): 100, envelope("new", 200): 200})
+    await transport.fetch(transport.queues[0], 1, 0)
+    await anyio.sleep(0.1)
+    await transport.fetch(transport.queues[0], 1, 0)  # "new": its lease is still running
+    await transport.reap()
+    assert await fake.zrange(Q, 0, -1, withscores=True) == [(envelope("old", 100), 100.0)]
+    assert await fake.zcard(redis_keys.inflight_key(Q)) == 1
+
+
+async def test_heartbeat_forgets_lost_and_stale_claims(fake) -> None:
+    transport = make(fake)
+    stale_deadline = int(time.time() - STALE_CLAIM_GRACE - 10)
+    await fake.zadd(Q, {envelope("keep", soon()): 1, envelope("lost", soon()): 2,
+                        envelope("stale", stale_deadline): 3})  # fmt: skip
+    deliveries = await transport.fetch(transport.queues[0], 3, 0)
+    for delivery in deliveries:
+        transport.decode(delivery)
+    await fake.zrem(redis_keys.inflight_key(Q), deliveries[1].handle.id)  # reclaimed elsewhere
+    before = await fake.zscore(redis_keys.inflight_key(Q), deliveries[0].handle.id)
+    await anyio.sleep(0.01)
+    await transport.heartbeat()
+    assert await fake.zscore(redis_keys.inflight_key(Q), deliveries[0].handle.id) > before
+    assert list(transport._held[Q]) == [deliveries[0].handle.id]
+
+
+async def test_defer_after_lost_lease_does_not_duplicate(fake) -> None:
+    transport = make(fake)
+    await fake.zadd(Q, {envelope("d", soon()): soon()})
+    [delivery] = await transport.fetch(transport.queues[0], 1, 0)
+    await fake.delete(redis_keys.inflight_key(Q))  # the reaper took it back
+    await transport.defer([Deferral(delivery, 3)])
+    await transport.dead_letter(delivery, "r", "d")
+    assert await fake.zcard("retry-sortedset") == 0
+    assert await fake.llen(redis_keys.dead_letter_key(Q)) == 0
+    assert transport._held[Q] == {}
+
+
+async def test_defer_without_envelope_puts_raw_bytes_back_at_claimed_score(fake) -> None:
+    transport = make(fake)
+    await fake.zadd(Q, {b"not json": 42})
+    [delivery] = await transport.fetch(transport.queues[0], 1, 0)
+    with pytest.raises(InvalidMessage):
+        transport.decode(delivery)
+    await transport.defer([Deferral(delivery, 0)])
+    assert await fake.zrange(Q, 0, -1, withscores=True) == [(b"not json", 42.0)]
+
+
+async def test_move_due_sends_unparsable_members_to_the_first_queue_now(fake) -> None:
+    transport = make(fake)
+    await fake.zadd("retry-sortedset", {b"{broken": 1, envelope("b", 777, origin="queue-b"): 2})
+    await transport.move_due()
+    [(raw, score)] = await fake.zrange(Q, 0, -1, withscores=True)
+    assert raw == b"{broken" and abs(score - time.time()) < 5
+    assert await fake.zrange("queue-b", 0, -1, withscores=True) == [
+        (envelope("b", 777, origin="queue-b"), 777.0)
+    ]
+
+
+async def test_result_list_precedence_and_oversize_decode(fake) -> None:
+    transport = make(fake)
+    await fake.zadd("queue-b", {envelope("rb", soon()): 1})
+    [delivery] = await transport.fetch(transport.queues[1], 1, 0)
+    transport.decode(delivery)
+    await transport.complete([(delivery, Result.http("rb", 200, b""))])
+    assert await fake.llen("qb") == 1  # the queue's own result list beats the default
+    big = Envelope(Request(id="big", deadline=soon(), payload=b'{"p":"' + b"x" * 3000 + b'"}'))
+    await fake.zadd(Q, {big.encode(): 1})
+    [delivery] = await transport.fetch(transport.queues[0], 1, 0)
+    with pytest.raises(InvalidMessage) as caught:
+        transport.decode(delivery)
+    assert (caught.value.reason, caught.value.request_id) == ("too_large", "big")
+
+
+def test_fingerprint_prefers_the_token_then_the_request() -> None:
+    with_token = Envelope(Request(id="i", deadline=5), Routing(request_token="tok"))
+    bare = Envelope(Request(id="i", deadline=5))
+    later = Envelope(Request(id="i", deadline=6))
+
+    class D:  # only the envelope matters to the fingerprint
+        def __init__(self, envelope: Envelope | None) -> None:
+            self.envelope = envelope
+
+    assert _fingerprint(D(with_token)) == "tok"  # type: ignore[arg-type]
+    assert _fingerprint(D(bare)).startswith("sha-")  # type: ignore[arg-type]
+    assert _fingerprint(D(bare)) != _fingerprint(D(later))  # type: ignore[arg-type]
+    assert _fingerprint(D(None)) == ""  # type: ignore[arg-type]
+
+
+def test_keys_and_scripts() -> None:
+    assert redis_keys.done_key("i") == "request-done:i"
+    assert redis_keys.done_key("i", "t") == "request-done:i:t"
+    assert redis_keys.active_key("i") == "request-active:i"
+    assert redis_keys.cancel_key("i") == "request-cancel:i"
+    assert "ZPOPMIN" in redis_keys.script_source("claim")
+    with pytest.raises(KeyError, match="known"):
+        redis_keys.script_source("nope")
+
+
+async def test_upkeep_loop_backs_off_and_keeps_going() -> None:
+    calls = 0
+
+    async def flaky() -> None:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise TransportError("down")
+
+    with anyio.move_on_after(0.5):
+        await _every("test", 0.02, flaky)
+    assert calls > 3  # survived two failures, then ran on at its interval
