@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
 import anyio
@@ -24,11 +26,11 @@ def anyio_backend() -> str:
 
 @asynccontextmanager
 async def running(
-    serve: Callable[..., Awaitable[None]], *args: object, **kwargs: object
+    serve: Callable[..., Coroutine[Any, Any, None]], *args: object, **kwargs: object
 ) -> AsyncIterator[str]:
     """Start ``serve`` on a free port in a task group; yield its base URL; stop it."""
     async with anyio.create_task_group() as tg:
-        port = await tg.start(lambda task_status: serve(*args, task_status=task_status, **kwargs))
+        port = await tg.start(functools.partial(serve, *args, **kwargs))
         assert port > 0
         try:
             yield f"http://127.0.0.1:{port}"
@@ -127,7 +129,9 @@ async def test_taken_port_is_a_config_error_naming_it() -> None:
         with pytest.raises(ExceptionGroup) as caught:
             async with anyio.create_task_group() as tg:
                 await tg.start(health.serve_health, "127.0.0.1", port, ready)
-    assert caught.group_contains(ConfigError, match=f"127.0.0.1:{port} .*(?i:address already in use)")
+    assert caught.group_contains(
+        ConfigError, match=f"127.0.0.1:{port} .*(?i:address already in use)"
+    )
 
 
 async def test_cancel_stops_the_server() -> None:

@@ -153,8 +153,13 @@ def test_delegated_subcommands_get_the_rest_of_argv(
     monkeypatch: pytest.MonkeyPatch, argv: list[str], module: str, expected: list[str]
 ) -> None:
     seen: list[list[str]] = []
+
+    def fake_main(args: list[str]) -> int:
+        seen.append(args)
+        return 7
+
     fake = types.ModuleType(f"async_processor.{module}")
-    fake.main = lambda args: seen.append(args) or 7  # type: ignore[attr-defined]
+    fake.main = fake_main  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, f"async_processor.{module}", fake)
     assert cli.main(argv, {}) == 7
     assert seen == [expected]

@@ -133,7 +133,7 @@ def test_env_transport_source_hidden_by_a_flag_for_the_other(tmp_path: Path) -> 
     env = {"ASYNC_PROCESSOR_TRANSPORT_CONFIG_FILE": "/nonexistent.json"}
     inline = json.dumps(SORTEDSET)
     cfg = load_config(["--transport", "redis-sortedset", "--transport-config", inline], env)
-    assert cfg.transport_config.queues[0].queue_name == "q1"
+    assert [spec.name for spec in cfg.queue_specs()] == ["q1"]
 
 
 def test_pools_merge_and_transform_files(tmp_path: Path) -> None:
