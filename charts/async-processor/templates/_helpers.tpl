@@ -1,0 +1,139 @@
+{{/* Names and labels. */}}
+{{- define "async-processor.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "async-processor.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "async-processor.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "async-processor.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "async-processor.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "async-processor.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "async-processor.serviceAccountName" -}}
+{{- if .Values.ap.serviceAccount.create -}}
+{{- default (include "async-processor.fullname" .) .Values.ap.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.ap.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "async-processor.image" -}}
+{{- printf "%s:%s" .Values.ap.image.repository (default .Chart.AppVersion .Values.ap.image.tag) -}}
+{{- end -}}
+
+{{/* Where the ConfigMap's files are mounted (read-only). */}}
+{{- define "async-processor.configDir" -}}/etc/async-processor/config{{- end -}}
+
+{{/* Redis URL Secret: chart-made <fullname>-redis (key url) or the user's. */}}
+{{- define "async-processor.redisSecretName" -}}
+{{- if .Values.ap.redis.url -}}
+{{- printf "%s-redis" (include "async-processor.fullname" .) -}}
+{{- else -}}
+{{- .Values.ap.redis.secretName -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "async-processor.redisSecretKey" -}}
+{{- if .Values.ap.redis.url -}}url{{- else -}}{{ .Values.ap.redis.secretKey }}{{- end -}}
+{{- end -}}
+
+{{/* The queue list key of the transport config: topics for gcp-pubsub, queues otherwise. */}}
+{{- define "async-processor.queueKey" -}}
+{{- if eq .Values.ap.transport "gcp-pubsub" -}}topics{{- else -}}queues{{- end -}}
+{{- end -}}
+
+{{/*
+The transport config as JSON, with ap.igwBaseURL filled into entries that lack
+igw_base_url. Fails with a clear message when an entry still has no gateway URL.
+*/}}
+{{- define "async-processor.transportConfig" -}}
+{{- $key := include "async-processor.queueKey" . -}}
+{{- $cfg := deepCopy (.Values.ap.transportConfig | default dict) -}}
+{{- $entries := list -}}
+{{- range $i, $q := (get $cfg $key | default list) -}}
+{{- $e := deepCopy $q -}}
+{{- if not $e.igw_base_url -}}
+{{- if not $.Values.ap.igwBaseURL -}}
+{{- fail (printf "ap.transportConfig.%s[%d] has no igw_base_url and ap.igwBaseURL is empty: set the llm-d gateway URL in one of them" $key $i) -}}
+{{- end -}}
+{{- $_ := set $e "igw_base_url" $.Values.ap.igwBaseURL -}}
+{{- end -}}
+{{- $entries = append $entries $e -}}
+{{- end -}}
+{{- $_ := set $cfg $key $entries -}}
+{{- toPrettyJson $cfg -}}
+{{- end -}}
+
+{{/*
+Seconds in a Go duration ("2m", "1h30m", "90s", "500ms", "0"), rounded up.
+Helm has no duration parser, so the parts are summed here; values.schema.json pins the syntax.
+*/}}
+{{- define "async-processor.durationSeconds" -}}
+{{- $units := dict "ns" 0.000000001 "us" 0.000001 "µs" 0.000001 "ms" 0.001 "s" 1.0 "m" 60.0 "h" 3600.0 -}}
+{{- $total := 0.0 -}}
+{{- range $part := regexFindAll "[0-9]*\\.?[0-9]+(ns|us|µs|ms|s|m|h)" . -1 -}}
+{{- $num := regexFind "^[0-9]*\\.?[0-9]+" $part | float64 -}}
+{{- $unit := regexReplaceAll "^[0-9]*\\.?[0-9]+" $part "" -}}
+{{- $total = addf $total (mulf $num (get $units $unit)) -}}
+{{- end -}}
+{{- ceil $total | int -}}
+{{- end -}}
+
+{{/* Render-time checks: a bad install fails here with a message, not in a crash loop. */}}
+{{- define "async-processor.validate" -}}
+{{- $ap := .Values.ap -}}
+{{- $key := include "async-processor.queueKey" . -}}
+{{- $cfg := $ap.transportConfig | default dict -}}
+{{- if not (get $cfg $key) -}}
+{{- fail (printf "ap.transportConfig.%s is empty: the %s transport needs at least one entry" $key $ap.transport) -}}
+{{- end -}}
+{{- if hasPrefix "redis-" $ap.transport -}}
+{{- if and $ap.redis.enabled (not $ap.redis.url) (not $ap.redis.secretName) -}}
+{{- fail "ap.redis.enabled is true but neither ap.redis.url nor ap.redis.secretName is set" -}}
+{{- end -}}
+{{- if and (not $ap.redis.enabled) (not $cfg.url) -}}
+{{- fail (printf "the %s transport needs a Redis URL: set ap.redis.enabled with ap.redis.url or ap.redis.secretName" $ap.transport) -}}
+{{- end -}}
+{{- if and $cfg.url (contains "@" (toString $cfg.url)) -}}
+{{- fail "ap.transportConfig.url carries credentials and would land in a ConfigMap: use ap.redis.url or ap.redis.secretName instead" -}}
+{{- end -}}
+{{- else -}}
+{{- if not $cfg.project_id -}}
+{{- fail "ap.transportConfig.project_id is required for gcp-pubsub" -}}
+{{- end -}}
+{{- if not $cfg.result_topic_id -}}
+{{- fail "ap.transportConfig.result_topic_id is required for gcp-pubsub" -}}
+{{- end -}}
+{{- end -}}
+{{- if ne (empty $ap.tls.certKey) (empty $ap.tls.keyKey) -}}
+{{- fail "ap.tls.certKey and ap.tls.keyKey must be set together (client certificate and its key)" -}}
+{{- end -}}
+{{- if and (or $ap.tls.caCertKey $ap.tls.certKey) (not $ap.tls.secretName) -}}
+{{- fail "ap.tls.caCertKey/certKey/keyKey name files in ap.tls.secretName, which is empty" -}}
+{{- end -}}
+{{- if and $ap.keda.enabled (not $ap.keda.serverAddress) -}}
+{{- fail "ap.keda.enabled needs ap.keda.serverAddress (the Prometheus URL KEDA queries)" -}}
+{{- end -}}
+{{- if and $ap.keda.enabled (lt (int $ap.keda.minReplicaCount) 1) -}}
+{{- fail "ap.keda.minReplicaCount must be >= 1: the backlog metric is exported by running replicas, so zero replicas would never scale up" -}}
+{{- end -}}
+{{- end -}}

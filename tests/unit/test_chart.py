@@ -1,0 +1,584 @@
+"""Helm chart: render every example, lint, schema, render-time checks, rules and dashboard.
+
+Rendering and linting use helm-python-sdk (Helm's Go SDK bundled in the wheel; no helm
+binary). The rendered args and files are fed to the daemon's own config loader, the alert
+rules to ``promtool``, and the dashboard's metric names are compared with what
+``async_processor.metrics.Metrics`` registers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from async_processor.config import (
+    GcpPubSubConfig,
+    MergePolicyConfig,
+    PoolConfig,
+    PubSubTopic,
+    RedisPubSubConfig,
+    RedisQueue,
+    SortedSetConfig,
+    SortedSetQueue,
+    TransformConfig,
+    TransformEntry,
+    load_config,
+)
+from async_processor.durations import parse_duration
+from async_processor.metrics import Metrics
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
+helm.disable_logging()
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "async-processor"
+EXAMPLES = sorted((CHART / "ci").glob("*.yaml"))
+NAMESPACE = "batch"
+CONFIG_DIR = "/etc/async-processor/config"
+METRIC_NAME = re.compile(r"\bllm_d_async_[a-z0-9_]+")
+MINIMAL: dict[str, Any] = {
+    "ap": {
+        "igwBaseURL": "http://gateway.llm-d.svc",
+        "transportConfig": {"queues": [{"queue_name": "q"}]},
+        "redis": {"enabled": True, "secretName": "redis-creds"},
+    }
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def parse_docs(text: str) -> Iterator[dict[str, Any]]:
+    """Every non-empty YAML document of a multi-document stream (parsed by Helm's parser)."""
+    for doc in re.split(r"^---\s*$", text, flags=re.MULTILINE):
+        if doc.strip() and not all(
+            line.lstrip().startswith("#") for line in doc.strip().splitlines()
+        ):
+            yield helm.values_from_yaml(doc)
+
+
+def load_values(path: Path) -> dict[str, Any]:
+    values: dict[str, Any] = helm.values_from_yaml(path.read_text())
+    return values
+
+
+def render(values: dict[str, Any], name: str = "demo") -> dict[str, dict[str, Any]]:
+    """Rendered objects keyed by kind (the chart makes at most one of each, but ConfigMaps)."""
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values, name=name, namespace=NAMESPACE, is_install=True)
+    objects: dict[str, dict[str, Any]] = {}
+    for text in manifests.values():
+        for obj in parse_docs(text):
+            key = obj["kind"]
+            if key == "ConfigMap":
+                key += ":" + obj["metadata"]["name"].rsplit("-", 1)[-1]
+            assert key not in objects, f"two {key} objects"
+            objects[key] = obj
+    return objects
+
+
+def with_ap(**ap: Any) -> dict[str, Any]:
+    return {"ap": {**MINIMAL["ap"], **ap}}
+
+
+def container(objects: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    assert len(pod["containers"]) == 1
+    c: dict[str, Any] = pod["containers"][0]
+    return c
+
+
+def env_of(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env") or []}
+
+
+def exported_names() -> set[str]:
+    """Sample names of a fresh Metrics() with one of every label set in use."""
+    m = Metrics()
+    queue = m.queue("q", "q", "default")
+    queue.dead_letter("no_id")
+    queue.gate_gauges("pool")
+    m.pool_worker_limit.labels("default").set(1)
+    return {s.name for family in m.registry.collect() for s in family.samples}
+
+
+# ---------------------------------------------------------------- every example renders
+
+
+def test_there_are_examples() -> None:
+    assert len(EXAMPLES) >= 4
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_example_lints_clean(example: Path) -> None:
+    report = helm.lint(str(CHART), load_values(example), strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_example_passes_the_schema(example: Path) -> None:
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(load_values(example))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_example_renders_args_and_files_the_daemon_accepts(example: Path, tmp_path: Path) -> None:
+    """The rendered args + ConfigMap files go through the daemon's own config loader."""
+    values = load_values(example)
+    objects = render(values)
+    for name, text in objects["ConfigMap:config"]["data"].items():
+        (tmp_path / name).write_text(text)
+    for secret_file in ("ca.crt", "tls.crt", "tls.key", "token"):
+        (tmp_path / secret_file).write_text("x")
+    mounts = (CONFIG_DIR, "/etc/tls", "/etc/async-processor/metrics-token")
+    args = container(objects)["args"]
+    assert args[0] == "run"
+    local = [re.sub("|".join(map(re.escape, mounts)), str(tmp_path), a) for a in args[1:]]
+    config = load_config(local, {"REDIS_URL": "redis://redis:6379"})
+    ap = values["ap"]
+    assert config.transport == ap["transport"]
+    entries = ap["transportConfig"].get("queues") or ap["transportConfig"]["topics"]
+    assert len(config.queue_specs()) == len(entries)
+    assert [p.id for p in config.pools] == [p["id"] for p in ap.get("workerPools", [])]
+    assert config.runtime.drain_timeout == parse_duration(ap.get("drainTimeout", "2m"))
+
+
+# ------------------------------------------------------------------ the Deployment shape
+
+
+def test_deployment_args_env_mounts_and_probes() -> None:
+    objects = render(load_values(CHART / "ci" / "sortedset-values.yaml"))
+    c = container(objects)
+    assert c["args"] == [
+        "run",
+        "--transport=redis-sortedset",
+        f"--transport-config-file={CONFIG_DIR}/transport-config.json",
+        f"--pool-config-file={CONFIG_DIR}/worker-pools.json",
+        f"--request-merge-policy-config-file={CONFIG_DIR}/request-merge-policy.json",
+        "--concurrency=64",
+        "--drain-timeout=3m",
+        "--request-timeout=10m",
+        "--prometheus-url=http://prometheus-operated.monitoring.svc:9090",
+        "--prometheus-cache-ttl=5s",
+        "--health-port=8081",
+        "--metrics-port=9090",
+        "--log-level=info",
+        "--log-format=json",
+    ]
+    assert env_of(c)["REDIS_URL"] == {"secretKeyRef": {"name": "redis-creds", "key": "url"}}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["config"] == {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
+    assert mounts["tmp"]["mountPath"] == "/tmp"
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == "demo-async-processor-config"
+    assert "emptyDir" in volumes["tmp"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"metrics": 9090, "health": 8081}
+    assert pod["terminationGracePeriodSeconds"] == 190
+    assert pod["affinity"]["podAntiAffinity"]
+    assert pod["serviceAccountName"] == objects["ServiceAccount"]["metadata"]["name"]
+
+
+def test_container_runs_non_root_with_a_read_only_root_filesystem() -> None:
+    objects = render(MINIMAL)
+    sc = container(objects)["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["runAsNonRoot"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    pod_sc = objects["Deployment"]["spec"]["template"]["spec"]["securityContext"]
+    assert pod_sc["runAsUser"] != 0
+    assert pod_sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container(objects)["resources"]["limits"]["memory"]
+
+
+@pytest.mark.parametrize("drain", ["2m", "90s", "1m30s", "1.5m", "1h30m", "0", "500ms", "2m0.5s"])
+def test_grace_period_is_the_drain_timeout_plus_ten_seconds(drain: str) -> None:
+    pod = render(with_ap(drainTimeout=drain))["Deployment"]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == math.ceil(parse_duration(drain)) + 10
+
+
+def test_config_checksum_follows_the_config_files_only() -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        pod = render(values)["Deployment"]["spec"]["template"]
+        return str(pod["metadata"]["annotations"]["checksum/config"])
+
+    base = checksum(MINIMAL)
+    assert checksum(with_ap(transportConfig={"queues": [{"queue_name": "other"}]})) != base
+    assert checksum(with_ap(workerPools=[{"id": "default", "workers": 3}])) != base
+    assert checksum(with_ap(concurrency=3)) == base
+
+
+def test_gateway_url_is_filled_only_where_missing() -> None:
+    values = with_ap(
+        transportConfig={
+            "queues": [
+                {"queue_name": "a"},
+                {"queue_name": "b", "igw_base_url": "https://own.example"},
+            ]
+        }
+    )
+    data = render(values)["ConfigMap:config"]["data"]
+    queues = json.loads(data["transport-config.json"])["queues"]
+    assert [q["igw_base_url"] for q in queues] == [
+        "http://gateway.llm-d.svc",
+        "https://own.example",
+    ]
+    assert set(data) == {"transport-config.json"}
+
+
+def test_gcp_example_traces_and_mounts_the_tls_secret() -> None:
+    objects = render(load_values(CHART / "ci" / "gcp-pubsub-values.yaml"))
+    c = container(objects)
+    env = env_of(c)
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability.svc:4317"
+    assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.1"
+    assert env["OTEL_SERVICE_NAME"] == "async-processor"
+    assert "k8s.pod.name=$(POD_NAME)" in env["OTEL_RESOURCE_ATTRIBUTES"]
+    assert "REDIS_URL" not in env
+    assert {"--tls-ca-cert=/etc/tls/ca.crt", "--tls-cert=/etc/tls/tls.crt"} <= set(c["args"])
+    assert {"--tls-key=/etc/tls/tls.key", "--log-level=debug"} <= set(c["args"])
+    tls = next(m for m in c["volumeMounts"] if m["name"] == "tls")
+    assert tls["mountPath"] == "/etc/tls" and tls["readOnly"] is True
+    sa = objects["ServiceAccount"]["metadata"]["annotations"]
+    assert sa["iam.gke.io/gcp-service-account"].startswith("async-processor@")
+
+
+def test_otel_env_is_absent_without_an_endpoint() -> None:
+    assert not [k for k in env_of(container(render(MINIMAL))) if k.startswith("OTEL_")]
+
+
+def test_insecure_skip_verify_is_passed_as_a_flag() -> None:
+    values = with_ap(tls={"insecureSkipVerify": True})
+    assert "--tls-insecure-skip-verify=true" in container(render(values))["args"]
+
+
+def test_keda_example_scales_on_the_broker_backlog() -> None:
+    objects = render(load_values(CHART / "ci" / "keda-values.yaml"))
+    assert "replicas" not in objects["Deployment"]["spec"]  # KEDA owns the count
+    scaled = objects["ScaledObject"]["spec"]
+    assert scaled["scaleTargetRef"]["name"] == objects["Deployment"]["metadata"]["name"]
+    assert (scaled["minReplicaCount"], scaled["maxReplicaCount"]) == (2, 20)
+    trigger = scaled["triggers"][0]
+    assert trigger["type"] == "prometheus"
+    assert "llm_d_async_async_broker_backlog" in trigger["metadata"]["query"]
+    assert f'namespace="{NAMESPACE}"' in trigger["metadata"]["query"]
+    assert trigger["metadata"]["threshold"] == "500"
+    assert objects["PodDisruptionBudget"]["spec"] == {
+        "minAvailable": 1,
+        "selector": objects["Deployment"]["spec"]["selector"],
+    }
+
+
+def test_metrics_bearer_token_reaches_daemon_and_pod_monitor() -> None:
+    objects = render(load_values(CHART / "ci" / "keda-values.yaml"))
+    args = container(objects)["args"]
+    assert "--metrics-bearer-token-file=/etc/async-processor/metrics-token/token" in args
+    endpoint = objects["PodMonitor"]["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["bearerTokenSecret"] == {
+        "name": "async-processor-metrics-token",
+        "key": "token",
+    }
+    assert endpoint["port"] == "metrics"
+
+
+def test_redis_url_lives_only_in_the_secret() -> None:
+    url = "redis://:s3cret@redis.example:6379/0"
+    objects = render(with_ap(redis={"enabled": True, "url": url}))
+    assert objects["Secret"]["stringData"] == {"url": url}
+    ref = env_of(container(objects))["REDIS_URL"]["secretKeyRef"]
+    assert ref == {"name": objects["Secret"]["metadata"]["name"], "key": "url"}
+    others = [o for k, o in objects.items() if k != "Secret"]
+    assert "s3cret" not in json.dumps(others)
+
+
+def test_optional_objects_are_off_by_default() -> None:
+    kinds = set(render(MINIMAL))
+    assert {"PodMonitor", "PrometheusRule", "ScaledObject", "ConfigMap:dashboards"}.isdisjoint(
+        kinds
+    )
+    assert {"Deployment", "ServiceAccount", "Service", "PodDisruptionBudget"} <= kinds
+
+
+def test_metrics_service_targets_the_pods() -> None:
+    objects = render(MINIMAL)
+    service = objects["Service"]["spec"]
+    assert service["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics",
+                                 "protocol": "TCP"}]  # fmt: skip
+    assert service["selector"] == objects["Deployment"]["spec"]["selector"]["matchLabels"]
+
+
+# ----------------------------------------------------------------- render-time failures
+
+
+@pytest.mark.parametrize(
+    ("ap", "message"),
+    [
+        ({"igwBaseURL": ""}, "has no igw_base_url and ap.igwBaseURL is empty"),
+        ({"transportConfig": {}}, "ap.transportConfig.queues is empty"),
+        ({"redis": {"enabled": True}}, "neither ap.redis.url nor ap.redis.secretName"),
+        ({"redis": {"enabled": False}}, "needs a Redis URL"),
+        (
+            {
+                "redis": {"enabled": False},
+                "transportConfig": {"url": "redis://:pw@r:6379", "queues": [{"queue_name": "q"}]},
+            },
+            "carries credentials",
+        ),
+        (
+            {
+                "transport": "gcp-pubsub",
+                "transportConfig": {"result_topic_id": "r", "topics": [{"subscriber_id": "s"}]},
+            },
+            "project_id is required",
+        ),
+        ({"tls": {"secretName": "t", "certKey": "tls.crt"}}, "must be set together"),
+        ({"tls": {"caCertKey": "ca.crt"}}, "ap.tls.secretName, which is empty"),
+        ({"keda": {"enabled": True}}, "needs ap.keda.serverAddress"),
+        (
+            {"keda": {"enabled": True, "serverAddress": "http://p", "minReplicaCount": 0}},
+            "minReplicaCount must be >= 1",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_bad_values_fail_at_render_with_a_clear_message(ap: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        render(with_ap(**ap))
+
+
+def test_default_values_fail_until_a_queue_is_configured() -> None:
+    with pytest.raises(helm.HelmRenderError, match=r"transportConfig\.queues is empty"):
+        render({})
+
+
+@pytest.mark.parametrize(
+    ("ap", "where"),
+    [
+        ({"drainTimeout": "2 minutes"}, "/ap/drainTimeout"),
+        ({"transport": "kafka"}, "/ap/transport"),
+        ({"concurrency": 0}, "/ap/concurrency"),
+        ({"concurrencyy": 8}, "concurrencyy"),
+        ({"transportConfig": {"queues": [{"queue_name": "q", "igw_url": "x"}]}}, "igw_url"),
+        ({"workerPools": [{"id": "p"}]}, "/ap/workerPools/0"),
+        ({"requestMergePolicyConfig": {"type": "round-robin"}}, "requestMergePolicyConfig"),
+        ({"logging": {"level": "verbose"}}, "/ap/logging/level"),
+        ({"health": {"port": 70000}}, "/ap/health/port"),
+    ],
+)
+def test_schema_rejects_bad_values(ap: dict[str, Any], where: str) -> None:
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmValuesError, match=where):
+        chart.validate_schema(with_ap(**ap))
+
+
+def test_schema_knows_exactly_the_daemon_config_fields() -> None:
+    """The schema's strict objects list the fields the daemon's models accept."""
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["ap"]
+    props = schema["properties"]
+
+    def fields(*models: Any) -> set[str]:
+        return {f.alias or name for m in models for name, f in m.model_fields.items()}
+
+    transport = props["transportConfig"]["properties"]
+    assert set(transport) == fields(SortedSetConfig, RedisPubSubConfig, GcpPubSubConfig)
+    assert set(transport["queues"]["items"]["properties"]) == fields(
+        SortedSetQueue, RedisQueue, PubSubTopic
+    )
+    assert set(props["workerPools"]["items"]["properties"]) == fields(PoolConfig)
+    assert set(props["requestMergePolicyConfig"]["properties"]) == fields(MergePolicyConfig)
+    transforms = props["transformConfig"]["properties"]
+    assert set(transforms) == fields(TransformConfig)
+    assert set(transforms["requestTransforms"]["items"]["properties"]) == fields(TransformEntry)
+
+
+# ------------------------------------------------------------------ alerts and dashboard
+
+
+def rules_of(objects: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    groups: list[dict[str, Any]] = objects["PrometheusRule"]["spec"]["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+ALERTS = {
+    "AsyncProcessorHighRetryRate": "0.5",
+    "AsyncProcessorHighDeadlineExceededRate": "0.1",
+    "AsyncProcessorLowSuccessRate": "0.9",
+    "AsyncProcessorHighShedRate": "0.1",
+    "AsyncProcessorBacklogGrowing": "100",
+    "AsyncProcessorDispatchBudgetZero": "== 0",
+    "AsyncProcessorGateMetricSourceUnavailable": "== 0",
+    "AsyncProcessorDeadLetters": "> 0",
+}
+
+
+def test_rules_carry_the_reference_alerts_and_ours() -> None:
+    rules = rules_of(render(with_ap(prometheusRule={"enabled": True})))
+    by_name = {r["alert"]: r for r in rules}
+    assert set(by_name) == set(ALERTS)
+    for name, threshold in ALERTS.items():
+        assert threshold in by_name[name]["expr"], name
+        assert f'namespace="{NAMESPACE}"' in by_name[name]["expr"]
+    assert by_name["AsyncProcessorLowSuccessRate"]["labels"]["severity"] == "critical"
+    assert by_name["AsyncProcessorHighRetryRate"]["for"] == "15m"
+
+
+def test_each_alert_can_be_turned_off_or_retuned() -> None:
+    rules = {"highShedRate": {"enabled": False}, "lowSuccessRate": {"threshold": 0.75}}
+    by_name = {
+        r["alert"]: r
+        for r in rules_of(render(with_ap(prometheusRule={"enabled": True, "rules": rules})))
+    }
+    assert "AsyncProcessorHighShedRate" not in by_name
+    assert by_name["AsyncProcessorLowSuccessRate"]["expr"].endswith("< 0.75")
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    return path
+
+
+def write_rules(tmp_path: Path) -> list[dict[str, Any]]:
+    rules = render(load_values(CHART / "ci" / "sortedset-values.yaml"))["PrometheusRule"]
+    groups: list[dict[str, Any]] = rules["spec"]["groups"]
+    (tmp_path / "rules.yaml").write_text(json.dumps({"groups": groups}))  # JSON is YAML
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def test_promtool_accepts_the_rendered_rules(tmp_path: Path) -> None:
+    tool = promtool()
+    rules = write_rules(tmp_path)
+    done = subprocess.run(
+        [tool, "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in done.stdout
+
+
+def series(name: str, values: str, **labels: str) -> dict[str, str]:
+    text = ",".join(f'{k}="{v}"' for k, v in {"namespace": NAMESPACE, **labels}.items())
+    return {"series": f"{name}{{{text}}}", "values": values}
+
+
+def expected(rule: dict[str, Any], **labels: str) -> dict[str, Any]:
+    """The alert promtool should see: labels, and annotations with $labels expanded."""
+
+    def expand(text: str) -> str:
+        return re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels.get(m.group(1), ""), text)
+
+    annotations = {k: expand(v) for k, v in rule["annotations"].items()}
+    return {"exp_labels": {**labels, **rule["labels"]}, "exp_annotations": annotations}
+
+
+def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
+    """Synthetic series drive four alerts over their threshold, and one stays quiet."""
+    tool = promtool()
+    rules = {r["alert"]: r for r in write_rules(tmp_path)}
+    p = "llm_d_async_async_"
+    q = {"queue_id": "q", "queue_name": "q", "pool_name": "default"}
+    inputs = [
+        series(p + "request_total", "0+10x60", **q),
+        series(p + "request_retries_total", "0+6x60", **q),
+        series(p + "successful_requests_total", "0+10x60", **q),
+        series(p + "broker_backlog", "0+50x60", **q, pod="a"),
+        series(p + "dispatch_budget", "0x60", **q, pod="a"),
+        series(p + "dead_letter_total", "0x20 1x40", **q, reason="no_id"),
+    ]
+    queue = {"queue_id": "q", "queue_name": "q"}
+    cases = [
+        ("AsyncProcessorHighRetryRate", "30m", [expected(rules["AsyncProcessorHighRetryRate"])]),
+        ("AsyncProcessorLowSuccessRate", "30m", []),
+        ("AsyncProcessorBacklogGrowing", "50m",
+         [expected(rules["AsyncProcessorBacklogGrowing"], **queue)]),
+        ("AsyncProcessorDispatchBudgetZero", "30m",
+         [expected(rules["AsyncProcessorDispatchBudgetZero"], **q)]),
+        ("AsyncProcessorDeadLetters", "25m",
+         [expected(rules["AsyncProcessorDeadLetters"], queue_name="q", reason="no_id")]),
+    ]  # fmt: skip
+    suite = {
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": inputs,
+                "alert_rule_test": [
+                    {"eval_time": at, "alertname": name, "exp_alerts": alerts}
+                    for name, at, alerts in cases
+                ],
+            }
+        ],
+    }
+    (tmp_path / "test.yaml").write_text(json.dumps(suite))
+    done = subprocess.run(
+        [tool, "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def dashboard() -> dict[str, Any]:
+    board: dict[str, Any] = json.loads((CHART / "dashboards" / "async-processor.json").read_text())
+    return board
+
+
+def queried_metrics(exprs: list[str]) -> set[str]:
+    names = {n for e in exprs for n in METRIC_NAME.findall(e)}
+    assert names, "no metric names found"
+    return names
+
+
+def dashboard_exprs(board: dict[str, Any]) -> list[str]:
+    return [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_queries_only_metrics_the_daemon_exports() -> None:
+    board = dashboard()
+    assert board["uid"] == "async-processor"
+    names = queried_metrics(dashboard_exprs(board))
+    assert names <= exported_names(), names - exported_names()
+    families = {n.removesuffix("_bucket") for n in names}
+    for wanted in (
+        "inference_latency_time_millis",
+        "queue_residence_time_millis",
+        "broker_backlog",
+        "dispatch_budget",
+        "inflight_requests",
+        "dead_letter_total",
+    ):
+        assert "llm_d_async_async_" + wanted in families, wanted
+
+
+def test_every_dashboard_query_is_scoped_to_the_namespace_variable() -> None:
+    board = dashboard()
+    for expr in dashboard_exprs(board):
+        for selector in re.findall(r"llm_d_async_[a-z0-9_]+(\{[^}]*\})?", expr):
+            assert selector == '{namespace="$namespace"}', expr
+    variables = {v["name"] for v in board["templating"]["list"]}
+    assert {"namespace", "datasource"} <= variables
+
+
+def test_alert_rules_query_only_metrics_the_daemon_exports() -> None:
+    rules = rules_of(render(with_ap(prometheusRule={"enabled": True})))
+    names = queried_metrics([r["expr"] for r in rules])
+    assert names <= exported_names(), names - exported_names()
+
+
+def test_dashboard_configmap_carries_the_dashboard_file() -> None:
+    values = with_ap(grafana={"dashboards": {"enabled": True, "labelValue": "yes"}})
+    config_map = render(values)["ConfigMap:dashboards"]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "yes"
+    assert json.loads(config_map["data"]["async-processor.json"]) == dashboard()
