@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
 from types import ModuleType
 from typing import Any
 
@@ -69,7 +70,7 @@ def run(argv: Sequence[str], env: Mapping[str, str]) -> int:
     settings = parse_settings(argv, env)
     configure_logging(settings.log_level, settings.log_format)
     config = build_config(settings, env)
-    log.info("config_loaded", config=effective_config(config))
+    log.info("starting", version=_version(), config=effective_config(config))
     processor = _import("processor", "run")
     anyio.run(processor.run, config)
     return 0
@@ -93,6 +94,13 @@ def effective_config(config: AppConfig) -> dict[str, Any]:
     data = config.model_dump(mode="json", by_alias=True)
     masked: dict[str, Any] = redact(data)
     return masked
+
+
+def _version() -> str:
+    try:
+        return metadata.version("async-processor")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _split(args: list[str]) -> tuple[str, list[str]]:

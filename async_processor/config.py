@@ -427,7 +427,11 @@ def flag_parser(prog: str = "async-processor run") -> argparse.ArgumentParser:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """Flag values as given (flag, else environment); absent ones take the defaults."""
+    """Flag values as given (flag, else environment); absent ones take the defaults.
+
+    An empty environment variable counts as unset (Kubernetes renders unset values as
+    ""); an empty flag value is kept (``--deadline-header=`` turns the header off).
+    """
 
     values: Mapping[str, str]
     sources: Mapping[str, str]  # dest -> "--flag" or "ENV_NAME", for error messages
