@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import importlib
 
+from async_processor.errors import ConfigError
 from async_processor.transports.base import TRANSPORTS, Transport, TransportContext
 
-# Modules that register transport types in ``TRANSPORTS`` when imported.
-_TRANSPORT_MODULES: tuple[str, ...] = ("redis_sortedset",)
+# Transport type -> the module that registers it in ``TRANSPORTS``. Only the one in use
+# is imported, so a Redis deployment never loads the Pub/Sub client libraries.
+TRANSPORT_MODULES: dict[str, str] = {
+    "redis-sortedset": "redis_sortedset",
+    "redis-pubsub": "redis_pubsub",
+    "gcp-pubsub": "gcp_pubsub",
+}
 
 
 def build_transport(kind: str, config: object, ctx: TransportContext) -> Transport:
-    for name in _TRANSPORT_MODULES:
-        importlib.import_module(f"async_processor.transports.{name}")
+    module = TRANSPORT_MODULES.get(kind)
+    if module is None:
+        known = ", ".join(sorted(TRANSPORT_MODULES))
+        raise ConfigError(f"unknown transport {kind!r} (known: {known})")
+    importlib.import_module(f"async_processor.transports.{module}")
     return TRANSPORTS.build(kind, _as_mapping(config), ctx)
 
 
