@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -180,3 +182,14 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "--request-timeout" in out and "ASYNC_PROCESSOR_REQUEST_TIMEOUT" in out
     assert "default: 5m" in out
+
+
+def test_python_dash_m_entry_point() -> None:
+    env = {"PATH": os.environ.get("PATH", ""), "ASYNC_PROCESSOR_CONCURRENCY": "zero"}
+    done = subprocess.run(
+        [sys.executable, "-m", "async_processor", "--transport-config", "{}"],
+        capture_output=True, text=True, env=env, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.startswith("async-processor: config error: ")
+    assert len(done.stderr.splitlines()) == 1
