@@ -1,0 +1,175 @@
+"""Dockerfile, checked statically (no Docker engine here): stages, user, entrypoint, contents.
+
+A small parser reads the instructions (continuations joined, comments dropped) and splits
+them into stages; the checks are what a reviewer would look for in the image definition.
+It does not build the image, so a broken RUN step would only show in a real build.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+COMPILERS = ("build-essential", "gcc", "g++", "clang", "make", "python3-dev", "libc6-dev")
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[str]:
+        return [rest for kw, rest in self.instructions if kw == keyword]
+
+    def env(self) -> dict[str, str]:
+        pairs = [p for rest in self.all("ENV") for p in shlex.split(rest)]
+        return dict(p.split("=", 1) for p in pairs)
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) per instruction, with backslash continuations joined."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        keyword, _, rest = (pending + line).partition(" ")
+        out.append((keyword.upper(), " ".join(rest.split())))
+        pending = ""
+    assert not pending, "dangling line continuation"
+    return out
+
+
+def parse(text: str) -> list[Stage]:
+    args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for keyword, rest in instructions(text):
+        if keyword == "ARG" and not stages:
+            name, _, default = rest.partition("=")
+            args[name] = default
+        elif keyword == "FROM":
+            words = rest.split()
+            base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], words[0])
+            name = words[2] if len(words) > 2 and words[1].upper() == "AS" else ""
+            stages.append(Stage(base, name))
+        else:
+            assert stages, f"{keyword} before the first FROM"
+            stages[-1].instructions.append((keyword, rest))
+    return stages
+
+
+@pytest.fixture(scope="module")
+def stages() -> list[Stage]:
+    return parse(DOCKERFILE.read_text())
+
+
+def test_multi_stage_on_slim_python_311(stages: list[Stage]) -> None:
+    assert len(stages) >= 2
+    for stage in stages:
+        assert re.fullmatch(r"python:3\.11-slim(-\w+)?", stage.base), stage.base
+
+
+def test_final_stage_runs_as_the_charts_non_root_user(stages: list[Stage]) -> None:
+    users = stages[-1].all("USER")
+    assert users, "the final stage sets no USER"
+    uid, _, gid = users[-1].partition(":")
+    assert uid.isdigit() and int(uid) != 0, "numeric non-root UID (runAsNonRoot can verify it)"
+    assert not gid or int(gid) != 0
+    values = (ROOT / "charts" / "async-processor" / "values.yaml").read_text()
+    assert f"runAsUser: {uid}" in values
+
+
+def test_entrypoint_is_the_console_script(stages: list[Stage]) -> None:
+    assert json.loads(stages[-1].all("ENTRYPOINT")[-1]) == ["async-processor"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert "async-processor" in scripts
+    assert json.loads(stages[-1].all("CMD")[-1]) == ["run"]
+
+
+def test_no_compiler_or_package_install_in_the_final_stage(stages: list[Stage]) -> None:
+    final = stages[-1]
+    for command in final.all("RUN"):
+        assert "pip install" not in command, command
+        assert "apt-get install" not in command, command
+        assert not [c for c in COMPILERS if re.search(rf"(^|\s){re.escape(c)}(\s|$)", command)]
+    copies = final.all("COPY")
+    earlier = {s.name for s in stages[:-1]}
+    assert copies and all(c.startswith("--from=") for c in copies), copies
+    assert {c.split()[0].removeprefix("--from=") for c in copies} <= earlier
+
+
+def test_nothing_is_written_at_run_time(stages: list[Stage]) -> None:
+    """Bytecode is compiled in the build stage and never written in the read-only image."""
+    assert stages[-1].env()["PYTHONDONTWRITEBYTECODE"] == "1"
+    assert stages[-1].env()["HOME"] == "/tmp"  # the chart's emptyDir
+    assert any("compileall" in run for run in stages[0].all("RUN"))
+
+
+def test_exposed_ports_match_the_daemon_defaults(stages: list[Stage]) -> None:
+    from async_processor.config import RuntimeConfig
+
+    defaults = RuntimeConfig()
+    exposed = {int(p) for rest in stages[-1].all("EXPOSE") for p in rest.split()}
+    assert exposed == {defaults.health_port, defaults.metrics_port}
+
+
+def ignored(path: str, patterns: list[str]) -> bool:
+    """.dockerignore semantics for plain patterns: last match wins, ``!`` re-includes.
+
+    Enough for our file (``*`` then re-includes); not a full Go filepath.Match port.
+    """
+    result = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.removeprefix("!").rstrip("/")
+        parts = path.split("/")
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        if any(fnmatch.fnmatchcase(p, pattern) for p in prefixes):
+            result = not negate
+    return result
+
+
+def test_build_context_holds_what_the_build_copies(stages: list[Stage]) -> None:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [p.strip() for p in lines if p.strip() and not p.startswith("#")]
+    sources = [
+        src
+        for copy in stages[0].all("COPY")
+        if not copy.startswith("--from=")
+        for src in copy.split()[:-1]
+    ]
+    assert sources
+    for src in sources:
+        assert (ROOT / src).exists(), src
+        assert not ignored(src, patterns), f"{src} is excluded by .dockerignore"
+    assert not ignored("async_processor/transports/lua/claim.lua", patterns)
+    for private in (".venv/bin/python", ".git/config", "tests/conftest.py"):
+        assert ignored(private, patterns), private
+
+
+def test_the_parser_sees_a_root_user_and_a_compiler() -> None:
+    """The checks above can fail: a bad Dockerfile trips them."""
+    bad = parse(
+        "ARG B=python:3.11-slim\nFROM ${B} AS build\nRUN true\n"
+        "FROM ${B}\nRUN apt-get install -y \\\n  build-essential\nUSER root\n"
+    )
+    assert bad[1].base == "python:3.11-slim"
+    assert bad[1].all("USER") == ["root"]
+    with pytest.raises(AssertionError):
+        test_no_compiler_or_package_install_in_the_final_stage(bad)
+    with pytest.raises((AssertionError, ValueError)):
+        test_final_stage_runs_as_the_charts_non_root_user(bad)
