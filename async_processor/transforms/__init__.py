@@ -56,14 +56,13 @@ class TransformChain:
 
 
 def build_transform_chain(config: TransformConfig, ctx: TransformContext) -> TransformChain:
-    """Build every entry; an unknown type, bad parameter or repeated name is a ConfigError."""
+    """Build every entry (names are unique: ``TransformConfig`` checks that).
+
+    An unknown type or a bad parameter is a one-line ConfigError naming the entry.
+    """
     steps: list[tuple[TransformEntry, Transform]] = []
-    seen: set[str] = set()
     for index, entry in enumerate(config.request_transforms):
         where = f"requestTransforms[{index}] ({entry.name})"
-        if entry.name in seen:
-            raise ConfigError(f"{where}: duplicate transform plugin name {entry.name!r}")
-        seen.add(entry.name)
         try:
             transform = TRANSFORMS.build(
                 entry.type, entry.parameters, replace(ctx, name=entry.name)

@@ -8,6 +8,8 @@ the field ``url`` (the signed URL) first, then every other payload field in payl
 ``validate`` rejects before any gate or HTTP work: a payload that is not a JSON object, an
 inline ``file_base64`` next to ``gcs_uri``, and a signed URL that expires at or before
 the request deadline (V4 ``X-Goog-Date`` + ``X-Goog-Expires``, else V2 ``Expires``).
+``apply`` checks the same on the body it rewrites, which covers payloads fetched by
+``payload_url`` (a message without a payload passes ``validate``).
 """
 
 from __future__ import annotations
@@ -51,34 +53,38 @@ class GcsMultipart:
 
     def validate(self, envelope: Envelope) -> None:
         request = envelope.request
-        if request.metadata.get(PROVIDER_KEY) not in self._providers:
-            return
-        fields = _fields(request.payload, envelope)
-        uri = _gcs_uri(fields)
-        if uri is None:
-            return
-        _reject_inline(fields, envelope)
-        expiry = signed_url_expiry(uri)
-        if expiry is not None and expiry <= request.deadline:
-            raise InvalidMessage(
-                f"signed URL expires at {_rfc3339(expiry)}, at or before the request deadline "
-                f"{_rfc3339(request.deadline)}",
-                reason="signed_url_expired",
-                request_id=envelope.id,
-            )
+        # A message without a payload may get one later (payload_url): apply checks it then.
+        if request.metadata.get(PROVIDER_KEY) in self._providers and request.payload != b"null":
+            self._usable_uri(_fields(request.payload, envelope), envelope)
 
     async def apply(self, envelope: Envelope, out: Outgoing) -> None:
         if out.body_claimed or envelope.request.metadata.get(PROVIDER_KEY) not in self._providers:
             return
         fields = _fields(out.body, envelope)
-        uri = _gcs_uri(fields)
+        uri = self._usable_uri(fields, envelope)
         if uri is None:
             return
-        _reject_inline(fields, envelope)
         form = [(URL_FORM_FIELD, uri)]
         form += [(key, _form_value(fields, key)) for key in fields.spans if key != GCS_URI_FIELD]
         out.body, out.content_type = multipart_form(form)
         out.body_claimed = True
+
+    def _usable_uri(self, fields: Fields, envelope: Envelope) -> str | None:
+        """The signed URL to send, None when there is none; fatal when it cannot work."""
+        uri = _gcs_uri(fields)
+        if uri is None:
+            return None
+        _reject_inline(fields, envelope)
+        expiry = signed_url_expiry(uri)
+        deadline = envelope.request.deadline
+        if expiry is not None and expiry <= deadline:
+            raise InvalidMessage(
+                f"signed URL expires at {_rfc3339(expiry)}, at or before the request deadline "
+                f"{_rfc3339(deadline)}",
+                reason="signed_url_expired",
+                request_id=envelope.id,
+            )
+        return uri
 
 
 def signed_url_expiry(uri: str) -> float | None:

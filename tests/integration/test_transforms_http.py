@@ -1,0 +1,177 @@
+"""Transforms over real HTTP: payload_url against a local server, multipart parsed by aiohttp."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from async_processor.config import TransformConfig
+from async_processor.errors import InvalidMessage, PayloadUnavailable
+from async_processor.messages import Envelope, Request
+from async_processor.transforms import TransformChain, build_transform_chain
+from async_processor.transforms.base import Outgoing, TransformContext
+from tests.fixtures.servers import free_port
+
+pytestmark = pytest.mark.anyio
+
+LIMIT = 1024
+PAYLOAD = b'{"model": "m", "prompt": "from the store", "n": 12345678901234567890}'
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Server:
+    url: str
+    hits: Counter[str] = field(default_factory=Counter)
+    forms: list[list[tuple[str, str]]] = field(default_factory=list)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Server]:
+    state = Server(url="")
+
+    async def payload(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        state.hits[name] += 1
+        if name == "flaky" and state.hits[name] <= 2:
+            return web.Response(status=(404, 500)[state.hits[name] - 1])
+        if name == "never":
+            return web.Response(status=503)
+        if name == "big":
+            return web.Response(body=b"{" + b" " * LIMIT + b"}")
+        if name == "big-chunked":
+            response = web.StreamResponse()
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            for _ in range(4):
+                await response.write(b" " * (LIMIT // 2))
+            return response
+        if name == "text":
+            return web.Response(text="not json")
+        return web.Response(body=PAYLOAD, content_type="application/json")
+
+    async def gateway(request: web.Request) -> web.Response:
+        reader = await request.multipart()
+        fields = []
+        while (part := await reader.next()) is not None:
+            assert isinstance(part, aiohttp.BodyPartReader)
+            assert part.filename is None  # plain fields, never file parts
+            fields.append((str(part.name), await part.text()))
+        state.forms.append(fields)
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_get("/payload/{name}", payload)
+    app.router.add_post("/v1/audio", gateway)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    state.url = f"http://127.0.0.1:{port}"
+    try:
+        yield state
+    finally:
+        await runner.cleanup()
+
+
+def chain(*entries: dict[str, Any], http: aiohttp.ClientSession | None = None) -> TransformChain:
+    config = TransformConfig.model_validate({"requestTransforms": list(entries)})
+    return build_transform_chain(config, TransformContext(http=http, max_message_bytes=LIMIT))
+
+
+FETCH = {
+    "name": "fetch",
+    "type": "payload_url",
+    "parameters": {"backoff_initial": 0.02, "backoff_max": 0.1, "attempt_timeout": 1},
+}
+
+
+async def fetch(c: TransformChain, url: str, budget: float = 5.0, **meta: str) -> Outgoing:
+    metadata = {"payload_url": url, **meta}
+    env = Envelope(request=Request(id="r", deadline=int(time.time() + 60), metadata=metadata))
+    c.validate(env)
+    out = Outgoing(url="u", body=env.request.payload, deadline=time.time() + budget)
+    await c.apply(env, out)
+    return out
+
+
+async def test_payload_is_fetched_verbatim_with_a_shared_session(server: Server) -> None:
+    async with aiohttp.ClientSession() as session:
+        out = await fetch(chain(FETCH, http=session), f"{server.url}/payload/ok?sig=secret")
+    assert out.body == PAYLOAD and not out.body_claimed
+
+
+async def test_404_then_500_then_success_is_retried(server: Server) -> None:
+    out = await fetch(chain(FETCH), f"{server.url}/payload/flaky")
+    assert out.body == PAYLOAD
+    assert server.hits["flaky"] == 3
+
+
+async def test_never_available_until_the_deadline_is_payload_unavailable(server: Server) -> None:
+    started = time.monotonic()
+    with pytest.raises(PayloadUnavailable) as info:
+        await fetch(chain(FETCH), f"{server.url}/payload/never?X-Goog-Signature=secret", 0.5)
+    elapsed = time.monotonic() - started
+    assert 0.45 <= elapsed < 3
+    assert server.hits["never"] >= 3  # retried, with backoff
+    assert str(info.value).startswith("transform fetch/payload_url: payload at http://127.0.0.1:")
+    assert "secret" not in str(info.value)
+
+
+async def test_unreachable_host_is_retried_until_the_deadline() -> None:
+    with pytest.raises(PayloadUnavailable):
+        await fetch(chain(FETCH), f"http://127.0.0.1:{free_port()}/payload", 0.3)
+
+
+@pytest.mark.parametrize("name", ["big", "big-chunked"])
+async def test_oversize_payload_is_invalid_at_once(server: Server, name: str) -> None:
+    with pytest.raises(InvalidMessage, match=f"exceeds the {LIMIT}-byte limit") as info:
+        await fetch(chain(FETCH), f"{server.url}/payload/{name}")
+    assert info.value.reason == "too_large"
+    assert server.hits[name] == 1
+
+
+async def test_fetched_body_that_is_not_json_is_invalid(server: Server) -> None:
+    with pytest.raises(InvalidMessage, match="not a JSON object"):
+        await fetch(chain(FETCH), f"{server.url}/payload/text")
+
+
+async def test_payload_url_must_be_http() -> None:
+    with pytest.raises(InvalidMessage, match="not an http"):
+        await fetch(chain(FETCH), "file:///etc/passwd")
+
+
+async def test_fetched_payload_flows_into_set_params_and_multipart(server: Server) -> None:
+    """payload_url -> set_params -> gcs_uri_multipart, posted to a gateway that parses it."""
+    signed = "https://storage.googleapis.com/b/a.wav?X-Goog-Date=20990101T000000Z&X-Goog-Expires=60"
+    store = {"name": "fetch", "type": "payload_url", "parameters": {}}
+    edit = {"name": "gcs-uri", "type": "set_params", "parameters": {"default": {"gcs_uri": signed}}}
+    audio = {"name": "audio", "type": "gcs_uri_multipart", "parameters": {"providers": ["openai"]}}
+    async with aiohttp.ClientSession() as session:
+        out = await fetch(
+            chain(store, edit, audio, http=session), f"{server.url}/payload/ok", provider="openai"
+        )
+        async with session.post(
+            f"{server.url}/v1/audio", data=out.body, headers={"Content-Type": out.content_type}
+        ) as response:
+            assert response.status == 200
+    assert server.forms == [
+        [
+            ("url", signed),
+            ("model", "m"),
+            ("prompt", "from the store"),
+            ("n", "12345678901234567890"),
+        ]
+    ]
