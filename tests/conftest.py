@@ -5,4 +5,5 @@ pytest_plugins = [
     "tests.fixtures.simulator",
     "tests.fixtures.daemon",
     "tests.fixtures.prometheus",
+    "tests.fixtures.pubsub",
 ]

@@ -1,0 +1,462 @@
+"""gcp-pubsub transport: unary pulls sized by demand, our own leases, ack after publish.
+
+Stage: broker I/O for ``--transport gcp-pubsub``. Input: ``GcpPubSubConfig`` (one
+subscription per topic entry; message data is the bare request JSON). Output:
+``Delivery`` objects for the poller; results published on ``result_topic_id``.
+
+Why unary ``Pull`` with the asyncio GAPIC client, not the streaming-pull ``SubscriberClient``
+(DESIGN.md §5.8): the poller asks for exactly as many messages as it has free workers
+(pool capacity x queue-gate budget), so flow control follows capacity with no callback
+threads, no hand-off buffer and nothing to tear down when a gate closes (the poller simply
+stops calling ``fetch``). Held messages are kept alive by ``run``: a lease loop extends
+every held message before its ack deadline runs out (``modify_ack_deadline``).
+
+Guarantees: at-least-once. ``complete`` acks a message only after its result's publish
+is confirmed; a failed ack after a confirmed publish is retried without publishing again
+(the receipt remembers). A redelivered message whose result this process already
+published is acked without a second result (best effort: per process, by message id;
+another replica or a restart can still publish a duplicate). ``defer`` honours the
+computed backoff through the ack deadline (capped at 600 s, the Pub/Sub maximum).
+``aclose`` nacks whatever is still held; publishes are awaited in ``complete``, so there
+is never an unflushed result. Honours ``PUBSUB_EMULATOR_HOST`` (insecure channel, no
+credentials) and Application Default Credentials otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from google.api_core import exceptions as gexc
+from google.auth.exceptions import GoogleAuthError
+from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
+from google.pubsub_v1.types import PubsubMessage, ReceivedMessage
+
+from async_processor.config import GcpPubSubConfig
+from async_processor.errors import TransportError
+from async_processor.messages import Envelope, Result, Routing, decode_request
+from async_processor.transports.base import (
+    TRANSPORTS,
+    Deferral,
+    Delivery,
+    QueueSpec,
+    TransportContext,
+)
+from async_processor.transports.gcp_backlog import BacklogReader
+
+log = structlog.get_logger(__name__)
+
+LEASE_SECONDS = 60  # ack deadline each extension buys
+EXTEND_BEFORE = 20.0  # extend a lease once less than this is left
+LEASE_TICK = 1.0
+MAX_ACK_DEADLINE = 600  # Pub/Sub's maximum; longer deferrals come back after 600 s
+PULL_GRACE = 1.0  # the pull RPC deadline is the fetch's wait plus this
+RPC_TIMEOUT = 10.0
+HEALTH_WINDOW = 30.0  # a pull/publish outcome newer than this decides readiness
+ACK_CHUNK = 1000  # ack ids per acknowledge / modify_ack_deadline request
+PUBLISH_CHUNK_COUNT = 1000  # Pub/Sub's per-request limits: 1000 messages, 10 MB
+PUBLISH_CHUNK_BYTES = 9 * 1024 * 1024
+STALE_GRACE = 300.0  # stop extending a message this long after its deadline (a leak)
+UNDECODED_HOLD = 600.0  # ... or this long after it was pulled when it never decoded
+DEDUP_MEMORY = 65536  # message ids whose result this process published
+
+
+@dataclass(slots=True)
+class Receipt:
+    """A delivery's Pub/Sub receipt and lease state."""
+
+    ack_id: str
+    subscription: str
+    message_id: str
+    delivery_attempt: int
+    publish_time: float  # wall clock seconds
+    lease_until: float  # monotonic
+    published: bool = False  # result confirmed; a retried complete only acks
+
+
+@dataclass(slots=True)
+class _Status:
+    ok_at: float = -math.inf
+    error_at: float = -math.inf
+    error: str = ""
+
+
+def resource_path(project: str, kind: str, name: str) -> str:
+    """``projects/<project>/<kind>/<name>``, or ``name`` as is when already a full path."""
+    return name if name.startswith("projects/") else f"projects/{project}/{kind}/{name}"
+
+
+def dead_letter_topic(subscription: str) -> str:
+    """The optional topic undecodable messages are copied to: ``<subscription>-dead-letter``."""
+    project, _, short = subscription.removeprefix("projects/").partition("/subscriptions/")
+    return f"projects/{project}/topics/{short}-dead-letter"
+
+
+class GcpPubSubTransport:
+    kind = "gcp-pubsub"
+
+    def __init__(
+        self,
+        config: GcpPubSubConfig,
+        ctx: TransportContext,
+        *,
+        backlog_reader: BacklogReader | None = None,
+    ) -> None:
+        self.config = config
+        self.queues: Sequence[QueueSpec] = config.queue_specs()
+        self._ctx = ctx
+        self._subscriptions = {
+            q.name: resource_path(config.project_id, "subscriptions", q.name) for q in self.queues
+        }
+        self._result_topic = resource_path(config.project_id, "topics", config.result_topic_id)
+        self._emulator = bool(os.environ.get("PUBSUB_EMULATOR_HOST"))
+        self._backlog = backlog_reader or BacklogReader(
+            config.project_id, enabled=not self._emulator
+        )
+        self._subscriber: SubscriberAsyncClient | None = None
+        self._publisher: PublisherAsyncClient | None = None
+        self._held: dict[str, Delivery] = {}  # ack id -> delivery, extended by run()
+        self._ack_deadlines: dict[str, int] = {}  # subscription -> its own ack deadline
+        self._status: dict[str, _Status] = defaultdict(_Status)  # resource -> last outcome
+        self._published: OrderedDict[str, None] = OrderedDict()  # "<sub>/<message id>"
+
+    # ------------------------------------------------------------------ clients
+
+    def _clients(self) -> tuple[SubscriberAsyncClient, PublisherAsyncClient]:
+        """Created on first use, inside the event loop their gRPC channels belong to."""
+        if self._subscriber is None or self._publisher is None:
+            try:
+                self._subscriber = SubscriberAsyncClient()
+                self._publisher = PublisherAsyncClient()
+            except GoogleAuthError as exc:
+                raise TransportError(f"pubsub credentials: {exc}") from exc
+        return self._subscriber, self._publisher
+
+    @contextmanager
+    def _rpc(self, resource: str, action: str) -> Iterator[None]:
+        """Record the outcome for readiness; a Google API failure becomes TransportError."""
+        try:
+            yield
+        except (gexc.GoogleAPIError, GoogleAuthError) as exc:
+            status = self._status[resource]
+            status.error_at, status.error = time.monotonic(), f"{type(exc).__name__}: {exc}"
+            raise TransportError(f"pubsub {action} on {resource} failed: {status.error}") from exc
+        self._status[resource].ok_at = time.monotonic()
+
+    # ------------------------------------------------------------------ fetch and decode
+
+    async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
+        """One Pull of up to ``limit`` messages; the server holds it up to about ``wait`` s."""
+        if limit <= 0:
+            return []
+        subscription = self._subscriptions[queue.name]
+        lease = await self._ack_deadline(subscription)
+        subscriber, _ = self._clients()
+        # Shielded: a pull cancelled mid-flight strands its messages until their deadline.
+        with anyio.CancelScope(shield=True), self._rpc(subscription, "pull"):
+            try:
+                response = await subscriber.pull(
+                    subscription=subscription,
+                    max_messages=limit,
+                    timeout=max(wait, 0.0) + PULL_GRACE,
+                    retry=None,
+                )
+            except gexc.DeadlineExceeded:
+                return []
+        deliveries = [self._hold(queue, subscription, m, lease) for m in response.received_messages]
+        try:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True), anyio.move_on_after(RPC_TIMEOUT):
+                await self.defer([Deferral(d, 0.0) for d in deliveries])
+            raise
+        return deliveries
+
+    async def _ack_deadline(self, subscription: str) -> int:
+        """The subscription's own ack deadline (learned once; also proves it exists)."""
+        known = self._ack_deadlines.get(subscription)
+        if known is not None:
+            return known
+        subscriber, _ = self._clients()
+        with self._rpc(subscription, "get_subscription"):
+            found = await subscriber.get_subscription(
+                subscription=subscription, timeout=RPC_TIMEOUT, retry=None
+            )
+        self._ack_deadlines[subscription] = int(found.ack_deadline_seconds) or 10
+        return self._ack_deadlines[subscription]
+
+    def _hold(
+        self, queue: QueueSpec, subscription: str, received: ReceivedMessage, lease: int
+    ) -> Delivery:
+        message = received.message
+        receipt = Receipt(
+            ack_id=received.ack_id,
+            subscription=subscription,
+            message_id=message.message_id,
+            delivery_attempt=received.delivery_attempt,
+            publish_time=message.publish_time.timestamp(),
+            lease_until=time.monotonic() + lease,
+        )
+        delivery = Delivery(
+            queue=queue,
+            raw=bytes(message.data),
+            handle=receipt,
+            attributes=dict(message.attributes),
+        )
+        self._held[receipt.ack_id] = delivery
+        return delivery
+
+    def decode(self, delivery: Delivery) -> Envelope:
+        """The bare request, attributes merged into metadata (attributes win), routing filled."""
+        request = decode_request(delivery.raw, max_bytes=self._ctx.max_message_bytes)
+        request.metadata = {**request.metadata, **delivery.attributes}
+        receipt = _receipt(delivery)
+        routing = Routing(
+            # Only counts redeliveries when the subscription has a dead-letter policy.
+            retry_count=max(receipt.delivery_attempt - 1, 0),
+            queue_id=delivery.queue.id,
+            request_queue_name=delivery.queue.name,
+            transport_correlation_id=receipt.message_id,
+            labels=dict(delivery.queue.labels),
+        )
+        delivery.envelope = Envelope(request=request, routing=routing, kind="pubsub")
+        return delivery.envelope
+
+    # ------------------------------------------------------------------ acknowledgements
+
+    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+        """Publish the results, await their confirmation, then ack the messages."""
+        if not items:
+            return
+        pending = [(d, r.encode()) for d, r in items if not self._already_published(_receipt(d))]
+        for chunk in _publish_chunks(pending):
+            await self._publish(self._result_topic, [PubsubMessage(data=data) for _, data in chunk])
+            for delivery, _ in chunk:
+                self._remember_published(_receipt(delivery))
+        await self._acknowledge([d for d, _ in items])
+        self._observe_latency(d for d, _ in items)
+
+    def _already_published(self, receipt: Receipt) -> bool:
+        if receipt.published or f"{receipt.subscription}/{receipt.message_id}" in self._published:
+            if not receipt.published:
+                log.info("duplicate_result_skipped", message_id=receipt.message_id)
+            return True
+        return False
+
+    def _remember_published(self, receipt: Receipt) -> None:
+        receipt.published = True
+        self._published[f"{receipt.subscription}/{receipt.message_id}"] = None
+        if len(self._published) > DEDUP_MEMORY:
+            self._published.popitem(last=False)
+
+    async def _publish(self, topic: str, messages: list[PubsubMessage]) -> None:
+        _, publisher = self._clients()
+        with self._rpc(topic, "publish"):
+            await publisher.publish(topic=topic, messages=messages, timeout=RPC_TIMEOUT, retry=None)
+
+    async def _acknowledge(self, deliveries: Sequence[Delivery]) -> None:
+        subscriber, _ = self._clients()
+        for subscription, ack_ids in _ack_groups(deliveries):
+            with self._rpc(subscription, "acknowledge"):
+                await subscriber.acknowledge(
+                    subscription=subscription, ack_ids=ack_ids, timeout=RPC_TIMEOUT, retry=None
+                )
+        self._forget(deliveries)
+
+    def _observe_latency(self, deliveries: Iterable[Delivery]) -> None:
+        """Publish -> ack time (the reference's ``message_latency_time_millis``)."""
+        if self._ctx.metrics is None:
+            return
+        now = time.time()
+        for delivery in deliveries:
+            q = delivery.queue
+            histogram = self._ctx.metrics.queue(q.id, q.name, q.pool).message_latency
+            histogram.observe(max(0.0, now - _receipt(delivery).publish_time) * 1000)
+
+    async def defer(self, items: Sequence[Deferral]) -> None:
+        """Redeliver each message after its delay, via its ack deadline (0 = nack now)."""
+        by_delay: dict[int, list[Delivery]] = defaultdict(list)
+        for item in items:
+            # Rounded up: a retry never comes back before its backoff.
+            seconds = min(MAX_ACK_DEADLINE, max(0, math.ceil(item.delay)))
+            by_delay[seconds].append(item.delivery)
+        for seconds, deliveries in by_delay.items():
+            await self._modify(_ack_groups(deliveries), seconds, "defer")
+            self._forget(deliveries)
+
+    async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        """Copy an unusable message to ``<subscription>-dead-letter`` if it exists; ack it."""
+        receipt = _receipt(delivery)
+        topic = dead_letter_topic(receipt.subscription)
+        attributes = {"reason": reason, "detail": detail[:1024], "message_id": receipt.message_id}
+        try:
+            await self._publish(topic, [PubsubMessage(data=delivery.raw, attributes=attributes)])
+        except TransportError as exc:
+            # The topic is optional: without it the message is only logged (and counted).
+            log.warning("dead_letter_not_copied", topic=topic, error=str(exc))
+        log.warning(
+            "message_dead_lettered",
+            queue=delivery.queue.name,
+            message_id=receipt.message_id,
+            reason=reason,
+            detail=detail,
+        )
+        await self._acknowledge([delivery])
+
+    def _forget(self, deliveries: Iterable[Delivery]) -> None:
+        """No more lease extension for these (acked or handed back)."""
+        for delivery in deliveries:
+            self._held.pop(_receipt(delivery).ack_id, None)
+
+    async def _modify(
+        self, groups: Sequence[tuple[str, list[str]]], seconds: int, action: str
+    ) -> None:
+        subscriber, _ = self._clients()
+        for subscription, ack_ids in groups:
+            with self._rpc(subscription, action):
+                await subscriber.modify_ack_deadline(
+                    subscription=subscription,
+                    ack_ids=ack_ids,
+                    ack_deadline_seconds=seconds,
+                    timeout=RPC_TIMEOUT,
+                    retry=None,
+                )
+
+    # ------------------------------------------------------------------ queries
+
+    async def is_cancelled(self, delivery: Delivery) -> bool:
+        return False  # Pub/Sub has no cancellation markers (as the reference)
+
+    async def backlog(self, queue: QueueSpec) -> int | None:
+        """Undelivered messages from Cloud Monitoring; None on the emulator or when unknown."""
+        return await self._backlog.undelivered(self._subscriptions[queue.name])
+
+    async def health(self) -> None:
+        """Raise unless every subscription and the result topic answered recently or now."""
+        now = time.monotonic()
+        resources = [*self._subscriptions.values(), self._result_topic]
+        for resource in resources:
+            status = self._status[resource]
+            if status.error_at > status.ok_at and now - status.error_at < HEALTH_WINDOW:
+                raise TransportError(f"pubsub {resource}: {status.error}")
+            if now - status.ok_at >= HEALTH_WINDOW:
+                await self._probe(resource)
+
+    async def _probe(self, resource: str) -> None:
+        subscriber, publisher = self._clients()
+        try:
+            with self._rpc(resource, "probe"):
+                if "/subscriptions/" in resource:
+                    await subscriber.get_subscription(
+                        subscription=resource, timeout=RPC_TIMEOUT, retry=None
+                    )
+                else:
+                    await publisher.get_topic(topic=resource, timeout=RPC_TIMEOUT, retry=None)
+        except TransportError as exc:
+            # Allowed to use it but not to describe it: that counts as healthy.
+            if not isinstance(exc.__cause__, gexc.PermissionDenied):
+                raise
+            self._status[resource].ok_at = time.monotonic()
+
+    # ------------------------------------------------------------------ upkeep
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Extend the leases of held messages before their ack deadline, until cancelled."""
+        task_status.started()
+        while True:
+            await anyio.sleep(LEASE_TICK)
+            try:
+                await self.extend_leases()
+            except TransportError as exc:
+                log.warning("lease_extension_failed", error=str(exc))
+
+    async def extend_leases(self) -> None:
+        now = time.monotonic()
+        due = [
+            d for d in list(self._held.values()) if _receipt(d).lease_until - now < EXTEND_BEFORE
+        ]
+        live = [d for d in due if not self._stale(d)]
+        for delivery in live:
+            _receipt(delivery).lease_until = now + LEASE_SECONDS
+        await self._modify(_ack_groups(live), LEASE_SECONDS, "extend")
+
+    def _stale(self, delivery: Delivery) -> bool:
+        """A message held long past its deadline is a leak: let its lease lapse (redelivery)."""
+        receipt = _receipt(delivery)
+        envelope = delivery.envelope
+        if envelope is not None:
+            stale = time.time() > envelope.request.deadline + STALE_GRACE
+        else:
+            stale = time.time() > delivery.received_at + UNDECODED_HOLD
+        if stale:
+            log.warning("stale_message_released", message_id=receipt.message_id)
+            self._held.pop(receipt.ack_id, None)
+        return stale
+
+    async def aclose(self) -> None:
+        """Nack what is still held (redelivered at once elsewhere), then close the channels."""
+        with anyio.CancelScope(shield=True):
+            held = list(self._held.values())
+            if held:
+                with anyio.move_on_after(RPC_TIMEOUT):
+                    try:
+                        await self.defer([Deferral(d, 0.0) for d in held])
+                        log.info("held_messages_nacked", count=len(held))
+                    except TransportError as exc:
+                        log.warning("nack_on_close_failed", count=len(held), error=str(exc))
+                self._held.clear()
+            for client in (self._subscriber, self._publisher):
+                if client is not None:
+                    await client.transport.close()  # type: ignore[no-untyped-call]
+            self._subscriber = self._publisher = None
+            await self._backlog.aclose()
+
+
+def _receipt(delivery: Delivery) -> Receipt:
+    if not isinstance(delivery.handle, Receipt):
+        raise TypeError("delivery was not fetched by the gcp-pubsub transport")
+    return delivery.handle
+
+
+def _ack_groups(deliveries: Iterable[Delivery]) -> list[tuple[str, list[str]]]:
+    """Ack ids per subscription, in request-sized chunks."""
+    grouped: dict[str, list[str]] = defaultdict(list)
+    for delivery in deliveries:
+        receipt = _receipt(delivery)
+        grouped[receipt.subscription].append(receipt.ack_id)
+    return [
+        (subscription, ack_ids[start : start + ACK_CHUNK])
+        for subscription, ack_ids in grouped.items()
+        for start in range(0, len(ack_ids), ACK_CHUNK)
+    ]
+
+
+def _publish_chunks(
+    items: Sequence[tuple[Delivery, bytes]],
+) -> Iterator[list[tuple[Delivery, bytes]]]:
+    """Split into publish requests within Pub/Sub's count and size limits."""
+    chunk: list[tuple[Delivery, bytes]] = []
+    size = 0
+    for item in items:
+        if chunk and (
+            len(chunk) >= PUBLISH_CHUNK_COUNT or size + len(item[1]) > PUBLISH_CHUNK_BYTES
+        ):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
+        size += len(item[1])
+    if chunk:
+        yield chunk
+
+
+@TRANSPORTS.register("gcp-pubsub", GcpPubSubConfig)
+def build(config: GcpPubSubConfig, ctx: TransportContext) -> GcpPubSubTransport:
+    return GcpPubSubTransport(config, ctx)
