@@ -1,0 +1,342 @@
+"""redis-pubsub transport (deprecated): channels in, a shared retry set, results PUBLISHed.
+
+Stage: broker I/O for ``--transport redis-pubsub``. Input: ``RedisPubSubConfig`` (one
+channel per queue; payload = envelope JSON or a bare request). Output: ``Delivery``
+objects for the poller; results PUBLISHed on ``result_queue_name``; hand-backs in the
+retry sorted set (the redis-sortedset format: member = envelope JSON, score = due time).
+
+Real limits (Redis pub/sub itself, not fixable here; use redis-sortedset instead):
+- every replica subscribed to a channel receives every message (fan-out: N replicas do
+  the work N times; the dedup marker below still lets only one result through);
+- a message published while nobody is subscribed (restart, reconnect) is lost, and so is
+  a result published while nobody listens on the result channel;
+- when this process stops reading (its buffer is full), Redis buffers for it up to its
+  ``client-output-buffer-limit pubsub`` (default 32 MB hard, 8 MB for 60 s) and then
+  disconnects it, dropping what it held.
+
+Within those limits: no message is dropped by our own buffers (one bounded buffer per
+channel; when it is full the subscriber stops reading the socket), due retries go back
+within 250 ms straight into this process's buffer (no fan-out, no 30 s idle sleep), and
+a lost subscription is re-made within a second.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import RedisError
+
+from async_processor.config import RedisPubSubConfig
+from async_processor.errors import InvalidMessage, TransportError
+from async_processor.messages import Envelope, Result, decode_envelope
+from async_processor.transports import redis_keys as keys
+from async_processor.transports.base import (
+    TRANSPORTS,
+    Deferral,
+    Delivery,
+    QueueSpec,
+    TransportContext,
+)
+from async_processor.transports.redis_sortedset import _fingerprint, connect, redis_errors
+
+log = structlog.get_logger(__name__)
+
+RETRY_CHECK_INTERVAL = 0.25  # seconds between looks at the retry set when nothing was due
+RETRY_SCAN = 200  # due members examined per look
+READ_TIMEOUT = 1.0  # a subscriber's read wakes this often (to notice cancellation)
+RESUBSCRIBE_MAX_BACKOFF = 1.0
+DEDUP_TTL_SECONDS = 86400
+DEPRECATION = (
+    "redis-pubsub is deprecated: use redis-sortedset. Its limits: every replica receives "
+    "every message (fan-out), and messages or results published while nobody is "
+    "subscribed are lost."
+)
+
+# One result per submission: publish only if this call sets the dedup marker.
+# KEYS[1] marker; ARGV[1] channel, ARGV[2] result, ARGV[3] marker TTL.
+# Returns the number of receivers, or -1 when a result was already published.
+PUBLISH_RESULT = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[3])) then
+  return -1
+end
+return redis.call('PUBLISH', ARGV[1], ARGV[2])
+"""
+
+# Add to the retry set, due ARGV[2] seconds after Redis's clock (the mover's clock).
+# KEYS[1] retry set; ARGV[1] member, ARGV[2] delay.
+DEFER = """
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2]), ARGV[1])
+return 1
+"""
+
+# Pop due retries of our channels, at most ``room`` per channel (what our buffers can take);
+# others' retries are left for the replicas that subscribe to their channel.
+# KEYS[1] retry set; ARGV[1] members to examine, then pairs (channel, room).
+# Returns a flat list {channel, member, ...}.
+POP_DUE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local room = {}
+for i = 2, #ARGV, 2 do
+  room[ARGV[i]] = tonumber(ARGV[i + 1])
+end
+local out = {}
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+for _, member in ipairs(due) do
+  local ok, msg = pcall(cjson.decode, member)
+  if ok and type(msg) == 'table' and type(msg['internal']) == 'table' then
+    local name = msg['internal']['request_queue_name']
+    if type(name) == 'string' and (room[name] or 0) > 0 then
+      room[name] = room[name] - 1
+      redis.call('ZREM', KEYS[1], member)
+      out[#out + 1] = name
+      out[#out + 1] = member
+    end
+  end
+end
+return out
+"""
+
+
+class RedisPubSubTransport:
+    kind = "redis-pubsub"
+
+    def __init__(
+        self, config: RedisPubSubConfig, ctx: TransportContext, *, client: Redis | None = None
+    ) -> None:
+        self.config = config
+        self.queues: Sequence[QueueSpec] = config.queue_specs()
+        self._ctx = ctx
+        self._redis = client if client is not None else connect(config.url)
+        self._publish_result = self._redis.register_script(PUBLISH_RESULT)
+        self._defer = self._redis.register_script(DEFER)
+        self._pop_due = self._redis.register_script(POP_DUE)
+        self._by_name = {q.name: q for q in self.queues}
+        self._send: dict[str, MemoryObjectSendStream[Delivery]] = {}
+        self._receive: dict[str, MemoryObjectReceiveStream[Delivery]] = {}
+        for queue in self.queues:
+            send, receive = anyio.create_memory_object_stream[Delivery](queue.batch_size)
+            self._send[queue.name], self._receive[queue.name] = send, receive
+        self._subscribed = {q.name: False for q in self.queues}
+        log.warning("redis_pubsub_deprecated", message=DEPRECATION)
+
+    # ------------------------------------------------------------------ fetch and decode
+
+    async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
+        """Up to ``limit`` buffered messages, waiting up to ``wait`` s for the first."""
+        if limit <= 0:
+            return []
+        receive = self._receive[queue.name]
+        out: list[Delivery] = []
+        try:
+            out.append(receive.receive_nowait())
+        except anyio.WouldBlock:
+            with anyio.move_on_after(wait):
+                out.append(await receive.receive())
+        while out and len(out) < limit:
+            try:
+                out.append(receive.receive_nowait())
+            except anyio.WouldBlock:
+                break
+        return out
+
+    def decode(self, delivery: Delivery) -> Envelope:
+        """The envelope; its channel is where it came from (and where retries return)."""
+        envelope = decode_envelope(delivery.raw, max_bytes=self._ctx.max_message_bytes)
+        routing = envelope.routing
+        routing.request_queue_name = delivery.queue.name
+        routing.queue_id = routing.queue_id or delivery.queue.id
+        routing.labels = {**routing.labels, **delivery.queue.labels}
+        delivery.envelope = envelope
+        return envelope
+
+    # ------------------------------------------------------------------ writes
+
+    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+        """PUBLISH each result on the result channel, once per submission (dedup marker)."""
+        if not items:
+            return
+        channel = self.config.result_queue_name
+        with redis_errors("publish result"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for delivery, result in items:
+                    await self._publish_result(
+                        keys=[keys.done_key(result.id, _fingerprint(delivery))],
+                        args=[channel, result.encode(), DEDUP_TTL_SECONDS],
+                        client=pipe,
+                    )
+                receivers = await pipe.execute()
+        for (_, result), count in zip(items, receivers, strict=True):
+            if count == 0:
+                log.warning("result_published_without_subscriber", request_id=result.id)
+            elif count < 0:
+                log.info("duplicate_result_skipped", request_id=result.id)
+
+    async def defer(self, items: Sequence[Deferral]) -> None:
+        """Into the retry set, due after each delay; the mover brings them back."""
+        if not items:
+            return
+        members = [(item, self._member(item.delivery)) for item in items]
+        with redis_errors("defer"):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for item, member in members:
+                    if member is not None:
+                        await self._defer(
+                            keys=[self.config.retry_queue_name],
+                            args=[member, max(0.0, item.delay)],
+                            client=pipe,
+                        )
+                await pipe.execute()
+        for item, member in members:
+            if member is None:
+                await self.dead_letter(item.delivery, "malformed", "handed back undecodable")
+
+    def _member(self, delivery: Delivery) -> bytes | None:
+        """The envelope to retry (decoded now if it never was); None if it cannot be."""
+        try:
+            envelope = delivery.envelope or self.decode(delivery)
+        except InvalidMessage:
+            return None
+        return envelope.encode()
+
+    async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        """Park on ``<channel>:dead-letter`` as {reason, detail, raw, time, queue}."""
+        entry = {
+            "reason": reason,
+            "detail": detail,
+            "raw": delivery.raw.decode("utf-8", errors="replace"),
+            "time": time.time(),
+            "queue": delivery.queue.name,
+        }
+        with redis_errors("dead_letter"):
+            await self._redis.lpush(
+                keys.dead_letter_key(delivery.queue.name), json.dumps(entry, ensure_ascii=False)
+            )
+
+    # ------------------------------------------------------------------ queries
+
+    async def is_cancelled(self, delivery: Delivery) -> bool:
+        return False  # channels carry no cancellation markers (as the reference)
+
+    async def backlog(self, queue: QueueSpec) -> int | None:
+        return None  # a channel has no backlog to count
+
+    async def health(self) -> None:
+        """PING, and every channel subscribed right now."""
+        with redis_errors("ping"):
+            await self._redis.ping()
+        lost = [name for name, ok in self._subscribed.items() if not ok]
+        if lost:
+            raise TransportError(f"redis-pubsub: not subscribed to {', '.join(lost)}")
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+    # ------------------------------------------------------------------ upkeep
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """One subscriber per channel and the retry mover, until cancelled.
+
+        Started once every channel had its first subscription attempt, so messages
+        published after start-up are not missed when Redis is up.
+        """
+        async with anyio.create_task_group() as tg:
+            for queue in self.queues:
+                await tg.start(self._subscriber, queue)
+            tg.start_soon(self._retry_mover)
+            task_status.started()
+
+    async def _subscriber(
+        self, queue: QueueSpec, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Subscribe, pump into the buffer, re-subscribe quickly after any failure."""
+        backoff = 0.05
+        started = False
+        while True:
+            try:
+                async with self._redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(queue.name)
+                    self._subscribed[queue.name] = True
+                    log.info("channel_subscribed", channel=queue.name)
+                    if not started:
+                        task_status.started()
+                        started = True
+                    backoff = 0.05
+                    await self._pump(pubsub, queue)
+            except (RedisError, OSError) as exc:
+                log.warning("channel_subscription_lost", channel=queue.name, error=str(exc))
+            finally:
+                self._subscribed[queue.name] = False
+            if not started:
+                task_status.started()
+                started = True
+            await anyio.sleep(backoff)
+            backoff = min(RESUBSCRIBE_MAX_BACKOFF, backoff * 2)
+
+    async def _pump(self, pubsub: PubSub, queue: QueueSpec) -> None:
+        send = self._send[queue.name]
+        while True:
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=READ_TIMEOUT)
+            if message is None or message.get("type") != "message":
+                continue
+            # Blocks while the buffer is full: backpressure onto the socket, never a drop.
+            await send.send(Delivery(queue=queue, raw=bytes(message["data"])))
+
+    async def _retry_mover(self) -> None:
+        failures = 0
+        while True:
+            try:
+                moved = await self.move_due()
+                failures = 0
+            except TransportError as exc:
+                failures += 1
+                moved = 0
+                log.warning("retry_move_failed", error=str(exc), failures=failures)
+            if not moved:
+                await anyio.sleep(min(5.0, RETRY_CHECK_INTERVAL * 2**failures))
+
+    async def move_due(self) -> int:
+        """Pop due retries of our channels (as many as our buffers can take) into them."""
+        room = [
+            (name, send.statistics().max_buffer_size - send.statistics().current_buffer_used)
+            for name, send in self._send.items()
+        ]
+        args: list[str | int] = [RETRY_SCAN]
+        for name, free in room:
+            args += [name, int(free)]
+        if not any(free for _, free in room):
+            return 0
+        with redis_errors("retry move"):
+            flat = await self._pop_due(keys=[self.config.retry_queue_name], args=args)
+        popped = [(flat[i].decode(), bytes(flat[i + 1])) for i in range(0, len(flat), 2)]
+        await self._hand_over(popped)
+        return len(popped)
+
+    async def _hand_over(self, popped: list[tuple[str, bytes]]) -> None:
+        """Into the buffers; on cancellation, what was not handed over goes back due now."""
+        sent = 0
+        try:
+            for name, member in popped:
+                await self._send[name].send(Delivery(queue=self._by_name[name], raw=member))
+                sent += 1
+        finally:
+            rest = popped[sent:]
+            if rest:
+                with anyio.CancelScope(shield=True), redis_errors("retry put back"):
+                    await self._redis.zadd(
+                        self.config.retry_queue_name, dict.fromkeys((m for _, m in rest), 0)
+                    )  # score 0: due at once
+
+
+@TRANSPORTS.register("redis-pubsub", RedisPubSubConfig)
+def build(config: RedisPubSubConfig, ctx: TransportContext) -> RedisPubSubTransport:
+    return RedisPubSubTransport(config, ctx)
