@@ -135,7 +135,7 @@ class SortedSetTransport:
                 ],
                 args=[limit, self.config.lease_seconds, prefix],
             )
-        held = self._held[queue.name]
+        held = self._held.setdefault(queue.name, {})
         deliveries = []
         for i in range(0, len(flat), 3):
             claim = Claim(id=flat[i].decode(), score=float(flat[i + 2]))
@@ -258,7 +258,7 @@ class SortedSetTransport:
         return [keys.inflight_key(name), keys.inflight_meta_key(name), target]
 
     def _release(self, delivery: Delivery) -> None:
-        self._held[delivery.queue.name].pop(_claim(delivery).id, None)
+        self._held.get(delivery.queue.name, {}).pop(_claim(delivery).id, None)
 
     # ------------------------------------------------------------------ queries
 

@@ -158,7 +158,7 @@ async def test_results_iterator_waits_then_ends(client, r, unique) -> None:
     seen = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(produce)
-        async for result in client.results(timeout=1.0):
+        async for result in client.results(timeout=0.5):
             seen.append(result.id)
     assert seen == ["late"]
     started = time.monotonic()

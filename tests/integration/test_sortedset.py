@@ -408,3 +408,20 @@ async def test_registered_in_the_transport_registry(make_config) -> None:
     assert isinstance(transport, SortedSetTransport)
     await transport.health()
     await transport.aclose()
+
+
+async def test_claims_survive_a_redis_crash(make_config, private_redis) -> None:
+    config = make_config(url=private_redis.url)
+    q = config.queues[0].queue_name
+    async with Redis.from_url(private_redis.url) as r:
+        await r.zadd(q, {member("durable", future()): 1})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        private_redis.kill()
+        with pytest.raises(TransportError):
+            await transport.complete([(delivery, Result.http("durable", 200, b""))])
+        private_redis.start()  # same port and AOF: the claim is still in flight
+        await transport.complete([(delivery, Result.http("durable", 200, b""))])
+    async with Redis.from_url(private_redis.url) as r:
+        assert await r.llen(config.result_queue_name) == 1
+        assert await r.zcard(redis_keys.inflight_key(q)) == 0
