@@ -12,11 +12,13 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import redis.asyncio as aioredis
 import structlog
 from pydantic import AfterValidator, Field
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 from async_processor.errors import GateError
@@ -28,7 +30,17 @@ from async_processor.messages import Envelope
 log = structlog.get_logger(__name__)
 
 # Bound every call: a gate that hangs on a dead Redis would stall the whole pipeline.
+# One quick retry covers a pooled connection gone stale after a Redis restart; the
+# client's default (three retries with backoff up to seconds) would park every caller.
 SOCKET_TIMEOUT = 5.0
+
+
+def _client_options() -> dict[str, Any]:
+    return {
+        "socket_timeout": SOCKET_TIMEOUT,
+        "socket_connect_timeout": SOCKET_TIMEOUT,
+        "retry": Retry(ExponentialBackoff(cap=0.2, base=0.05), 1),
+    }
 
 
 def redis_client(ctx: GateContext, address: str) -> aioredis.Redis:
@@ -37,16 +49,13 @@ def redis_client(ctx: GateContext, address: str) -> aioredis.Redis:
     client: aioredis.Redis | None = ctx.shared.get(key)
     if client is None:
         if "://" in address:
-            client = aioredis.Redis.from_url(
-                address, socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT
-            )
+            client = aioredis.Redis.from_url(address, **_client_options())
         else:
             host, _, port = address.rpartition(":")
             client = aioredis.Redis(
                 host=host or "localhost",
                 port=int(port or 6379),
-                socket_timeout=SOCKET_TIMEOUT,
-                socket_connect_timeout=SOCKET_TIMEOUT,
+                **_client_options(),
             )
         ctx.shared[key] = client
         ctx.closers.append(client.aclose)
