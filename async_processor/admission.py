@@ -20,13 +20,12 @@ import structlog
 
 from async_processor.gates.base import Action, Gate, Releases
 from async_processor.messages import (
-    DEADLINE_EXCEEDED_TEXT,
     GATE_DROPPED_TEXT,
     ErrorCode,
     Result,
 )
 from async_processor.metrics import QueueMetrics
-from async_processor.retry import Counter, Final
+from async_processor.retry import Final, expired, last_answer
 from async_processor.work import Work
 
 log = structlog.get_logger(__name__)
@@ -80,10 +79,7 @@ async def admit(
         waited = True
         now = time.time()
         if now >= deadline:
-            failure = Result.failure(
-                envelope.id, ErrorCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED_TEXT
-            )
-            return Final(failure, Counter.DEADLINE)
+            return expired(envelope.id, last_answer(envelope.routing))
         if now >= wait_until or stopping.is_set():
             return HandBack(0.0)
         await _park(pool.gate, min(WAIT_STEP, deadline - now, wait_until - now))

@@ -27,7 +27,6 @@ from async_processor.errors import ConfigError, InvalidMessage, PayloadUnavailab
 from async_processor.merge.headers import apply_stamped, is_valid_header_name, is_valid_header_value
 from async_processor.messages import (
     CANCELLED_TEXT,
-    DEADLINE_EXCEEDED_TEXT,
     Envelope,
     ErrorCode,
     Result,
@@ -40,7 +39,10 @@ from async_processor.retry import (
     Final,
     Retry,
     decide,
+    expired,
+    last_answer,
     parse_retry_after,
+    remember_answer,
 )
 from async_processor.transforms.base import Outgoing
 from async_processor.transports.base import Deferral, Transport
@@ -213,9 +215,7 @@ class Worker:
         envelope = work.envelope
         request = envelope.request
         if request.deadline < time.time():
-            return _failure(
-                request.id, ErrorCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED_TEXT, Counter.DEADLINE
-            )
+            return expired(request.id, last_answer(envelope.routing))
         try:
             self.transforms.validate(envelope)
             if self.pool_gate is not None:
@@ -241,9 +241,7 @@ class Worker:
         request = envelope.request
         timeout = attempt_timeout(request.deadline, self.settings.request_timeout)
         if timeout <= 0:
-            return _failure(
-                request.id, ErrorCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED_TEXT, Counter.DEADLINE
-            )
+            return expired(request.id, last_answer(envelope.routing))
         started = time.monotonic()
         attempt = await send(self.session, out, timeout=timeout)
         latency = time.monotonic() - started
@@ -256,9 +254,11 @@ class Worker:
             attempt,
             deadline=request.deadline,
             retry_count=envelope.routing.retry_count,
+            last_http=last_answer(envelope.routing),
         )
         if isinstance(decision, Retry):
             envelope.routing.retry_count += 1
+            remember_answer(envelope.routing, attempt)
             work.metrics.retries_total.inc()
             log.info(
                 "request_retry",

@@ -51,6 +51,10 @@ class Routing:
     result_queue_name: str = ""
     transport_correlation_id: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    # Ours: the last HTTP answer of a retried request, so that a deadline reached while it
+    # waits on the broker still ends with that answer (the Go daemon ignores these fields).
+    last_status: int = 0
+    last_body: str = ""
 
     def to_obj(self) -> dict[str, Any]:
         """JSON object with empty/zero fields left out, as the reference writes it."""
@@ -69,6 +73,9 @@ class Routing:
                 out[name] = value
         if self.labels:
             out["labels"] = self.labels
+        if self.last_status:
+            out["last_status"] = self.last_status
+            out["last_body"] = self.last_body
         return out
 
     @classmethod
@@ -88,6 +95,8 @@ class Routing:
             result_queue_name=_opt_str(obj, "result_queue_name"),
             transport_correlation_id=_opt_str(obj, "transport_correlation_id"),
             labels=_str_map(obj.get("labels"), "internal.labels"),
+            last_status=_opt_int(obj, "last_status"),
+            last_body=_opt_str(obj, "last_body"),
         )
 
 
@@ -387,6 +396,13 @@ def _opt_str(obj: dict[str, Any], key: str) -> str:
         return ""
     if not isinstance(value, str):
         raise ValueError(f"internal.{key} must be a string")
+    return value
+
+
+def _opt_int(obj: dict[str, Any], key: str) -> int:
+    value = obj.get(key, 0) or 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"internal.{key} must be an integer")
     return value
 
 

@@ -25,7 +25,6 @@ from async_processor.errors import InvalidMessage, TransportError
 from async_processor.gates.base import Action, Gate, Releases
 from async_processor.messages import (
     CANCELLED_TEXT,
-    DEADLINE_EXCEEDED_TEXT,
     GATE_DROPPED_TEXT,
     Envelope,
     ErrorCode,
@@ -33,6 +32,7 @@ from async_processor.messages import (
 )
 from async_processor.metrics import QueueMetrics
 from async_processor.results import Completion, Op
+from async_processor.retry import expired, last_answer
 from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport
 from async_processor.work import PoolCapacity, Work
 
@@ -109,10 +109,7 @@ class Poller:
         request = envelope.request
         if request.deadline < time.time():
             self._metrics.exceeded_deadline_total.inc()
-            await self._finish(
-                delivery,
-                Result.failure(request.id, ErrorCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED_TEXT),
-            )
+            await self._finish(delivery, expired(request.id, last_answer(envelope.routing)).result)
             return
         if await self._cancelled(delivery):
             await self._finish(

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from enum import Enum
 
-from async_processor.messages import DEADLINE_EXCEEDED_TEXT, ErrorCode, Result
+from async_processor.messages import DEADLINE_EXCEEDED_TEXT, ErrorCode, Result, Routing
 
 BACKOFF_BASE = 2.0
 BACKOFF_CAP = 60.0
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+LAST_BODY_LIMIT = 64 * 1024
 
 
 class Counter(Enum):
@@ -92,15 +93,33 @@ def decide(
     now = time.time() if now is None else now
     remaining = deadline - now
     if remaining <= 0:
-        answered = attempt if attempt.status else last_http
-        if answered is not None and answered.status:
-            return Final(Result.http(request_id, answered.status, answered.body), Counter.DEADLINE)
-        return Final(
-            Result.failure(request_id, ErrorCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED_TEXT),
-            Counter.DEADLINE,
-        )
+        return expired(request_id, attempt if attempt.status else last_http)
     rng = rng or random.Random()
     return Retry(backoff(retry_count + 1, remaining, attempt.retry_after, rng))
+
+
+def expired(request_id: str, last_http: Attempt | None) -> Final:
+    """The result of a request whose deadline passed: its last HTTP answer, if it had one."""
+    if last_http is not None and last_http.status:
+        return Final(Result.http(request_id, last_http.status, last_http.body), Counter.DEADLINE)
+    return Final(
+        Result.failure(request_id, ErrorCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED_TEXT),
+        Counter.DEADLINE,
+    )
+
+
+def last_answer(routing: Routing) -> Attempt | None:
+    """The last HTTP answer a retried message carries in its routing block."""
+    if not routing.last_status:
+        return None
+    return Attempt(status=routing.last_status, body=routing.last_body.encode())
+
+
+def remember_answer(routing: Routing, attempt: Attempt) -> None:
+    """Keep a retryable HTTP answer with the message (body capped) for ``expired``."""
+    if attempt.status:
+        routing.last_status = attempt.status
+        routing.last_body = attempt.body[:LAST_BODY_LIMIT].decode("utf-8", errors="replace")
 
 
 def backoff(

@@ -121,3 +121,23 @@ def test_parse_retry_after_forms() -> None:
     later = parse_retry_after(formatdate(NOW + 30, usegmt=True), now=NOW)
     assert later is not None and 29 <= later <= 31
     assert parse_retry_after(formatdate(NOW - 30, usegmt=True), now=NOW) == 0.0
+
+
+def test_last_answer_rides_with_the_message_through_the_broker() -> None:
+    from async_processor.messages import decode_envelope
+    from async_processor.retry import last_answer, remember_answer
+
+    env = decode_envelope(b'{"id":"r","deadline":5,"payload":{}}')
+    assert last_answer(env.routing) is None
+    remember_answer(env.routing, Attempt(status=429, body=b'{"busy":true}'))
+    back = decode_envelope(env.encode())  # as stored in the retry set and fetched again
+    out = decide(
+        "r",
+        Attempt(error="reset"),
+        deadline=NOW - 1,
+        retry_count=1,
+        now=NOW,
+        last_http=last_answer(back.routing),
+    )
+    assert isinstance(out, Final)
+    assert (out.result.status_code, out.result.payload) == (429, '{"busy":true}')
