@@ -128,7 +128,7 @@ class SortedSetClient:
     async def results(
         self,
         *,
-        timeout: float | None = None,  # noqa: ASYNC109 - BRPOP's server-side wait
+        timeout: float | None = None,
         result_queue: str | None = None,
     ) -> AsyncIterator[Result]:
         """Results in arrival order; ends after ``timeout`` s with none (None = never ends)."""
@@ -138,7 +138,7 @@ class SortedSetClient:
     async def drain_results(
         self,
         n: int,
-        timeout: float,  # noqa: ASYNC109 - the total BRPOP budget, as in results()
+        timeout: float,
         *,
         result_queue: str | None = None,
     ) -> list[Result]:
