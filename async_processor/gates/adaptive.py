@@ -86,7 +86,7 @@ class AdaptiveConcurrencyGate:
         async def release() -> None:
             self.in_flight -= 1
             self._admitted.pop(request_id, None)
-            self._changed.notify()
+            self._changed.notify(1)
 
         releases.add(release)
         return CONTINUE
@@ -99,9 +99,10 @@ class AdaptiveConcurrencyGate:
         if status in OVERLOAD_STATUSES or dropped_reason or (slow and status is not None):
             self._decrease(self._admitted.get(message.id, self._epoch))
         elif status is not None and 200 <= status < 300 and self.in_flight * 2 >= self.slots:
+            before = self.slots
             self.limit = min(float(p.max_limit), self.limit + p.increase_step / self.limit)
             self._publish()
-            self._changed.notify()
+            self._changed.notify(self.slots - before)  # one waiter per new slot
 
     def _decrease(self, admitted_epoch: int) -> None:
         if admitted_epoch < self._epoch:

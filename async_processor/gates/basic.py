@@ -78,7 +78,7 @@ class LocalMaxConcurrencyGate:
         self.in_flight -= 1
         if self._slots is not None:
             self._slots.release()
-        self._changed.notify()
+        self._changed.notify(1)
 
     async def wait_changed(self, timeout: float) -> None:
         await self._changed.wait(timeout)

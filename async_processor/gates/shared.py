@@ -7,6 +7,7 @@ optional ``observe`` / ``wait_changed`` hooks forwarded through wrapper gates.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
@@ -94,20 +95,29 @@ async def wait_any_changed(gates: Sequence[Gate], timeout: float) -> None:
 
 
 class ChangeSignal:
-    """Wakes every ``wait`` when ``notify`` is called (one-shot event, renewed lazily)."""
+    """Wakes parked waiters, oldest first: ``notify(n)`` wakes ``n`` of them (None = all).
 
-    __slots__ = ("_event",)
+    A freed slot wakes one waiter, not every parked worker (a thundering herd of
+    re-applies for one slot); a waiter that loses the race parks again, and the
+    caller's poll interval bounds any missed wake-up.
+    """
+
+    __slots__ = ("_waiters",)
 
     def __init__(self) -> None:
-        self._event: anyio.Event | None = None  # created inside the event loop
+        self._waiters: deque[anyio.Event] = deque()
 
-    def notify(self) -> None:
-        if self._event is not None:
-            self._event.set()
-            self._event = None
+    def notify(self, n: int | None = None) -> None:
+        count = len(self._waiters) if n is None else min(n, len(self._waiters))
+        for _ in range(count):
+            self._waiters.popleft().set()
 
     async def wait(self, timeout: float) -> None:
-        if self._event is None:
-            self._event = anyio.Event()
-        with anyio.move_on_after(timeout):
-            await self._event.wait()
+        event = anyio.Event()
+        self._waiters.append(event)
+        try:
+            with anyio.move_on_after(timeout):
+                await event.wait()
+        finally:
+            if not event.is_set():
+                self._waiters.remove(event)

@@ -1,0 +1,105 @@
+"""adaptive-concurrency against the simulator (capacity 32, no queue) with 128 callers.
+
+Each caller asks the gate before every POST and reports the outcome after it, as a pool
+worker does. The limiter should settle near the capacity with few 429s, where 128 fixed
+workers get a 429 for most attempts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import anyio
+import pytest
+
+from async_processor.gates.adaptive import AdaptiveConcurrencyGate
+from async_processor.gates.base import Action, GateContext, GateOwner, Releases, build_gate
+from async_processor.messages import Envelope, Request
+from async_processor.simulator import DROPPED_REASON_HEADER
+from tests.fixtures.simulator import SimulatorProcess
+
+CALLERS = 128
+CAPACITY = 32
+RUN_SECONDS = 4.0
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Tally:
+    ok: int = 0
+    rejected: int = 0
+    in_flight: list[int] = field(default_factory=list)  # sampled in the second half
+
+
+async def drive(url: str, gate: AdaptiveConcurrencyGate | None) -> Tally:
+    tally = Tally()
+    running = 0
+    body = {"model": "m", "prompt": "x", "max_tokens": 1}
+    end = time.monotonic() + RUN_SECONDS
+
+    async def caller(session: aiohttp.ClientSession, index: int) -> None:
+        nonlocal running
+        sent = 0
+        while time.monotonic() < end:
+            sent += 1
+            message = Envelope(Request(id=f"c{index}-{sent}", deadline=2_000_000_000))
+            releases = Releases()
+            if gate is not None and (await gate.apply(message, releases)).action is Action.WAIT:
+                await gate.wait_changed(0.05)
+                continue
+            running += 1
+            start = time.monotonic()
+            try:
+                async with session.post(url + "/v1/completions", json=body) as response:
+                    await response.read()
+                reason = response.headers.get(DROPPED_REASON_HEADER, "")
+                if gate is not None:
+                    gate.observe(message, response.status, time.monotonic() - start, reason)
+                if response.status == 429:
+                    tally.rejected += 1
+                else:
+                    tally.ok += 1
+            finally:
+                running -= 1
+                await releases.release_all()
+
+    async def sample() -> None:
+        await anyio.sleep(RUN_SECONDS / 2)
+        while time.monotonic() < end:
+            tally.in_flight.append(running)
+            await anyio.sleep(0.02)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(sample)
+        for index in range(CALLERS):
+            tg.start_soon(caller, session, index)
+    return tally
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_adaptive_settles_near_capacity_with_few_429s(simulator: SimulatorProcess) -> None:
+    simulator.configure(latency=0.1, max_concurrent=CAPACITY, max_waiting=0)
+    context = GateContext(owner=GateOwner("", "", "pool-a"))
+    gate = build_gate("adaptive-concurrency", {"max_limit": CALLERS}, context)
+    assert isinstance(gate, AdaptiveConcurrencyGate)
+    adaptive = await drive(simulator.url, gate)
+    fixed = await drive(simulator.url, None)
+
+    mean = sum(adaptive.in_flight) / len(adaptive.in_flight)
+    assert 0.75 * CAPACITY <= mean <= CAPACITY + 1, (mean, gate.limit)
+    assert 0.7 * CAPACITY <= gate.limit <= 1.2 * CAPACITY
+    # Both keep the simulator busy; only the fixed pool hammers it with 429s.
+    assert adaptive.ok >= 0.6 * fixed.ok, (adaptive, fixed)
+    assert adaptive.rejected * 20 < fixed.rejected, (adaptive.rejected, fixed.rejected)
+    assert adaptive.rejected < 0.1 * adaptive.ok
