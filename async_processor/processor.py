@@ -269,8 +269,9 @@ async def _serve_metrics(
 
 
 def validate_plugins(config: AppConfig) -> None:
-    """Build every gate, merge policy and transport without starting them (check-config)."""
+    """Build every gate, merge policy, transform and transport, starting none (check-config)."""
     Processor(config)
+    build_transform_chain(config.transforms, TransformContext())
 
 
 async def run(config: AppConfig) -> None:
