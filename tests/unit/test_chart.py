@@ -17,7 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import anyio
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from async_processor.config import (
     GcpPubSubConfig,
@@ -33,6 +36,7 @@ from async_processor.config import (
     load_config,
 )
 from async_processor.durations import parse_duration
+from async_processor.health import serve_metrics
 from async_processor.metrics import Metrics
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
@@ -40,6 +44,9 @@ helm.disable_logging()
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "async-processor"
+DOCS = [ROOT / "docs" / f"{name}.md" for name in (
+    "operations", "sizing-and-backpressure", "security", "migrating-from-go", "metrics-and-alerts"
+)]  # fmt: skip
 EXAMPLES = sorted((CHART / "ci").glob("*.yaml"))
 NAMESPACE = "batch"
 CONFIG_DIR = "/etc/async-processor/config"
@@ -100,14 +107,18 @@ def env_of(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env") or []}
 
 
-def exported_names() -> set[str]:
-    """Sample names of a fresh Metrics() with one of every label set in use."""
+def populated_metrics() -> Metrics:
+    """A fresh Metrics() with one of every label set in use, so every family has samples."""
     m = Metrics()
     queue = m.queue("q", "q", "default")
     queue.dead_letter("no_id")
     queue.gate_gauges("pool")
     m.pool_worker_limit.labels("default").set(1)
-    return {s.name for family in m.registry.collect() for s in family.samples}
+    return m
+
+
+def exported_names() -> set[str]:
+    return {s.name for family in populated_metrics().registry.collect() for s in family.samples}
 
 
 # ---------------------------------------------------------------- every example renders
@@ -259,6 +270,18 @@ def test_gcp_example_traces_and_mounts_the_tls_secret() -> None:
 
 def test_otel_env_is_absent_without_an_endpoint() -> None:
     assert not [k for k in env_of(container(render(MINIMAL))) if k.startswith("OTEL_")]
+
+
+def test_env_is_omitted_when_empty_and_extra_env_passes_through() -> None:
+    redis_in_config = {
+        "redis": {"enabled": False},
+        "transportConfig": {"url": "redis://r:6379", "queues": [{"queue_name": "q"}]},
+    }
+    assert "env" not in container(render(with_ap(**redis_in_config)))
+    extra = [{"name": "FOO", "value": "bar"}]
+    env = env_of(container(render(with_ap(extraEnv=extra))))
+    assert list(env) == ["REDIS_URL", "FOO"]
+    assert env["FOO"] == "bar"
 
 
 def test_insecure_skip_verify_is_passed_as_a_flag() -> None:
@@ -582,3 +605,56 @@ def test_dashboard_configmap_carries_the_dashboard_file() -> None:
     config_map = render(values)["ConfigMap:dashboards"]
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "yes"
     assert json.loads(config_map["data"]["async-processor.json"]) == dashboard()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_dashboard_and_rules_match_a_live_metrics_endpoint() -> None:
+    """The names queried exist on a real /metrics server fed by the daemon's Metrics."""
+    metrics = populated_metrics()
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(serve_metrics, "127.0.0.1", 0, metrics.registry)
+        url = f"http://127.0.0.1:{port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            assert response.status == 200
+            text = await response.text()
+        tg.cancel_scope.cancel()
+    live = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    rules = rules_of(render(with_ap(prometheusRule={"enabled": True})))
+    queried = queried_metrics(dashboard_exprs(dashboard()) + [r["expr"] for r in rules])
+    assert queried <= live, queried - live
+
+
+def doc_promql() -> list[str]:
+    """PromQL in the operator docs: ```promql blocks and inline code that calls a function."""
+    found: list[str] = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for block in re.findall(r"```promql\n(.*?)```", text, flags=re.DOTALL):
+            # A block may hold several queries, separated by blank lines, with # comments.
+            for chunk in re.split(r"\n\s*\n", block):
+                lines = [ln for ln in chunk.splitlines() if not ln.lstrip().startswith("#")]
+                found.append("\n".join(lines))
+        inline = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.DOTALL))
+        found += [c for c in inline if "llm_d_async_async_" in c and "(" in c]
+    return [q.strip() for q in found if q.strip()]
+
+
+def test_docs_promql_parses_and_names_exported_metrics(tmp_path: Path) -> None:
+    tool = promtool()
+    queries = doc_promql()
+    assert len(queries) >= 15
+    rules = [{"record": f"doc:query:{i}", "expr": q} for i, q in enumerate(queries)]
+    (tmp_path / "docs.yaml").write_text(json.dumps({"groups": [{"name": "docs", "rules": rules}]}))
+    done = subprocess.run([tool, "check", "rules", str(tmp_path / "docs.yaml")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    exported = exported_names()
+    families = exported | {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported}
+    mentioned = {n for doc in DOCS for n in METRIC_NAME.findall(doc.read_text())}
+    mentioned = {n for n in mentioned if not n.endswith("_")}  # the bare prefix
+    assert mentioned <= families, mentioned - families
