@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import resource
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -243,8 +243,12 @@ def _scripted(params: _ScriptedParams, ctx: GateContext) -> _ScriptedGate:
     return _ScriptedGate(params.name)
 
 
-if "test-scripted" not in GATES.known():
+@pytest.fixture(autouse=True)
+def scripted_gate() -> Iterator[None]:
+    """Registered only while these tests run: the gate library's own tests list every type."""
     GATES.register("test-scripted", _ScriptedParams)(_scripted)
+    yield
+    GATES._entries.pop("test-scripted")
 
 
 async def test_queue_gate_refusal_defers_without_hot_loop_or_blocking_others(
