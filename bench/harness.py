@@ -1,0 +1,155 @@
+"""Bench harness: a private Redis and simulator, a consumer process, and its steady state.
+
+Input: which consumer to run (the daemon via ``python -m async_processor run``, or
+``bench.baseline``), how many workers, how many messages. Output: a ``Run`` with the
+steady-state rate (between 10 % and 90 % of the results, so start-up and the tail do not
+count), the consumer's CPU ms per message over that window, and its RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+from redis.asyncio import Redis
+
+from async_processor.client import SortedSetClient
+from async_processor.messages import Envelope, Request, Routing
+from bench.common import cpu_seconds, peak_rss_bytes, python_process, rss_bytes
+from tests.fixtures.servers import free_port
+from tests.fixtures.simulator import SimulatorProcess
+
+LOG_DIR = Path(tempfile.gettempdir()) / "async-processor-bench"  # consumer logs
+DEADLINE = 4 * 3600  # seconds from now: no bench message may expire
+BULK_CHUNK = 2000
+Process = subprocess.Popen[bytes]
+
+
+@dataclass
+class Lane:
+    """One consumer's queue and result list on the shared Redis."""
+
+    redis_url: str
+    queue: str
+    results: str
+
+    @classmethod
+    def fresh(cls, redis_url: str, label: str) -> Lane:
+        tag = f"{label}-{secrets.token_hex(3)}"
+        return cls(redis_url, f"bench-{tag}", f"bench-{tag}-results")
+
+
+@dataclass
+class Run:
+    messages: int
+    rate: float  # steady-state results per second
+    cpu_ms: float  # consumer CPU per message over the steady-state window
+    seconds: float  # first submission seen to last result
+    peak_rss: int
+    rss: int
+
+
+def payload(prompt_bytes: int = 64) -> dict[str, Any]:
+    return {"model": "bench", "prompt": "x" * prompt_bytes, "max_tokens": 16}
+
+
+async def submit(lane: Lane, count: int, prompt_bytes: int = 64) -> None:
+    """Enqueue through the client library, as a producer would."""
+    deadline = int(time.time()) + DEADLINE
+    body = payload(prompt_bytes)
+    async with SortedSetClient(lane.redis_url, lane.queue, lane.results) as client:
+        for start in range(0, count, BULK_CHUNK):
+            n = min(BULK_CHUNK, count - start)
+            batch = [
+                {"id": f"m{start + i}", "deadline": deadline, "payload": body} for i in range(n)
+            ]
+            await client.submit_many(batch)
+
+
+async def bulk_load(lane: Lane, count: int) -> None:
+    """A deep backlog fast: envelopes ZADDed many per command (no active-token keys)."""
+    deadline = int(time.time()) + DEADLINE
+    body = json.dumps(payload()).encode()
+    routing = Routing(request_queue_name=lane.queue, result_queue_name=lane.results)
+    redis = Redis.from_url(lane.redis_url)
+    try:
+        for start in range(0, count, BULK_CHUNK):
+            members = {
+                Envelope(Request(f"b{i}", deadline, body), routing, "redis").encode(): deadline
+                for i in range(start, min(start + BULK_CHUNK, count))
+            }
+            await redis.zadd(lane.queue, members)
+    finally:
+        await redis.aclose()
+
+
+def start_daemon(
+    stack: ExitStack, lane: Lane, sim: SimulatorProcess, workers: int, **transport: Any
+) -> Process:
+    """The daemon as a process (``python -m async_processor run``); returns its PID."""
+    config = {
+        "url": lane.redis_url,
+        "result_queue_name": lane.results,
+        "retry_queue_name": lane.queue + "-retry",
+        "queues": [{"queue_name": lane.queue, "igw_base_url": sim.url}],
+        **transport,
+    }
+    health = free_port()
+    args = ["-m", "async_processor", "run", "--transport", "redis-sortedset",
+            "--transport-config", json.dumps(config), "--concurrency", str(workers),
+            "--health-port", str(health), "--metrics-port", str(free_port()),
+            "--bind-address", "127.0.0.1", "--log-level", "warning",
+            "--metrics-backlog-poll-interval", "0"]  # fmt: skip
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    return python_process(stack, args, port=health, log=LOG_DIR / f"{lane.queue}.log")
+
+
+def start_baseline(
+    stack: ExitStack, lane: Lane, sim: SimulatorProcess, workers: int, count: int
+) -> Process:
+    args = ["-m", "bench.baseline", "--redis-url", lane.redis_url, "--queue", lane.queue,
+            "--result-list", lane.results, "--gateway-url", sim.url,
+            "--workers", str(workers), "--count", str(count)]  # fmt: skip
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    return python_process(stack, args, log=LOG_DIR / f"{lane.queue}.log")
+
+
+async def watch(lane: Lane, proc: Process, count: int, timeout: float) -> Run:
+    """Poll the result list until ``count`` results; time and CPU the 10 %..90 % window."""
+    pid = proc.pid
+    redis = Redis.from_url(lane.redis_url)
+    low, high = max(1, count // 10), max(1, count * 9 // 10)
+    marks: dict[str, tuple[float, float]] = {}
+    started = time.monotonic()
+    try:
+        with anyio.fail_after(timeout):
+            while (done := int(await redis.llen(lane.results))) < count:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"consumer exited with {proc.returncode}; see {LOG_DIR}")
+                now = time.monotonic(), cpu_seconds(pid)
+                if done >= low and "low" not in marks:
+                    marks["low"] = now
+                if done >= high and "high" not in marks:
+                    marks["high"] = now
+                await anyio.sleep(0.02)
+        end = time.monotonic(), cpu_seconds(pid)
+    finally:
+        await redis.aclose()
+    (t0, c0), (t1, c1) = marks.get("low", (started, 0.0)), marks.get("high", end)
+    window = max(high - low, 1)
+    return Run(
+        messages=count,
+        rate=window / max(t1 - t0, 1e-9),
+        cpu_ms=(c1 - c0) * 1000 / window,
+        seconds=end[0] - started,
+        peak_rss=peak_rss_bytes(pid),
+        rss=rss_bytes(pid),
+    )
