@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -235,3 +236,24 @@ def test_three_replicas_share_the_work_without_double_dispatch(
     shares = [d.metric("llm_d_async_async_request_total", queue_name=queue) for d in daemons]
     assert sum(shares) == 3000
     assert min(shares) > 300, shares  # every replica took part
+
+
+def test_redis_down_at_start_is_not_ready_then_recovers(
+    tmp_path: Path, unique: str, simulator: SimulatorProcess, daemon_factory: DaemonFactory
+) -> None:
+    server = RedisServer(dir=tmp_path)  # its port is chosen but nothing listens yet
+    queue, results = f"{unique}:q", f"{unique}:results"
+    config = sortedset_config(server.url, simulator.url, [queue], result_list=results)
+    daemon = daemon_factory.start(config, wait=False)
+    time.sleep(3)
+    assert daemon.proc.poll() is None  # retrying, not crashed
+    assert not daemon.ready()  # /readyz says 503 while Redis is unreachable
+    server.start()
+    try:
+        daemon.wait_ready(20)
+        r = _sync(server.url)
+        _submit(r, queue, results, ["late"], int(time.time()) + 600)
+        [got] = _collect(r, results, 1, 30)
+        assert got.status_code == 200
+    finally:
+        server.stop()
