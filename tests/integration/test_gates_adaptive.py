@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import anyio
 import pytest
 
+from async_processor.config import PoolConfig
 from async_processor.gates.adaptive import AdaptiveConcurrencyGate
 from async_processor.gates.base import Action, GateContext, GateOwner, Releases, build_gate
 from async_processor.messages import Envelope, Request
 from async_processor.simulator import DROPPED_REASON_HEADER
 from tests.fixtures.simulator import SimulatorProcess
+from tests.integration.test_pipeline import _config, _req, _submit, running
 
 CALLERS = 128
 CAPACITY = 32
@@ -103,3 +106,51 @@ async def test_adaptive_settles_near_capacity_with_few_429s(simulator: Simulator
     assert adaptive.ok >= 0.6 * fixed.ok, (adaptive, fixed)
     assert adaptive.rejected * 20 < fixed.rejected, (adaptive.rejected, fixed.rejected)
     assert adaptive.rejected < 0.1 * adaptive.ok
+
+
+async def pipeline_run(
+    redis_url: str, queue: str, simulator: SimulatorProcess, gate: dict[str, Any]
+) -> tuple[dict[str, Any], list[int], float | None]:
+    """Run the daemon with a 128-worker pool for RUN_SECONDS; simulator stats, in-flight samples."""
+    pools = [PoolConfig(id="p", workers=CALLERS, **gate)]
+    config = _config(redis_url, simulator.url, queue, pools=pools)
+    simulator.reset()
+    samples: list[int] = []
+    async with running(config) as processor:
+        await _submit(redis_url, queue, *[_req(f"{queue}-{i}", ttl=120) for i in range(3000)])
+        await anyio.sleep(RUN_SECONDS / 2)
+        end = time.monotonic() + RUN_SECONDS / 2
+        while time.monotonic() < end:  # admitted past the pool gate, as the daemon counts
+            inflight = processor.metrics.registry.get_sample_value(
+                "llm_d_async_async_inflight_requests",
+                {"queue_id": queue, "queue_name": queue, "pool_name": "p"},
+            )
+            samples.append(int(inflight or 0))
+            await anyio.sleep(0.05)
+        limit = processor.metrics.registry.get_sample_value(
+            "llm_d_async_async_adaptive_concurrency_limit",
+            {"queue_id": "", "queue_name": "", "pool_name": "p"},
+        )
+        stats = simulator.stats()
+    return stats, samples, limit
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_adaptive_pool_gate_in_the_daemon(
+    redis_url: str, unique: str, simulator: SimulatorProcess
+) -> None:
+    """The same comparison through the real pipeline: the dispatcher feeds ``observe``."""
+    simulator.configure(latency=0.1, max_concurrent=CAPACITY, max_waiting=0)
+    gate = {"gate_type": "adaptive-concurrency", "gate_params": {"max_limit": CALLERS}}
+    adaptive, samples, limit = await pipeline_run(redis_url, f"{unique}a", simulator, gate)
+    fixed, _, _ = await pipeline_run(redis_url, f"{unique}f", simulator, {})
+
+    mean = sum(samples) / len(samples)
+    # The limit is what the gate learned; the in-flight mean also depends on how fast the
+    # pipeline feeds the workers, so it is only held to "busy, never far past capacity".
+    assert 0.5 * CAPACITY <= mean <= CAPACITY + 2, (mean, limit)
+    assert limit is not None and 0.7 * CAPACITY <= limit <= 1.2 * CAPACITY
+    rejected = adaptive["by_status"].get("429", 0)
+    assert rejected * 10 < fixed["by_status"].get("429", 0), (adaptive, fixed)
+    assert adaptive["by_status"].get("200", 0) >= 0.6 * fixed["by_status"].get("200", 0)
