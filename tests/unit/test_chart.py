@@ -82,7 +82,9 @@ def render(values: dict[str, Any], name: str = "demo") -> dict[str, dict[str, An
     with helm.Chart.load(str(CHART)) as chart:
         manifests = chart.render(values, name=name, namespace=NAMESPACE, is_install=True)
     objects: dict[str, dict[str, Any]] = {}
-    for text in manifests.values():
+    for path, text in manifests.items():
+        if path.endswith("NOTES.txt"):
+            continue
         for obj in parse_docs(text):
             key = obj["kind"]
             if key == "ConfigMap":
@@ -326,6 +328,14 @@ def test_redis_url_lives_only_in_the_secret() -> None:
     assert ref == {"name": objects["Secret"]["metadata"]["name"], "key": "url"}
     others = [o for k, o in objects.items() if k != "Secret"]
     assert "s3cret" not in json.dumps(others)
+
+
+def test_install_notes_name_the_release() -> None:
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(MINIMAL, name="demo", namespace=NAMESPACE, is_install=True)
+    notes = manifests["async-processor/templates/NOTES.txt"]
+    assert f"kubectl -n {NAMESPACE} rollout status deploy/demo-async-processor" in notes
+    assert "curl -s localhost:8081/readyz" in notes
 
 
 def test_optional_objects_are_off_by_default() -> None:
