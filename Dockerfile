@@ -15,8 +15,9 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY async_processor ./async_processor
 # Optional extras baked in; `otel` lets OTEL_EXPORTER_OTLP_ENDPOINT turn tracing on.
+# `--build-arg EXTRAS=` builds without any (the expansion drops the empty brackets).
 ARG EXTRAS=otel
-RUN pip install --no-compile ".[${EXTRAS}]" \
+RUN pip install --no-compile ".${EXTRAS:+[$EXTRAS]}" \
     && python -m compileall -q -j 0 /opt/venv
 
 FROM ${PYTHON_IMAGE} AS runtime

@@ -11,6 +11,7 @@ import fnmatch
 import json
 import re
 import shlex
+import subprocess
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +118,29 @@ def test_nothing_is_written_at_run_time(stages: list[Stage]) -> None:
     assert stages[-1].env()["PYTHONDONTWRITEBYTECODE"] == "1"
     assert stages[-1].env()["HOME"] == "/tmp"  # the chart's emptyDir
     assert any("compileall" in run for run in stages[0].all("RUN"))
+
+
+def test_install_target_expands_for_any_extras(stages: list[Stage]) -> None:
+    """The pip target is ``.[extras]``, or plain ``.`` when built with ``EXTRAS=``."""
+    build = stages[0]
+    default = next(r for r in build.all("ARG") if r.startswith("EXTRAS="))
+    install = next(r for r in build.all("RUN") if "pip install" in r)
+    target = shlex.split(install.split("pip install", 1)[1].split("&&")[0])[-1]
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert set(default.removeprefix("EXTRAS=").split(",")) <= set(optional["optional-dependencies"])
+
+    def expand(extras: str) -> str:
+        done = subprocess.run(
+            ["sh", "-c", f'printf %s "{target}"'],
+            env={"EXTRAS": extras},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return done.stdout
+
+    assert expand("") == "."
+    assert expand("otel") == ".[otel]"
 
 
 def test_exposed_ports_match_the_daemon_defaults(stages: list[Stage]) -> None:
