@@ -201,8 +201,11 @@ async def test_lane_bound_is_backpressure_not_memory_growth() -> None:
     policy = TierPriority(TierPriorityParams(lane_capacity=10))
     async with anyio.create_task_group() as tg:
         tg.start_soon(policy.run, "p", [Source(QueueSpec(id="b", name="b"), receive), urgent], out)
+        # Lane of 10 + one message in the emitter + one in the blocked reader, and no more.
+        with anyio.fail_after(5):
+            while send.statistics().current_buffer_used > 100 - 12:
+                await anyio.sleep(0.001)
         await anyio.sleep(0.05)
-        # Lane of 10 + one message in the emitter + one in the blocked reader.
         assert send.statistics().current_buffer_used == 100 - 12
         # A full batch lane does not block another lane's reader.
         urgent_send.send_nowait(work("urgent", 0, RESERVED_INTERACTIVE))
