@@ -203,6 +203,8 @@ def test_deployment_args_env_mounts_and_probes() -> None:
     assert pod["terminationGracePeriodSeconds"] == 190
     assert pod["affinity"]["podAntiAffinity"]
     assert pod["serviceAccountName"] == objects["ServiceAccount"]["metadata"]["name"]
+    # The metrics Service would otherwise inject ASYNC_PROCESSOR_METRICS_PORT=tcp://...
+    assert pod["enableServiceLinks"] is False
 
 
 def test_container_runs_non_root_with_a_read_only_root_filesystem() -> None:

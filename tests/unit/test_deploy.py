@@ -120,9 +120,10 @@ def test_daemon_args_and_transport_config_load(tmp_path: Path) -> None:
     redis = objects[("Service", "redis")]
     assert urlsplit(url).hostname == redis["metadata"]["name"]
     assert urlsplit(url).port == redis["spec"]["ports"][0]["port"]
-    assert pod_spec(objects[("Deployment", "async-processor")])[
-        "terminationGracePeriodSeconds"
-    ] == (config.runtime.drain_timeout + 10)
+    pod = pod_spec(objects[("Deployment", "async-processor")])
+    assert pod["terminationGracePeriodSeconds"] == config.runtime.drain_timeout + 10
+    # Service links would add ASYNC_PROCESSOR_METRICS_PORT=tcp://... from the metrics Service.
+    assert pod["enableServiceLinks"] is False
 
 
 @pytest.fixture(scope="module")
