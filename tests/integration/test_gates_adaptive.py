@@ -26,6 +26,7 @@ from tests.integration.test_pipeline import _config, _req, _submit, running
 CALLERS = 128
 CAPACITY = 32
 RUN_SECONDS = 4.0
+DAEMON_SECONDS = 3.0
 
 
 @pytest.fixture
@@ -111,15 +112,15 @@ async def test_adaptive_settles_near_capacity_with_few_429s(simulator: Simulator
 async def pipeline_run(
     redis_url: str, queue: str, simulator: SimulatorProcess, gate: dict[str, Any]
 ) -> tuple[dict[str, Any], list[int], float | None]:
-    """Run the daemon with a 128-worker pool for RUN_SECONDS; simulator stats, in-flight samples."""
+    """Run the daemon with a 128-worker pool; simulator stats, in-flight samples, limit."""
     pools = [PoolConfig(id="p", workers=CALLERS, **gate)]
     config = _config(redis_url, simulator.url, queue, pools=pools)
     simulator.reset()
     samples: list[int] = []
     async with running(config) as processor:
         await _submit(redis_url, queue, *[_req(f"{queue}-{i}", ttl=120) for i in range(3000)])
-        await anyio.sleep(RUN_SECONDS / 2)
-        end = time.monotonic() + RUN_SECONDS / 2
+        await anyio.sleep(DAEMON_SECONDS / 2)
+        end = time.monotonic() + DAEMON_SECONDS / 2
         while time.monotonic() < end:  # admitted past the pool gate, as the daemon counts
             inflight = processor.metrics.registry.get_sample_value(
                 "llm_d_async_async_inflight_requests",
@@ -142,7 +143,8 @@ async def test_adaptive_pool_gate_in_the_daemon(
 ) -> None:
     """The same comparison through the real pipeline: the dispatcher feeds ``observe``."""
     simulator.configure(latency=0.1, max_concurrent=CAPACITY, max_waiting=0)
-    gate = {"gate_type": "adaptive-concurrency", "gate_params": {"max_limit": CALLERS}}
+    params = {"max_limit": CALLERS, "initial_limit": 24}  # a shorter climb: a shorter test
+    gate = {"gate_type": "adaptive-concurrency", "gate_params": params}
     adaptive, samples, limit = await pipeline_run(redis_url, f"{unique}a", simulator, gate)
     fixed, _, _ = await pipeline_run(redis_url, f"{unique}f", simulator, {})
 
