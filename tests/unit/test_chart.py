@@ -272,6 +272,17 @@ def test_gcp_example_traces_and_mounts_the_tls_secret() -> None:
     assert sa["iam.gke.io/gcp-service-account"].startswith("async-processor@")
 
 
+def test_custom_image_and_pull_secrets_reach_the_pod() -> None:
+    objects = render(load_values(CHART / "ci" / "redis-pubsub-values.yaml"))
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    c = container(objects)
+    assert c["image"] == "registry.example.com/async-processor:0.1.0-rc1"
+    assert c["imagePullPolicy"] == "Always"
+    assert c["args"][-1] == "--gate-wait-timeout=30s"  # extraArgs come last
+    assert {"Service", "PodDisruptionBudget"}.isdisjoint(objects)
+
+
 def test_otel_env_is_absent_without_an_endpoint() -> None:
     assert not [k for k in env_of(container(render(MINIMAL))) if k.startswith("OTEL_")]
 
