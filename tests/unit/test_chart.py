@@ -681,3 +681,13 @@ def test_docs_promql_parses_and_names_exported_metrics(tmp_path: Path) -> None:
     mentioned = {n for doc in DOCS for n in METRIC_NAME.findall(doc.read_text())}
     mentioned = {n for n in mentioned if not n.endswith("_")}  # the bare prefix
     assert mentioned <= families, mentioned - families
+
+
+def test_docs_links_and_repo_paths_exist() -> None:
+    """Relative links and the repository paths the guides name point at real files."""
+    for doc in DOCS:
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+            assert (doc.parent / target).exists(), f"{doc.name}: {target}"
+        for path in re.findall(r"`((?:charts|deploy|config|docs|bench|tests)/[\w./-]*)`", text):
+            assert (ROOT / path).exists(), f"{doc.name}: {path}"
