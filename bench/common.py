@@ -65,9 +65,11 @@ def python_process(
     stack: ExitStack, args: Sequence[str], *, port: int | None = None, log: Path | None = None
 ) -> subprocess.Popen[bytes]:
     """``python <args>`` with its output in ``log``; waits for ``port`` when given."""
-    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed by the stack
+    out = subprocess.DEVNULL
     if log:
-        stack.callback(out.close)  # type: ignore[union-attr]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        handle = stack.enter_context(log.open("wb"))
+        out = handle.fileno()
     proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT)
     stack.callback(stop_process, proc, 30.0)
     if port is not None:

@@ -108,7 +108,6 @@ def start_daemon(
             "--health-port", str(health), "--metrics-port", str(free_port()),
             "--bind-address", "127.0.0.1", "--log-level", "warning",
             "--metrics-backlog-poll-interval", "0"]  # fmt: skip
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
     return python_process(stack, args, port=health, log=LOG_DIR / f"{lane.queue}.log")
 
 
@@ -118,7 +117,6 @@ def start_baseline(
     args = ["-m", "bench.baseline", "--redis-url", lane.redis_url, "--queue", lane.queue,
             "--result-list", lane.results, "--gateway-url", sim.url,
             "--workers", str(workers), "--count", str(count)]  # fmt: skip
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
     return python_process(stack, args, log=LOG_DIR / f"{lane.queue}.log")
 
 

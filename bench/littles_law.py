@@ -35,6 +35,10 @@ async def measure(messages: int, workers: int, latency: float) -> list[tuple[str
         ("throughput", f"{run.rate:,.1f} msg/s steady state (ideal {ideal:,.0f})"),
         ("efficiency", f"{efficiency:.3f} ({verdict})"),
         ("max in flight at gateway", str(seen["max_concurrent_seen"])),
+        (
+            "gateway calls",
+            f"{seen['total']} for {messages} messages, by status {seen['by_status']}",
+        ),
         ("wall time", f"{run.seconds:.1f} s"),
         ("daemon CPU", f"{run.cpu_ms:.3f} ms/msg"),
         ("daemon peak RSS", mib(run.peak_rss)),

@@ -30,9 +30,14 @@ async def _one(url: str, sim: SimulatorProcess, label: str, start: Starter, work
                messages: int) -> Run:  # fmt: skip
     lane = Lane.fresh(url, label)
     await submit(lane, messages)
+    sim.reset()
     with ExitStack() as stack:  # the consumer stops before the next one starts
         proc = start(stack, lane, sim, workers, messages)
-        return await watch(lane, proc, messages, timeout=messages / 100 + 60)
+        run = await watch(lane, proc, messages, timeout=messages / 100 + 60)
+    calls = sim.stats()["total"]
+    if calls != messages:
+        print(f"  note: {label} made {calls} gateway calls for {messages} messages")
+    return run
 
 
 async def measure(messages: int, workers: int) -> list[tuple[str, str]]:
