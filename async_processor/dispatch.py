@@ -3,7 +3,7 @@
 Input: a ``Work`` item (admitted) and the settings that shape requests. Output: an
 ``Outgoing`` request (URL, headers, verbatim body) and, after sending, a ``retry.Attempt``.
 The attempt is cut at min(deadline, now + request timeout); the deadline also reaches
-the gateway as a header (DESIGN.md §5.6).
+the gateway as a header (DESIGN.md §5.6), and so does the trace context when tracing is on.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import anyio
 import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from async_processor import tracing
 from async_processor.admission import HandBack, PoolGate, admit
 from async_processor.config import TLSConfig
 from async_processor.errors import ConfigError, InvalidMessage, PayloadUnavailable, TransportError
@@ -205,7 +206,9 @@ class Worker:
         outcome: Outcome = HandBack(0.0)
         try:
             if not self.stopping.is_set():
-                outcome = await self._process(work)
+                with tracing.process_request(work) as span:
+                    outcome = await self._process(work)
+                    span.settled(outcome)
         finally:
             # Settle even when cancelled at the drain timeout: the message goes back at once.
             with anyio.CancelScope(shield=True):
@@ -243,7 +246,9 @@ class Worker:
         if timeout <= 0:
             return expired(request.id, last_answer(envelope.routing))
         started = time.monotonic()
-        attempt = await send(self.session, out, timeout=timeout)
+        with tracing.http_request(out) as span:
+            attempt = await send(self.session, out, timeout=timeout)
+            span.answered(attempt)
         latency = time.monotonic() - started
         work.metrics.inference_latency.observe(latency * 1000)
         if attempt.shed:

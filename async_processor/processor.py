@@ -21,6 +21,7 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
+from async_processor import tracing
 from async_processor.admission import PoolGate
 from async_processor.config import AppConfig, PoolConfig
 from async_processor.dispatch import DispatchSettings, TransformChain, Worker, make_session
@@ -275,12 +276,16 @@ def validate_plugins(config: AppConfig) -> None:
 
 
 async def run(config: AppConfig) -> None:
-    """The daemon: run until SIGTERM/SIGINT, drain, exit."""
-    processor = Processor(config)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_watch_signals, processor)
-        await processor.run()
-        tg.cancel_scope.cancel()
+    """The daemon: run until SIGTERM/SIGINT, drain, exit (flushing spans if tracing)."""
+    tracing.setup()
+    try:
+        processor = Processor(config)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_signals, processor)
+            await processor.run()
+            tg.cancel_scope.cancel()
+    finally:
+        tracing.shutdown()
 
 
 async def _watch_signals(processor: Processor) -> None:
