@@ -78,11 +78,19 @@ def build_request(work: Work, settings: DispatchSettings) -> Outgoing:
                 reason="bad_header",
                 request_id=request.id,
             )
-        headers[name] = value
+    # Caller headers may override the first two (as in the reference), in any letter case.
+    apply_stamped(headers, list(request.headers.items()))
     apply_stamped(headers, work.stamped_headers)
     if settings.deadline_header:
         apply_stamped(headers, [(settings.deadline_header, str(request.deadline))])
-    return Outgoing(url=url, body=request.payload, headers=headers, deadline=request.deadline)
+    content_type = next(v for k, v in headers.items() if k.lower() == "content-type")
+    return Outgoing(
+        url=url,
+        body=request.payload,
+        headers=headers,
+        content_type=content_type,
+        deadline=request.deadline,
+    )
 
 
 def join_url(base: str, path: str) -> str:
@@ -105,8 +113,9 @@ def _split_base(base: str) -> SplitResult:
 async def send(session: aiohttp.ClientSession, out: Outgoing, *, timeout: float) -> Attempt:
     """One POST; any failure to get a complete answer becomes a no-response ``Attempt``."""
     headers = out.headers
-    if out.content_type != headers.get("Content-Type"):
-        headers = {**headers, "Content-Type": out.content_type}
+    if out.body_claimed:  # a transform rewrote the body, and its content type goes with it
+        headers = dict(headers)
+        apply_stamped(headers, [("Content-Type", out.content_type)])
     try:
         async with session.post(
             out.url,

@@ -234,8 +234,9 @@ class Processor:
             gate = PoolGate(
                 built, self.metrics.pool(config.id), self.config.runtime.effective_gate_wait_timeout
             )
-        # A little prefetch beyond the workers hides the fetch round trip.
-        slots = config.workers + max(1, config.workers // 4)
+        # A little prefetch beyond the workers hides the fetch round trip; a reordering
+        # merge policy asks for more.
+        slots = config.workers + max(1, config.workers // 4, self.merge_policy.prefetch)
         mine = [q for q in queues if q.pool == config.id]
         return _Pool(config, mine, PoolCapacity(slots), gate)
 

@@ -55,7 +55,7 @@ def test_body_is_the_payload_bytes_verbatim() -> None:
 def test_header_order_and_deadline_header() -> None:
     raw = (
         b'{"id":"r1","deadline":1900000000,"payload":{},'
-        b'"headers":{"X-Tenant":"t","content-type":"application/x"}}'
+        b'"headers":{"X-Tenant":"t"}}'
     )
     work = _work(raw, inference_objective="batch-obj")
     work.stamped_headers = [("x-llm-d-inference-fairness-id", "u1")]
@@ -90,3 +90,13 @@ def test_illegal_caller_headers_are_invalid_request(headers: bytes) -> None:
     with pytest.raises(InvalidMessage) as err:
         build_request(_work(raw), DispatchSettings())
     assert err.value.request_id == "r1"
+
+
+def test_caller_content_type_overrides_in_any_case() -> None:
+    raw = (
+        b'{"id":"r1","deadline":1900000000,"payload":{},'
+        b'"headers":{"content-type":"application/vnd.x+json"}}'
+    )
+    out = build_request(_work(raw), DispatchSettings())
+    assert [k for k in out.headers if k.lower() == "content-type"] == ["content-type"]
+    assert out.content_type == "application/vnd.x+json"
