@@ -338,3 +338,37 @@ async def test_result_routing_to_message_result_queue(
         [result] = await client.drain_results(1, 10)
     assert isinstance(result, Result)
     assert result.id == "routed"
+
+
+async def test_tier_priority_urgent_message_overtakes_queued_batch_work(
+    redis_url: str, unique: str, simulator: SimulatorProcess
+) -> None:
+    from async_processor.config import MergePolicyConfig
+
+    simulator.configure(latency=0.01)
+    batch_q, urgent_q = f"{unique}:batch", f"{unique}:urgent"
+    transport = SortedSetConfig.model_validate({
+        "url": redis_url, "result_queue_name": f"{unique}:results",
+        "retry_queue_name": f"{unique}:retry", "poll_interval_ms": 50,
+        "queues": [
+            {"queue_name": batch_q, "igw_base_url": simulator.url, "labels": {"tier": "batch"}},
+            {"queue_name": urgent_q, "igw_base_url": simulator.url,
+             "labels": {"tier": "interactive"}},
+        ],
+    })  # fmt: skip
+    config = AppConfig(
+        transport="redis-sortedset", transport_config=transport,
+        runtime=RuntimeConfig(health_port=free_port(), metrics_port=free_port(),
+                              bind_address="127.0.0.1", concurrency=1),
+        merge_policy=MergePolicyConfig(type="tier-priority"),
+    )  # fmt: skip
+    client = SortedSetClient(redis_url, request_queue=batch_q, result_queue=f"{unique}:results")
+    await client.submit_many([_req(f"b{i}") for i in range(300)])
+    async with running(config):
+        await anyio.sleep(0.5)  # the batch backlog is now buffered in its lane
+        await client.submit(_req("urgent"), queue=urgent_q)
+        results = await client.drain_results(301, 30)
+    order = [r.id for r in results]
+    assert len(order) == 301
+    # One worker, 300 batch messages ahead of it: it still comes out within a few.
+    assert order.index("urgent") < 80, order.index("urgent")
