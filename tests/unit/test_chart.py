@@ -3,16 +3,23 @@
 Rendering and linting use helm-python-sdk (Helm's Go SDK bundled in the wheel; no helm
 binary). The rendered args and files are fed to the daemon's own config loader, the alert
 rules to ``promtool``, and the dashboard's metric names are compared with what
-``async_processor.metrics.Metrics`` registers.
+``async_processor.metrics.Metrics`` registers and with a live /metrics. One slow test runs
+the rendered container spec as a real daemon process (private Redis, simulator).
+Not covered: applying the objects to a cluster (no API server here).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +27,7 @@ from typing import Any
 import aiohttp
 import anyio
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from async_processor.config import (
@@ -38,6 +46,8 @@ from async_processor.config import (
 from async_processor.durations import parse_duration
 from async_processor.health import serve_metrics
 from async_processor.metrics import Metrics
+from tests.fixtures.servers import free_port, stop_process
+from tests.fixtures.simulator import SimulatorProcess
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
 helm.disable_logging()
@@ -691,3 +701,89 @@ def test_docs_links_and_repo_paths_exist() -> None:
             assert (doc.parent / target).exists(), f"{doc.name}: {target}"
         for path in re.findall(r"`((?:charts|deploy|config|docs|bench|tests)/[\w./-]*)`", text):
             assert (ROOT / path).exists(), f"{doc.name}: {path}"
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+    except OSError:
+        return 0, ""
+
+
+def wait_for(check: Any, what: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"daemon exited:\n{log.read_text()[-3000:]}"
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not seen in 20 s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_rendered_pod_spec_runs_and_serves_every_queried_metric(
+    tmp_path: Path, redis_url: str, simulator: SimulatorProcess, unique: str
+) -> None:
+    """The chart's container (args, env, probes, Service port) run as a real process."""
+    queue = f"{unique}:requests"
+    ports = {"health": free_port(), "metrics": free_port()}
+    values = with_ap(
+        igwBaseURL=simulator.url,
+        transportConfig={
+            "result_queue_name": f"{unique}:results",
+            "retry_queue_name": f"{unique}:retry",
+            "poll_interval_ms": 100,
+            "queues": [
+                {
+                    "queue_name": queue,
+                    "gate_type": "endpoint-scrape",
+                    "gate_params": {
+                        "url": simulator.url + "/metrics",
+                        "metric": "vllm:num_requests_running",
+                    },
+                }
+            ],
+        },
+        health={"port": ports["health"]},
+        metrics={"port": ports["metrics"]},
+        bindAddress="127.0.0.1",
+        metricsBacklogPollInterval="1s",
+        drainTimeout="5s",
+    )
+    objects = render(values)
+    for name, text in objects["ConfigMap:config"]["data"].items():
+        (tmp_path / name).write_text(text)
+    c = container(objects)
+    args = [a.replace(CONFIG_DIR, str(tmp_path)) for a in c["args"]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNC_PROCESSOR_")}
+    assert env_of(c)["REDIS_URL"]["secretKeyRef"]["name"] == "redis-creds"
+    env["REDIS_URL"] = redis_url  # what the Secret would hold
+    log = tmp_path / "daemon.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "async_processor", *args],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    try:
+        named = {p["name"]: p["containerPort"] for p in c["ports"]}
+        probe = c["readinessProbe"]["httpGet"]
+        ready = f"http://127.0.0.1:{named[probe['port']]}{probe['path']}"
+        wait_for(lambda: http_get(ready)[0] == 200, "readiness", proc, log)
+        liveness = c["livenessProbe"]["httpGet"]
+        assert http_get(f"http://127.0.0.1:{named[liveness['port']]}{liveness['path']}")[0] == 200
+        service_port = objects["Service"]["spec"]["ports"][0]["targetPort"]
+        scrape = f"http://127.0.0.1:{named[service_port]}/metrics"
+        # One message with no usable id, so the dead-letter series exists too.
+        redis.Redis.from_url(redis_url).zadd(queue, {b"not json": time.time() + 600})
+        wait_for(lambda: "llm_d_async_async_dead_letter_total{" in http_get(scrape)[1],
+                 "a dead-letter series", proc, log)  # fmt: skip
+        wait_for(lambda: "llm_d_async_async_gate_metric_value{" in http_get(scrape)[1],
+                 "the gate gauges", proc, log)  # fmt: skip
+        families = text_string_to_metric_families(http_get(scrape)[1])
+        live = {sample.name for family in families for sample in family.samples}
+        rules = rules_of(render(with_ap(prometheusRule={"enabled": True})))
+        queried = queried_metrics(dashboard_exprs(dashboard()) + [r["expr"] for r in rules])
+        assert queried <= live, queried - live
+    finally:
+        stop_process(proc, timeout=30)
