@@ -234,9 +234,10 @@ class Processor:
             gate = PoolGate(
                 built, self.metrics.pool(config.id), self.config.runtime.effective_gate_wait_timeout
             )
-        # A little prefetch beyond the workers hides the fetch round trip; a reordering
-        # merge policy asks for more.
-        slots = config.workers + max(1, config.workers // 4, self.merge_policy.prefetch)
+        # A little prefetch beyond the workers hides the fetch round trip. No more: every
+        # message held here is leased away from the other replicas, and with fetching
+        # driven by free slots, an urgent queue is served at the next free slot anyway.
+        slots = config.workers + max(1, config.workers // 4)
         mine = [q for q in queues if q.pool == config.id]
         return _Pool(config, mine, PoolCapacity(slots), gate)
 

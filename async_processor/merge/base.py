@@ -25,10 +25,6 @@ class Source:
 
 
 class MergePolicy(Protocol):
-    # Messages the policy wants buffered beyond the pool's workers (fetched and leased
-    # ahead of need) so that its ordering has something to choose from.
-    prefetch: int
-
     async def run(self, pool: str, sources: Sequence[Source], sink: ObjectSendStream[Work]) -> None:
         """Merge until every source is closed, then close ``sink``."""
         ...

@@ -69,8 +69,6 @@ class _Offers:
 
 
 class RandomRobin:
-    prefetch = 0  # a uniform pick needs only each queue's next message
-
     def __init__(self, params: RandomRobinParams, rng: random.Random | None = None) -> None:
         self._params = params
         self._rng = rng or random.Random()

@@ -146,9 +146,6 @@ class _Scheduler:
 class TierPriority:
     def __init__(self, params: TierPriorityParams) -> None:
         self._params = params
-        # Lanes can only reorder what has been fetched: let one lane's worth wait here, so
-        # an urgent message overtakes queued batch work as in the reference.
-        self.prefetch = params.lane_capacity
         self._objectives = [params.lane_objectives.get(lane, "") for lane in LANES]
 
     async def run(self, pool: str, sources: Sequence[Source], sink: ObjectSendStream[Work]) -> None:

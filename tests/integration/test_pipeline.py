@@ -340,7 +340,7 @@ async def test_result_routing_to_message_result_queue(
     assert result.id == "routed"
 
 
-async def test_tier_priority_urgent_message_overtakes_queued_batch_work(
+async def test_urgent_queue_served_promptly_behind_a_deep_batch_backlog(
     redis_url: str, unique: str, simulator: SimulatorProcess
 ) -> None:
     from async_processor.config import MergePolicyConfig
@@ -370,5 +370,7 @@ async def test_tier_priority_urgent_message_overtakes_queued_batch_work(
         results = await client.drain_results(301, 30)
     order = [r.id for r in results]
     assert len(order) == 301
-    # One worker, 300 batch messages ahead of it: it still comes out within a few.
+    # One worker, 300 batch messages ahead of it: since fetching follows free slots and
+    # queues take turns at them, it comes out within a few (the reference buffers up to
+    # 1000 per lane ahead of it).
     assert order.index("urgent") < 80, order.index("urgent")
