@@ -401,6 +401,7 @@ def test_metrics_service_targets_the_pods() -> None:
             },
             "project_id is required",
         ),
+        ({"metrics": {"port": 8081}}, "need their own ports"),
         ({"tls": {"secretName": "t", "certKey": "tls.crt"}}, "must be set together"),
         ({"tls": {"caCertKey": "ca.crt"}}, "ap.tls.secretName, which is empty"),
         ({"keda": {"enabled": True}}, "needs ap.keda.serverAddress"),

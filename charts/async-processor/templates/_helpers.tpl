@@ -124,6 +124,9 @@ Helm has no duration parser, so the parts are summed here; values.schema.json pi
 {{- fail "ap.transportConfig.result_topic_id is required for gcp-pubsub" -}}
 {{- end -}}
 {{- end -}}
+{{- if eq (int $ap.health.port) (int $ap.metrics.port) -}}
+{{- fail (printf "ap.health.port and ap.metrics.port are both %d: the health and metrics servers need their own ports" (int $ap.health.port)) -}}
+{{- end -}}
 {{- if ne (empty $ap.tls.certKey) (empty $ap.tls.keyKey) -}}
 {{- fail "ap.tls.certKey and ap.tls.keyKey must be set together (client certificate and its key)" -}}
 {{- end -}}
