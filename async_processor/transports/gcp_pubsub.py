@@ -51,35 +51,24 @@ from async_processor.transports.base import (
     TransportContext,
 )
 from async_processor.transports.gcp_backlog import BacklogReader
+from async_processor.transports.gcp_leases import (
+    LEASE_SECONDS,
+    Leases,
+    Receipt,
+    ack_groups,
+    receipt,
+)
 
 log = structlog.get_logger(__name__)
 
-LEASE_SECONDS = 60  # ack deadline each extension buys
-EXTEND_BEFORE = 20.0  # extend a lease once less than this is left
 LEASE_TICK = 1.0
 MAX_ACK_DEADLINE = 600  # Pub/Sub's maximum; longer deferrals come back after 600 s
 PULL_GRACE = 1.0  # the pull RPC deadline is the fetch's wait plus this
 RPC_TIMEOUT = 10.0
 HEALTH_WINDOW = 30.0  # a pull/publish outcome newer than this decides readiness
-ACK_CHUNK = 1000  # ack ids per acknowledge / modify_ack_deadline request
 PUBLISH_CHUNK_COUNT = 1000  # Pub/Sub's per-request limits: 1000 messages, 10 MB
 PUBLISH_CHUNK_BYTES = 9 * 1024 * 1024
-STALE_GRACE = 300.0  # stop extending a message this long after its deadline (a leak)
-UNDECODED_HOLD = 600.0  # ... or this long after it was pulled when it never decoded
 DEDUP_MEMORY = 65536  # message ids whose result this process published
-
-
-@dataclass(slots=True)
-class Receipt:
-    """A delivery's Pub/Sub receipt and lease state."""
-
-    ack_id: str
-    subscription: str
-    message_id: str
-    delivery_attempt: int
-    publish_time: float  # wall clock seconds
-    lease_until: float  # monotonic
-    published: bool = False  # result confirmed; a retried complete only acks
 
 
 @dataclass(slots=True)
@@ -123,7 +112,7 @@ class GcpPubSubTransport:
         )
         self._subscriber: SubscriberAsyncClient | None = None
         self._publisher: PublisherAsyncClient | None = None
-        self._held: dict[str, Delivery] = {}  # ack id -> delivery, extended by run()
+        self._leases = Leases()  # held messages, extended by run()
         self._ack_deadlines: dict[str, int] = {}  # subscription -> its own ack deadline
         self._status: dict[str, _Status] = defaultdict(_Status)  # resource -> last outcome
         self._published: OrderedDict[str, None] = OrderedDict()  # "<sub>/<message id>"
@@ -197,7 +186,7 @@ class GcpPubSubTransport:
         self, queue: QueueSpec, subscription: str, received: ReceivedMessage, lease: int
     ) -> Delivery:
         message = received.message
-        receipt = Receipt(
+        held = Receipt(
             ack_id=received.ack_id,
             subscription=subscription,
             message_id=message.message_id,
@@ -208,23 +197,23 @@ class GcpPubSubTransport:
         delivery = Delivery(
             queue=queue,
             raw=bytes(message.data),
-            handle=receipt,
+            handle=held,
             attributes=dict(message.attributes),
         )
-        self._held[receipt.ack_id] = delivery
+        self._leases.hold(delivery)
         return delivery
 
     def decode(self, delivery: Delivery) -> Envelope:
         """The bare request, attributes merged into metadata (attributes win), routing filled."""
         request = decode_request(delivery.raw, max_bytes=self._ctx.max_message_bytes)
         request.metadata = {**request.metadata, **delivery.attributes}
-        receipt = _receipt(delivery)
+        held = receipt(delivery)
         routing = Routing(
             # Only counts redeliveries when the subscription has a dead-letter policy.
-            retry_count=max(receipt.delivery_attempt - 1, 0),
+            retry_count=max(held.delivery_attempt - 1, 0),
             queue_id=delivery.queue.id,
             request_queue_name=delivery.queue.name,
-            transport_correlation_id=receipt.message_id,
+            transport_correlation_id=held.message_id,
             labels=dict(delivery.queue.labels),
         )
         delivery.envelope = Envelope(request=request, routing=routing, kind="pubsub")
@@ -236,24 +225,24 @@ class GcpPubSubTransport:
         """Publish the results, await their confirmation, then ack the messages."""
         if not items:
             return
-        pending = [(d, r.encode()) for d, r in items if not self._already_published(_receipt(d))]
+        pending = [(d, r.encode()) for d, r in items if not self._already_published(receipt(d))]
         for chunk in _publish_chunks(pending):
             await self._publish(self._result_topic, [PubsubMessage(data=data) for _, data in chunk])
             for delivery, _ in chunk:
-                self._remember_published(_receipt(delivery))
+                self._remember_published(receipt(delivery))
         await self._acknowledge([d for d, _ in items])
         self._observe_latency(d for d, _ in items)
 
-    def _already_published(self, receipt: Receipt) -> bool:
-        if receipt.published or f"{receipt.subscription}/{receipt.message_id}" in self._published:
-            if not receipt.published:
-                log.info("duplicate_result_skipped", message_id=receipt.message_id)
+    def _already_published(self, held: Receipt) -> bool:
+        if held.published or f"{held.subscription}/{held.message_id}" in self._published:
+            if not held.published:
+                log.info("duplicate_result_skipped", message_id=held.message_id)
             return True
         return False
 
-    def _remember_published(self, receipt: Receipt) -> None:
-        receipt.published = True
-        self._published[f"{receipt.subscription}/{receipt.message_id}"] = None
+    def _remember_published(self, held: Receipt) -> None:
+        held.published = True
+        self._published[f"{held.subscription}/{held.message_id}"] = None
         if len(self._published) > DEDUP_MEMORY:
             self._published.popitem(last=False)
 
@@ -264,12 +253,12 @@ class GcpPubSubTransport:
 
     async def _acknowledge(self, deliveries: Sequence[Delivery]) -> None:
         subscriber, _ = self._clients()
-        for subscription, ack_ids in _ack_groups(deliveries):
+        for subscription, ack_ids in ack_groups(deliveries):
             with self._rpc(subscription, "acknowledge"):
                 await subscriber.acknowledge(
                     subscription=subscription, ack_ids=ack_ids, timeout=RPC_TIMEOUT, retry=None
                 )
-        self._forget(deliveries)
+        self._leases.forget(deliveries)
 
     def _observe_latency(self, deliveries: Iterable[Delivery]) -> None:
         """Publish -> ack time (the reference's ``message_latency_time_millis``)."""
@@ -279,7 +268,7 @@ class GcpPubSubTransport:
         for delivery in deliveries:
             q = delivery.queue
             histogram = self._ctx.metrics.queue(q.id, q.name, q.pool).message_latency
-            histogram.observe(max(0.0, now - _receipt(delivery).publish_time) * 1000)
+            histogram.observe(max(0.0, now - receipt(delivery).publish_time) * 1000)
 
     async def defer(self, items: Sequence[Deferral]) -> None:
         """Redeliver each message after its delay, via its ack deadline (0 = nack now)."""
@@ -289,14 +278,14 @@ class GcpPubSubTransport:
             seconds = min(MAX_ACK_DEADLINE, max(0, math.ceil(item.delay)))
             by_delay[seconds].append(item.delivery)
         for seconds, deliveries in by_delay.items():
-            await self._modify(_ack_groups(deliveries), seconds, "defer")
-            self._forget(deliveries)
+            await self._modify(ack_groups(deliveries), seconds, "defer")
+            self._leases.forget(deliveries)
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Copy an unusable message to ``<subscription>-dead-letter`` if it exists; ack it."""
-        receipt = _receipt(delivery)
-        topic = dead_letter_topic(receipt.subscription)
-        attributes = {"reason": reason, "detail": detail[:1024], "message_id": receipt.message_id}
+        held = receipt(delivery)
+        topic = dead_letter_topic(held.subscription)
+        attributes = {"reason": reason, "detail": detail[:1024], "message_id": held.message_id}
         try:
             await self._publish(topic, [PubsubMessage(data=delivery.raw, attributes=attributes)])
         except TransportError as exc:
@@ -305,16 +294,11 @@ class GcpPubSubTransport:
         log.warning(
             "message_dead_lettered",
             queue=delivery.queue.name,
-            message_id=receipt.message_id,
+            message_id=held.message_id,
             reason=reason,
             detail=detail,
         )
         await self._acknowledge([delivery])
-
-    def _forget(self, deliveries: Iterable[Delivery]) -> None:
-        """No more lease extension for these (acked or handed back)."""
-        for delivery in deliveries:
-            self._held.pop(_receipt(delivery).ack_id, None)
 
     async def _modify(
         self, groups: Sequence[tuple[str, list[str]]], seconds: int, action: str
@@ -379,32 +363,12 @@ class GcpPubSubTransport:
                 log.warning("lease_extension_failed", error=str(exc))
 
     async def extend_leases(self) -> None:
-        now = time.monotonic()
-        due = [
-            d for d in list(self._held.values()) if _receipt(d).lease_until - now < EXTEND_BEFORE
-        ]
-        live = [d for d in due if not self._stale(d)]
-        for delivery in live:
-            _receipt(delivery).lease_until = now + LEASE_SECONDS
-        await self._modify(_ack_groups(live), LEASE_SECONDS, "extend")
-
-    def _stale(self, delivery: Delivery) -> bool:
-        """A message held long past its deadline is a leak: let its lease lapse (redelivery)."""
-        receipt = _receipt(delivery)
-        envelope = delivery.envelope
-        if envelope is not None:
-            stale = time.time() > envelope.request.deadline + STALE_GRACE
-        else:
-            stale = time.time() > delivery.received_at + UNDECODED_HOLD
-        if stale:
-            log.warning("stale_message_released", message_id=receipt.message_id)
-            self._held.pop(receipt.ack_id, None)
-        return stale
+        await self._modify(ack_groups(self._leases.due()), LEASE_SECONDS, "extend")
 
     async def aclose(self) -> None:
         """Nack what is still held (redelivered at once elsewhere), then close the channels."""
         with anyio.CancelScope(shield=True):
-            held = list(self._held.values())
+            held = self._leases.take_all()
             if held:
                 with anyio.move_on_after(RPC_TIMEOUT):
                     try:
@@ -412,31 +376,11 @@ class GcpPubSubTransport:
                         log.info("held_messages_nacked", count=len(held))
                     except TransportError as exc:
                         log.warning("nack_on_close_failed", count=len(held), error=str(exc))
-                self._held.clear()
             for client in (self._subscriber, self._publisher):
                 if client is not None:
                     await client.transport.close()  # type: ignore[no-untyped-call]
             self._subscriber = self._publisher = None
             await self._backlog.aclose()
-
-
-def _receipt(delivery: Delivery) -> Receipt:
-    if not isinstance(delivery.handle, Receipt):
-        raise TypeError("delivery was not fetched by the gcp-pubsub transport")
-    return delivery.handle
-
-
-def _ack_groups(deliveries: Iterable[Delivery]) -> list[tuple[str, list[str]]]:
-    """Ack ids per subscription, in request-sized chunks."""
-    grouped: dict[str, list[str]] = defaultdict(list)
-    for delivery in deliveries:
-        receipt = _receipt(delivery)
-        grouped[receipt.subscription].append(receipt.ack_id)
-    return [
-        (subscription, ack_ids[start : start + ACK_CHUNK])
-        for subscription, ack_ids in grouped.items()
-        for start in range(0, len(ack_ids), ACK_CHUNK)
-    ]
 
 
 def _publish_chunks(

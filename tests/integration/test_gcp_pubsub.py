@@ -17,7 +17,8 @@ from async_processor.metrics import Metrics
 from async_processor.transports import build_transport
 from async_processor.transports.base import Deferral, Delivery, TransportContext
 from async_processor.transports.gcp_backlog import newest_point
-from async_processor.transports.gcp_pubsub import GcpPubSubTransport, Receipt
+from async_processor.transports.gcp_leases import Receipt
+from async_processor.transports.gcp_pubsub import GcpPubSubTransport
 from tests.fixtures.pubsub import PubSubAdmin, PubSubEmulator, pubsub_admin
 
 pytestmark = [pytest.mark.anyio, pytest.mark.xdist_group("pubsub")]
@@ -245,6 +246,30 @@ async def test_retry_count_follows_delivery_attempts(admin: PubSubAdmin, unique:
             counts.append(t.decode(delivery).routing.retry_count)
             await t.defer([Deferral(delivery, 0.0)])
         assert counts == [0, 1, 2]
+    finally:
+        await t.aclose()
+
+
+async def test_dead_letter_policy_after_max_delivery_attempts(
+    admin: PubSubAdmin, unique: str
+) -> None:
+    names = {"sub": f"{unique}-sub", "results": f"{unique}-res"}
+    await admin.create_topic(names["results"])
+    await admin.create_subscription(
+        names["sub"], f"{unique}-req", dead_letter_topic=f"{unique}-dlq", max_delivery_attempts=5
+    )
+    dlq = await admin.create_subscription(f"{unique}-dlq-sub", f"{unique}-dlq")
+    t = transport_for(names)
+    try:
+        await admin.publish(f"{unique}-req", [request("doomed")])
+        for attempt in range(5):
+            [delivery] = await fetch_n(t, 1)
+            assert t.decode(delivery).routing.retry_count == attempt
+            await t.defer([Deferral(delivery, 0.0)])  # every attempt failed
+        # The broker forwards it instead of delivering a sixth time.
+        assert await t.fetch(t.queues[0], 5, 1.0) == []
+        [dead] = await admin.pull_until(dlq.rsplit("/", 1)[1], 1, timeout=5.0)
+        assert json.loads(dead.message.data)["id"] == "doomed"
     finally:
         await t.aclose()
 
