@@ -462,12 +462,22 @@ def parse_settings(
     for flag in FLAGS:
         if flag.dest in given:
             values[flag.dest], sources[flag.dest] = given[flag.dest], flag.option
-        elif flag.dest not in skip_env and env.get(flag.env, "") != "":
+        elif flag.dest not in skip_env and _usable_env(env.get(flag.env, "")):
             values[flag.dest], sources[flag.dest] = env[flag.env], flag.env
         if flag.choices and flag.dest in values and values[flag.dest] not in flag.choices:
             raise ConfigError(f"{sources[flag.dest]}: {values[flag.dest]!r} is not one of "
                               f"{', '.join(flag.choices)}")  # fmt: skip
     return Settings(values, sources)
+
+
+def _usable_env(value: str) -> bool:
+    """Empty means unset; so does a Kubernetes service link (``tcp://10.0.0.1:9090``).
+
+    A Service named ``async-processor-metrics`` makes Kubernetes inject
+    ``ASYNC_PROCESSOR_METRICS_PORT=tcp://...`` into every pod of the namespace; taking it
+    for our flag would crash-loop the daemon.
+    """
+    return value != "" and not value.startswith(("tcp://", "udp://"))
 
 
 def load_config(argv: Sequence[str], env: Mapping[str, str]) -> AppConfig:

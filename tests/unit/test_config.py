@@ -292,3 +292,15 @@ def test_every_example_is_described_and_tested() -> None:
     for example in sorted(EXAMPLES.glob("*.json")):
         assert f"`{example.name}`" in readme
         assert f'"{example.name}"' in source
+
+
+def test_kubernetes_service_link_env_is_not_taken_for_a_flag() -> None:
+    from async_processor.config import parse_settings
+
+    env = {
+        "ASYNC_PROCESSOR_METRICS_PORT": "tcp://10.96.0.12:9090",
+        "ASYNC_PROCESSOR_HEALTH_PORT": "9999",
+    }
+    settings = parse_settings([], env)
+    assert settings.get("metrics_port") == "9090"  # the default, not the link
+    assert settings.get("health_port") == "9999"
