@@ -91,6 +91,11 @@ class Leases:
             receipt(delivery).lease_until = now + LEASE_SECONDS
         return live
 
+    def extension_failed(self, deliveries: Iterable[Delivery]) -> None:
+        """Due again at the next look (``due`` marked them extended in advance)."""
+        for delivery in deliveries:
+            receipt(delivery).lease_until = time.monotonic()
+
     def _drop_if_stale(self, delivery: Delivery) -> bool:
         envelope = delivery.envelope
         if envelope is not None:

@@ -113,6 +113,9 @@ class GcpPubSubTransport:
         self._subscriber: SubscriberAsyncClient | None = None
         self._publisher: PublisherAsyncClient | None = None
         self._leases = Leases()  # held messages, extended by run()
+        # Orders extensions and hand-backs: an extension landing after a deferral's shorter
+        # deadline would hold the message for a whole lease instead of the backoff.
+        self._deadline_lock = anyio.Lock()
         self._ack_deadlines: dict[str, int] = {}  # subscription -> its own ack deadline
         self._status: dict[str, _Status] = defaultdict(_Status)  # resource -> last outcome
         self._published: OrderedDict[str, None] = OrderedDict()  # "<sub>/<message id>"
@@ -277,9 +280,10 @@ class GcpPubSubTransport:
             # Rounded up: a retry never comes back before its backoff.
             seconds = min(MAX_ACK_DEADLINE, max(0, math.ceil(item.delay)))
             by_delay[seconds].append(item.delivery)
-        for seconds, deliveries in by_delay.items():
-            await self._modify(ack_groups(deliveries), seconds, "defer")
-            self._leases.forget(deliveries)
+        async with self._deadline_lock:
+            for seconds, deliveries in by_delay.items():
+                await self._modify(ack_groups(deliveries), seconds, "defer")
+                self._leases.forget(deliveries)
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Copy an unusable message to ``<subscription>-dead-letter`` if it exists; ack it."""
@@ -363,7 +367,13 @@ class GcpPubSubTransport:
                 log.warning("lease_extension_failed", error=str(exc))
 
     async def extend_leases(self) -> None:
-        await self._modify(ack_groups(self._leases.due()), LEASE_SECONDS, "extend")
+        async with self._deadline_lock:
+            due = self._leases.due()
+            try:
+                await self._modify(ack_groups(due), LEASE_SECONDS, "extend")
+            except TransportError:
+                self._leases.extension_failed(due)
+                raise
 
     async def aclose(self) -> None:
         """Nack what is still held (redelivered at once elsewhere), then close the channels."""

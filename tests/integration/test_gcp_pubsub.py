@@ -157,6 +157,29 @@ async def test_defer_redelivers_no_earlier_than_the_delay(
         await t.aclose()
 
 
+async def test_defer_during_a_lease_extension_keeps_its_delay(
+    admin: PubSubAdmin, names: dict[str, str]
+) -> None:
+    t = transport_for(names)
+    try:
+        await admin.publish(names["requests"], [request("race")])
+        [delivery] = await fetch_n(t, 1)
+        t.decode(delivery)
+        receipt = delivery.handle
+        assert isinstance(receipt, Receipt)
+        receipt.lease_until = 0.0  # due for extension now
+        deferred_at = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(t.extend_leases)
+            tg.start_soon(t.defer, [Deferral(delivery, 1.0)])
+        # Had the 60 s extension landed after the 1 s deadline, this would time out.
+        [again] = await fetch_n(t, 1, timeout=8.0)
+        assert time.monotonic() - deferred_at >= 1.0
+        await t.complete([(again, Result.http("race", 200, b"{}"))])
+    finally:
+        await t.aclose()
+
+
 async def test_nack_on_close_redelivers_at_once(admin: PubSubAdmin, names: dict[str, str]) -> None:
     t = transport_for(names)
     await admin.publish(names["requests"], [request("held")])
