@@ -6,4 +6,5 @@ pytest_plugins = [
     "tests.fixtures.daemon",
     "tests.fixtures.prometheus",
     "tests.fixtures.pubsub",
+    "tests.fixtures.otlp",
 ]

@@ -5,7 +5,7 @@ distinctive payload, 500s then success (retries), a message without an id (dead-
 and three rejected with INVALID_REQUEST (no deadline, a header that is not a string, a
 header value with CR/LF). The daemon's stdout+stderr must name the request ids (so the
 grep below sees real events) and never the Redis password, the Authorization value or
-the payload text.
+the payload text. With tracing on, the same holds for the spans the daemon exports.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import redis
 
 from async_processor.messages import Result
 from tests.fixtures.daemon import DaemonFactory, sortedset_config
+from tests.fixtures.otlp import OtlpCollector
 from tests.fixtures.servers import free_port, stop_process, wait_for_port
 from tests.fixtures.simulator import SimulatorProcess
 
@@ -123,3 +124,49 @@ def test_debug_logs_name_requests_but_no_password_token_or_payload(
     assert PASSWORD not in logs
     assert TOKEN.split()[1] not in logs
     assert PAYLOAD_TEXT not in logs
+
+
+def test_traced_daemon_exports_spans_but_no_secrets(
+    auth_redis_url: str,
+    unique: str,
+    simulator: SimulatorProcess,
+    daemon_factory: DaemonFactory,
+    otlp_collector: OtlpCollector,
+) -> None:
+    """With OTEL_EXPORTER_OTLP_ENDPOINT set, spans follow each message's traceparent to the
+    collector (flushed at SIGTERM) and the gateway, and carry no token, password or payload."""
+    r = redis.Redis.from_url(auth_redis_url)
+    queue, results = f"{unique}:q", f"{unique}:results"
+    trace_ids = {f"{unique}-t{i}": uuid.uuid4().hex for i in range(4)}
+    r.zadd(
+        queue,
+        {
+            _message(
+                queue, results, _data(rid, metadata={"traceparent": f"00-{tid}-{'1' * 16}-01"})
+            ): time.time() + 60
+            for rid, tid in trace_ids.items()
+        },
+    )
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_collector.endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_SERVICE_NAME": f"svc-{unique}",
+    }
+    config = sortedset_config(auth_redis_url, simulator.url, [queue], result_list=results)
+    daemon = daemon_factory.start(config, "--log-level", "debug", env=env)
+    _wait(lambda: r.llen(results) >= len(trace_ids), 20, "all results")
+    assert daemon.terminate() == 0  # the batch processor flushes on the way out
+
+    spans = otlp_collector.spans()
+    assert {resource["service.name"] for resource, _ in spans} == {f"svc-{unique}"}
+    process = {
+        next(a.value.string_value for a in s.attributes if a.key == "request.id"): s.trace_id.hex()
+        for _, s in spans
+        if s.name == "process-request"
+    }
+    assert process == trace_ids
+    sent = {req["headers"]["traceparent"].split("-")[1] for req in simulator.requests()}
+    assert sent == set(trace_ids.values())
+    exported = "".join(str(s) for _, s in spans) + daemon.logs()
+    for secret in (PASSWORD, TOKEN.split()[1], PAYLOAD_TEXT):
+        assert secret not in exported

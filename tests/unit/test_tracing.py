@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import aiohttp
@@ -35,6 +34,7 @@ from async_processor.transforms import build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports.base import Deferral, Delivery, QueueSpec
 from async_processor.work import PoolCapacity, Work
+from tests.fixtures.otlp import OtlpCollector
 from tests.fixtures.servers import free_port
 from tests.fixtures.simulator import LocalSimulator
 
@@ -262,36 +262,14 @@ def test_endpoint_without_the_extra_stays_disabled(monkeypatch: pytest.MonkeyPat
     assert not tracing.enabled()
 
 
-@pytest.fixture
-def otlp_collector() -> Iterator[tuple[int, list[Any]]]:
-    """A minimal OTLP/gRPC trace collector: keeps every export request it receives."""
-    import grpc  # type: ignore[import-untyped]
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-
-    received: list[Any] = []
-
-    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request: Any, context: Any) -> Any:
-            received.append(request)
-            return trace_service_pb2.ExportTraceServiceResponse()
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)  # type: ignore[no-untyped-call]
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield port, received
-    server.stop(None)
-
-
 @pytest.mark.anyio
 async def test_setup_from_env_exports_over_otlp_grpc(
     monkeypatch: pytest.MonkeyPatch,
-    otlp_collector: tuple[int, list[Any]],
+    otlp_collector: OtlpCollector,
     local_simulator: LocalSimulator,
 ) -> None:
-    port, received = otlp_collector
     env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"127.0.0.1:{port}",  # no scheme: INSECURE decides
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"127.0.0.1:{otlp_collector.port}",  # INSECURE decides
         "OTEL_EXPORTER_OTLP_INSECURE": "true",
         "OTEL_RESOURCE_ATTRIBUTES": "k8s.pod.name=pod-1",
         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
@@ -305,11 +283,11 @@ async def test_setup_from_env_exports_over_otlp_grpc(
         await _handle(_work(local_simulator.url, metadata={"traceparent": TRACEPARENT}))
     finally:
         tracing.shutdown()  # flushes the batch processor
-    resource_spans = [rs for req in received for rs in req.resource_spans]
-    resource = {a.key: a.value.string_value for a in resource_spans[0].resource.attributes}
+    received = otlp_collector.spans()
+    resource = received[0][0]
     assert resource["service.name"] == "llm-d-async"
     assert resource["k8s.pod.name"] == "pod-1"
-    spans = [s for rs in resource_spans for ss in rs.scope_spans for s in ss.spans]
+    spans = [span for _, span in received]
     assert sorted(s.name for s in spans) == ["http-request", "process-request"]
     assert {s.trace_id.hex() for s in spans} == {TRACE_ID}
 
