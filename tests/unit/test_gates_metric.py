@@ -7,10 +7,10 @@ from typing import Any
 
 import anyio
 import pytest
-import structlog
 from prometheus_client import CollectorRegistry
 
 from async_processor.errors import GateError
+from async_processor.gates import metric as metric_module
 from async_processor.gates.base import CONTINUE, REFUSE, GateContext, GateOwner, Releases
 from async_processor.gates.metric import CachedSource, CascadeSource, MetricGate, Sample
 from async_processor.gates.prometheus import budget_queries, go_g, go_quote, saturation_query
@@ -21,6 +21,23 @@ from async_processor.metrics import Metrics
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+class LogRecorder:
+    """Stands in for the module's logger (other tests may configure structlog globally)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **kw: self.events.append((level, event))
+
+
+@pytest.fixture
+def logs(monkeypatch: pytest.MonkeyPatch) -> LogRecorder:
+    recorder = LogRecorder()
+    monkeypatch.setattr(metric_module, "log", recorder)
+    return recorder
 
 
 class Source:
@@ -80,14 +97,13 @@ async def test_gauges_follow_readings_and_go_stale_on_fallback() -> None:
 
 
 @pytest.mark.anyio
-async def test_fail_open_gates_warn_at_start_and_on_fallback() -> None:
-    with structlog.testing.capture_logs() as logs:
-        g = gate(Source([0.5], GateError("down"), GateError("down")), 0.2, 1.0, fails_open=True)
-        await g.budget()
-        await g.budget()
-        await g.budget()  # still falling back: no repeat within the minute
-    events = [e["event"] for e in logs if e["log_level"] == "warning"]
-    assert events == ["gate_fails_open", "gate_failing_open"]
+async def test_fail_open_gates_warn_at_start_and_on_fallback(logs: LogRecorder) -> None:
+    g = gate(Source([0.5], GateError("down"), GateError("down")), 0.2, 1.0, fails_open=True)
+    await g.budget()
+    await g.budget()
+    await g.budget()  # still falling back: no repeat within the minute
+    warnings = [event for level, event in logs.events if level == "warning"]
+    assert warnings == ["gate_fails_open", "gate_failing_open"]
 
 
 @pytest.mark.anyio
@@ -120,15 +136,14 @@ async def test_cache_lets_one_caller_hit_the_backend() -> None:
 
 
 @pytest.mark.anyio
-async def test_cascade_takes_the_first_source_with_samples() -> None:
+async def test_cascade_takes_the_first_source_with_samples(logs: LogRecorder) -> None:
     first, second, third = Source(GateError("x"), [0.9]), Source([], [0.4]), Source([0.3])
     cascade = CascadeSource([first, second, third], "t")
-    with structlog.testing.capture_logs() as logs:
-        assert [s.value for s in await cascade.query()] == [0.3]
-        assert cascade.active == 2
-        assert [s.value for s in await cascade.query()] == [0.9]
-        assert cascade.active == 0
-    events = [e["event"] for e in logs]
+    assert [s.value for s in await cascade.query()] == [0.3]
+    assert cascade.active == 2
+    assert [s.value for s in await cascade.query()] == [0.9]
+    assert cascade.active == 0
+    events = [event for _, event in logs.events]
     assert events == ["metric_source_resolved", "primary_metric_source_recovered"]
     with pytest.raises(GateError, match="all metric sources unavailable"):
         await CascadeSource([Source([]), Source(GateError("y"))], "t").query()
