@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 from aiohttp import web
 from anyio.abc import TaskStatus
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
@@ -227,7 +227,8 @@ class Simulator:
         return ""
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, _: web.Request) -> web.Response:
         return web.Response(text="ok")

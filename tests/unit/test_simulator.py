@@ -106,7 +106,7 @@ def test_config_rejects_out_of_range_and_unknown_settings() -> None:
             SimConfig(**bad)
 
 
-async def test_zero_latency_never_sleeps(
+async def test_sleeps_exactly_the_configured_delay_and_never_for_zero(
     local_simulator: LocalSimulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     slept: list[float] = []
@@ -118,7 +118,10 @@ async def test_zero_latency_never_sleeps(
     assert (await post(local_simulator.url))[0] == 200
     local_simulator.configure(latency=0.25)
     assert (await post(local_simulator.url))[0] == 200
-    assert slept == [0.25]
+    local_simulator.configure(latency=0, ttft=0.1, per_token=0.01)
+    assert (await post(local_simulator.url, body={"prompt": "p", "max_tokens": 20}))[0] == 200
+    assert (await post(local_simulator.url, body={"prompt": "p"}))[0] == 200  # 16 tokens
+    assert slept == pytest.approx([0.25, 0.3, 0.26])
 
 
 async def test_full_capacity_answers_429_with_retry_after_and_reason(
@@ -126,21 +129,20 @@ async def test_full_capacity_answers_429_with_retry_after_and_reason(
 ) -> None:
     local_simulator.configure(max_concurrent=1, max_waiting=1, latency=0.3, retry_after=2.5)
     statuses: list[int] = []
-    headers: list[dict[str, str]] = []
 
     async def one() -> None:
-        status, h, _ = await post(local_simulator.url)
-        statuses.append(status)
-        headers.append(h)
+        statuses.append((await post(local_simulator.url))[0])
 
     async with anyio.create_task_group() as tg:
-        for _ in range(3):
-            tg.start_soon(one)
-            await anyio.sleep(0.02)
-    assert sorted(statuses) == [200, 200, 429]
-    rejected = headers[statuses.index(429)]
-    assert rejected["Retry-After"] == "2.5"
-    assert rejected["x-llm-d-request-dropped-reason"] == "capacity"
+        tg.start_soon(one)
+        await wait_until(lambda: local_simulator.stats()["running"] == 1)
+        tg.start_soon(one)
+        await wait_until(lambda: local_simulator.stats()["waiting"] == 1)
+        status, headers, _ = await post(local_simulator.url)
+    assert status == 429
+    assert headers["Retry-After"] == "2.5"
+    assert headers["x-llm-d-request-dropped-reason"] == "capacity"
+    assert statuses == [200, 200]
     stats = local_simulator.stats()
     assert stats["max_concurrent_seen"] == 1
     assert stats["by_status"] == {"200": 2, "429": 1}
@@ -157,7 +159,7 @@ async def test_waiting_requests_run_in_arrival_order(local_simulator: LocalSimul
     async with anyio.create_task_group() as tg:
         for i in range(6):
             tg.start_soon(one, i)
-            await anyio.sleep(0.005)
+            await wait_until(lambda i=i: local_simulator.stats()["total"] == i + 1)
     assert finished == list(range(6))
 
 
