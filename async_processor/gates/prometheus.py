@@ -121,13 +121,18 @@ class PromQLSource:
             raise GateError(f"prometheus query failed (HTTP {r.status}): {error or body!r}")
         for warning in body.get("warnings") or []:
             log.warning("prometheus_query_warning", query=self.query_text, warning=warning)
-        data = body.get("data") or {}
-        if data.get("resultType") != "vector":
-            raise GateError(f"prometheus result is {data.get('resultType')!r}, not a vector")
-        try:
-            return [Sample(float(s["value"][1]), s.get("metric", {})) for s in data["result"]]
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise GateError(f"malformed prometheus vector: {exc!r}") from exc
+        return _vector(body.get("data"))
+
+
+def _vector(data: Any) -> list[Sample]:
+    """Samples of an instant-vector result; anything else is a GateError."""
+    kind = data.get("resultType") if isinstance(data, dict) else None
+    if kind != "vector":
+        raise GateError(f"prometheus result is {kind!r}, not a vector")
+    try:
+        return [Sample(float(s["value"][1]), dict(s.get("metric") or {})) for s in data["result"]]
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError) as exc:
+        raise GateError(f"malformed prometheus vector: {exc!r}") from exc
 
 
 def _require_url(ctx: GateContext, gate: str) -> str:

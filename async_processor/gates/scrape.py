@@ -32,12 +32,12 @@ async def scrape(ctx: GateContext, url: str, metric: str, labels: dict[str, str]
             if response.status != 200:
                 raise GateError(f"scrape of {url} answered HTTP {response.status}")
             text = await response.text()
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: bad charset
         raise GateError(f"scrape of {url} failed: {exc!r}") from exc
     try:
         families = list(text_string_to_metric_families(text))
-    except ValueError as exc:
-        raise GateError(f"scrape of {url}: unparsable exposition: {exc}") from exc
+    except Exception as exc:  # the parser raises several types on malformed pages
+        raise GateError(f"scrape of {url}: unparsable exposition: {exc!r}") from exc
     return [
         Sample(float(s.value), dict(s.labels))
         for family in families

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import anyio
@@ -194,3 +195,25 @@ async def test_budgets_follow_simulator_load_through_real_prometheus(
         "llm_d_async_async_gate_metric_source_available", labels
     )
     assert available == 1.0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"status": "success", "data": "oops"},
+        {"status": "success", "data": {"resultType": "matrix", "result": []}},
+        {"status": "success", "data": {"resultType": "vector", "result": [{"value": "x"}]}},
+        {"status": "success", "data": {"resultType": "vector", "result": [{"value": [1, "?"]}]}},
+        ["not", "an", "object"],
+    ],
+)
+async def test_malformed_answers_use_the_fallback(
+    fake_prometheus: FakePrometheus, contexts: Callable[..., GateContext], body: Any
+) -> None:
+    fake_prometheus.failure = (200, body)
+    gate = build_gate(
+        "prometheus-query", {"query": "q", "fallback": 0.4}, contexts(fake_prometheus.url)
+    )
+    assert await gate.budget() == 0.4
+    assert fake_prometheus.queries == ["q"]
