@@ -123,5 +123,8 @@ class AdaptiveConcurrencyGate:
 
 @GATES.register("adaptive-concurrency", AdaptiveParams)
 def _adaptive(params: AdaptiveParams, ctx: GateContext) -> Gate:
+    if ctx.owner.queue_name:
+        # Only pool gates hear dispatch outcomes: at queue level the limit never moves.
+        log.warning("adaptive_concurrency_needs_pool_level", queue=ctx.owner.queue_name)
     gauge = owner_gauge(ctx, "adaptive_concurrency_limit", "AIMD in-flight limit of the gate.")
     return AdaptiveConcurrencyGate(params, gauge)
