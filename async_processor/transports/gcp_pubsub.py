@@ -62,6 +62,7 @@ from async_processor.transports.gcp_leases import (
 log = structlog.get_logger(__name__)
 
 LEASE_TICK = 1.0
+MIN_ACK_DEADLINE = 10  # Pub/Sub's minimum (and default)
 MAX_ACK_DEADLINE = 600  # Pub/Sub's maximum; longer deferrals come back after 600 s
 PULL_GRACE = 1.0  # the pull RPC deadline is the fetch's wait plus this
 RPC_TIMEOUT = 10.0
@@ -98,6 +99,8 @@ class GcpPubSubTransport:
         ctx: TransportContext,
         *,
         backlog_reader: BacklogReader | None = None,
+        subscriber: SubscriberAsyncClient | None = None,
+        publisher: PublisherAsyncClient | None = None,
     ) -> None:
         self.config = config
         self.queues: Sequence[QueueSpec] = config.queue_specs()
@@ -110,8 +113,9 @@ class GcpPubSubTransport:
         self._backlog = backlog_reader or BacklogReader(
             config.project_id, enabled=not self._emulator
         )
-        self._subscriber: SubscriberAsyncClient | None = None
-        self._publisher: PublisherAsyncClient | None = None
+        # Usually None: created on first use (see _clients); given by tests.
+        self._subscriber = subscriber
+        self._publisher = publisher
         self._leases = Leases()  # held messages, extended by run()
         # Orders extensions and hand-backs: an extension landing after a deferral's shorter
         # deadline would hold the message for a whole lease instead of the backoff.
@@ -178,12 +182,20 @@ class GcpPubSubTransport:
         if known is not None:
             return known
         subscriber, _ = self._clients()
-        with self._rpc(subscription, "get_subscription"):
-            found = await subscriber.get_subscription(
-                subscription=subscription, timeout=RPC_TIMEOUT, retry=None
-            )
-        self._ack_deadlines[subscription] = int(found.ack_deadline_seconds) or 10
-        return self._ack_deadlines[subscription]
+        try:
+            with self._rpc(subscription, "get_subscription"):
+                found = await subscriber.get_subscription(
+                    subscription=subscription, timeout=RPC_TIMEOUT, retry=None
+                )
+            deadline = int(found.ack_deadline_seconds) or MIN_ACK_DEADLINE
+        except TransportError as exc:
+            # roles/pubsub.subscriber may pull but not describe: assume the minimum, so the
+            # first lease extension comes in time whatever the real deadline is.
+            if not isinstance(exc.__cause__, gexc.PermissionDenied):
+                raise
+            deadline = MIN_ACK_DEADLINE
+        self._ack_deadlines[subscription] = deadline
+        return deadline
 
     def _hold(
         self, queue: QueueSpec, subscription: str, received: ReceivedMessage, lease: int

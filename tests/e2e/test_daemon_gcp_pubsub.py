@@ -231,3 +231,31 @@ async def test_closed_gate_dispatches_nothing_and_loses_nothing(
     r.set(budget_key, "1")
     got = await collect(admin, names["results_sub"], len(ids), 30)
     assert sorted(x.id for x in got) == sorted(ids)
+
+
+async def test_sigterm_within_drain_timeout_nacks_what_is_left(
+    admin: PubSubAdmin,
+    pubsub_env: PubSubEmulator,
+    unique: str,
+    simulator: SimulatorProcess,
+    daemon_factory: DaemonFactory,
+) -> None:
+    simulator.configure(latency=30.0)  # nothing finishes within the drain timeout
+    names = await setup(admin, unique)
+    ids = [f"d{i}" for i in range(20)]
+    await publish(admin, names["req"], ids)
+    config = gcp_config(names, simulator.url)
+    daemon = await anyio.to_thread.run_sync(
+        lambda: start(
+            daemon_factory, pubsub_env, config, "--concurrency", "8", "--drain-timeout", "2s"
+        )
+    )
+    with anyio.fail_after(15):
+        while simulator.stats()["running"] < 8:
+            await anyio.sleep(0.05)
+    started = time.monotonic()
+    assert await anyio.to_thread.run_sync(daemon.terminate) == 0
+    assert time.monotonic() - started < 8  # bounded by --drain-timeout, not by the gateway
+    # The 8 in flight were nacked: available again at once, not after a 60 s lease.
+    back = await admin.pull_until(names["sub"], len(ids), timeout=5)
+    assert sorted(json.loads(m.message.data)["id"] for m in back) == sorted(ids)

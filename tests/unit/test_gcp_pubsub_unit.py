@@ -1,0 +1,78 @@
+"""gcp-pubsub transport paths the emulator cannot produce (permission errors)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from google.api_core import exceptions as gexc
+from google.pubsub_v1.types import PullResponse
+
+from async_processor.config import GcpPubSubConfig
+from async_processor.transports.base import TransportContext
+from async_processor.transports.gcp_pubsub import (
+    GcpPubSubTransport,
+    dead_letter_topic,
+    resource_path,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Denied:
+    """A client whose describe calls are denied (roles/pubsub.subscriber / publisher only)."""
+
+    def __init__(self) -> None:
+        self.pulls = 0
+
+    async def get_subscription(self, **_: Any) -> Any:
+        raise gexc.PermissionDenied("pubsub.subscriptions.get denied")
+
+    async def get_topic(self, **_: Any) -> Any:
+        raise gexc.PermissionDenied("pubsub.topics.get denied")
+
+    async def pull(self, **_: Any) -> PullResponse:
+        self.pulls += 1
+        return PullResponse()
+
+
+def transport(client: Denied) -> GcpPubSubTransport:
+    config = GcpPubSubConfig.model_validate(
+        {
+            "project_id": "proj",
+            "result_topic_id": "projects/other/topics/results",
+            "topics": [{"subscriber_id": "sub", "igw_base_url": "http://127.0.0.1:1"}],
+        }
+    )
+    return GcpPubSubTransport(
+        config,
+        TransportContext(),
+        subscriber=client,
+        publisher=client,  # type: ignore[arg-type]
+    )
+
+
+async def test_pull_works_without_permission_to_describe_the_subscription() -> None:
+    client = Denied()
+    t = transport(client)
+    assert await t.fetch(t.queues[0], 10, 0.0) == []
+    assert await t.fetch(t.queues[0], 10, 0.0) == []
+    assert client.pulls == 2
+
+
+async def test_health_counts_permission_denied_probes_as_healthy() -> None:
+    t = transport(Denied())
+    await t.health()
+
+
+def test_full_paths_are_kept_and_short_ids_get_the_project() -> None:
+    assert resource_path("proj", "subscriptions", "sub") == "projects/proj/subscriptions/sub"
+    full = "projects/other/topics/results"
+    assert resource_path("proj", "topics", full) == full
+    dead = dead_letter_topic("projects/p1/subscriptions/orders")
+    assert dead == "projects/p1/topics/orders-dead-letter"
