@@ -29,7 +29,12 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 
 def config(
-    redis_url: str, gateway: str, queue: str, gate: dict[str, Any], pools: list[PoolConfig]
+    redis_url: str,
+    gateway: str,
+    queue: str,
+    gate: dict[str, Any],
+    pools: list[PoolConfig],
+    gate_wait_timeout: str = "500ms",
 ) -> AppConfig:
     transport = SortedSetConfig.model_validate(
         {
@@ -53,7 +58,7 @@ def config(
         metrics_port=free_port(),
         bind_address="127.0.0.1",
         metrics_backlog_poll_interval="0s",
-        gate_wait_timeout="500ms",
+        gate_wait_timeout=gate_wait_timeout,
     )
     return AppConfig(
         transport="redis-sortedset", transport_config=transport, runtime=runtime, pools=pools
@@ -68,6 +73,15 @@ def request(request_id: str, user: str, ttl: float = 60) -> dict[str, Any]:
         "payload": {"p": 1},
         "metadata": {"userid": user},
     }
+
+
+async def count_when_settled(r: aioredis.Redis, key: str) -> str | None:
+    """The quota count once releases have run (they follow the result write)."""
+    value: Any = None
+    with anyio.move_on_after(2.0):
+        while (value := await r.get(key)) not in ("0", None):
+            await anyio.sleep(0.05)
+    return None if value is None else str(value)
 
 
 def quota_gate(redis_url: str, unique: str, limit: int, gating_mode: str) -> dict[str, Any]:
@@ -92,7 +106,7 @@ async def test_quota_slot_comes_back_on_the_retry_path(
         await anyio.sleep(1.0)  # the first attempt failed with 503 and went to retry
         simulator.configure(error_rate=0.0)
         results = await client.drain_results(2, 20)
-        key_after = await r.get(f"{unique}:userid:ann")
+        key_after = await count_when_settled(r, f"{unique}:userid:ann")
     await r.aclose()
     assert sorted(res.status_code for res in results) == [200, 200]
     stats = simulator.stats()
@@ -126,3 +140,45 @@ async def test_classifying_quota_drives_tier_admission(
     assert depth == 1
     assert simulator.stats()["total"] == 0
     assert key_after == "0"  # handed back at shutdown or wait timeout: the slot is free
+
+
+@pytest.mark.parametrize(
+    ("pool_gate", "ttl", "error_code"),
+    [
+        # The pool gate's backend is down: a terminal GATE_ERROR, as the reference.
+        (
+            {"gate_type": "redis-quota", "gate_params": {"address": "127.0.0.1:1", "limit": 1}},
+            60,
+            "GATE_ERROR",
+        ),
+        # Parked at a closed pool gate until the deadline passes.
+        (
+            {
+                "gate_type": "wait-on-refuse",
+                "gate_params": {"gate": {"gate_type": "constant", "gate_params": {"value": 0}}},
+            },
+            2,
+            "DEADLINE_EXCEEDED",
+        ),
+    ],
+)
+async def test_queue_quota_slot_comes_back_when_the_pool_gate_ends_the_request(
+    redis_url: str,
+    unique: str,
+    simulator: SimulatorProcess,
+    pool_gate: dict[str, Any],
+    ttl: float,
+    error_code: str,
+) -> None:
+    pools = [PoolConfig(id="p", workers=2, **pool_gate)]
+    gate = quota_gate(redis_url, unique, 1, "blocking")
+    cfg = config(redis_url, simulator.url, unique, gate, pools, gate_wait_timeout="1m")
+    r = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    async with running(cfg):
+        client = await _submit(redis_url, unique, request("x", "cy", ttl=ttl))
+        [result] = await client.drain_results(1, 10)
+        key_after = await count_when_settled(r, f"{unique}:userid:cy")
+    await r.aclose()
+    assert result.error_code == error_code
+    assert simulator.stats()["total"] == 0
+    assert key_after == "0"
