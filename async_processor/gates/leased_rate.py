@@ -42,7 +42,7 @@ local r = redis.call('HMGET', KEYS[1], 'api_version', 'pool_id', 'max_admission_
                      'valid_until_unix_ms', 'decision_id')
 local rate, untl = tonumber(r[3]), tonumber(r[4])
 if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] or not rate or rate ~= rate or rate < 0
-   or rate == math.huge or not untl or untl ~= math.floor(untl) or untl <= now
+   or rate == math.huge or not untl or not string.match(r[4], '^%d+$') or untl <= now
    or not r[5] or r[5] == '' then
   return {0, 0, '', ''}
 end

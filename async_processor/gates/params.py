@@ -28,6 +28,7 @@ __all__ = [
     "Duration",
     "Float",
     "GateSpec",
+    "GateSpecObject",
     "GateSpecs",
     "Int",
     "Params",

@@ -309,6 +309,7 @@ async def test_leased_rate_fails_closed_without_a_lease(
         {"api_version": "v0"},
         {"decision_id": ""},
         {"valid_until_unix_ms": "soon"},
+        {"valid_until_unix_ms": "9.9e15"},  # not an integer
         {"max_admission_rps": "-1"},
     ):
         await r.delete(f"{unique}:ctl")
