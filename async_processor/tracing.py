@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -29,7 +29,7 @@ from async_processor.retry import Attempt, Final, Retry
 
 if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer
 
@@ -101,7 +101,7 @@ def _provider(env: Mapping[str, str]) -> TracerProvider:
     return TracerProvider(resource=resource)
 
 
-def install(provider: TracerProvider, processor: Any = None) -> None:
+def install(provider: TracerProvider, processor: SpanProcessor | None = None) -> None:
     """Use ``provider`` for every span (tests pass one with an in-memory exporter).
 
     ``processor`` (a span processor) is added to the provider first when given.
