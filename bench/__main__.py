@@ -29,8 +29,8 @@ def main() -> int:
     unknown = set(args.names) - set(BENCHES)
     if unknown:
         p.error(f"unknown benchmark {', '.join(sorted(unknown))}; known: {', '.join(BENCHES)}")
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{os.cpu_count()} CPUs, load average {load}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"{os.cpu_count()} CPUs, load average {load} before the benchmarks")
     started = time.monotonic()
     for name in args.names or BENCHES:
         BENCHES[name](["--quick"] if args.quick else [])

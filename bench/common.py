@@ -113,6 +113,9 @@ async def hammer(url: str, total: int, concurrency: int, body: bytes) -> LoadRes
 
 
 def table(title: str, rows: Sequence[tuple[str, str]]) -> None:
+    """Print a bench's figures, with the load it ran under (others' work skews rates)."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    rows = [*rows, ("machine", f"{os.cpu_count()} CPUs, load average now {load}")]
     width = max(len(name) for name, _ in rows)
     print(f"\n== {title}")
     for name, value in rows:

@@ -56,6 +56,11 @@ class Run:
     peak_rss: int
     rss: int
 
+    @property
+    def core_share(self) -> float:
+        """The consumer's CPU use over the window, in cores: near 1.0 means CPU-bound."""
+        return self.cpu_ms * self.rate / 1000
+
 
 def payload(prompt_bytes: int = 64) -> dict[str, Any]:
     return {"model": "bench", "prompt": "x" * prompt_bytes, "max_tokens": 16}

@@ -40,7 +40,7 @@ async def measure(messages: int, workers: int, latency: float) -> list[tuple[str
             f"{seen['total']} for {messages} messages, by status {seen['by_status']}",
         ),
         ("wall time", f"{run.seconds:.1f} s"),
-        ("daemon CPU", f"{run.cpu_ms:.3f} ms/msg"),
+        ("daemon CPU", f"{run.cpu_ms:.3f} ms/msg, {run.core_share:.2f} of a core"),
         ("daemon peak RSS", mib(run.peak_rss)),
     ]
 

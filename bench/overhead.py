@@ -26,8 +26,9 @@ def _daemon(stack: ExitStack, lane: Lane, sim: SimulatorProcess, workers: int, _
     return start_daemon(stack, lane, sim, workers)
 
 
-async def _one(url: str, sim: SimulatorProcess, label: str, start: Starter, workers: int,
-               messages: int) -> Run:  # fmt: skip
+async def _one(
+    url: str, sim: SimulatorProcess, label: str, start: Starter, workers: int, messages: int
+) -> Run:
     lane = Lane.fresh(url, label)
     await submit(lane, messages)
     sim.reset()
@@ -48,13 +49,16 @@ async def measure(messages: int, workers: int) -> list[tuple[str, str]]:
         base = await _one(server.url, sim, "overhead-baseline", start_baseline, workers, messages)
     return [
         ("setup", f"{messages} messages each, {workers} workers, zero-latency gateway"),
-        ("daemon", f"{daemon.rate:,.0f} msg/s, {daemon.cpu_ms:.3f} CPU ms/msg, "
-                   f"peak RSS {mib(daemon.peak_rss)}"),
-        ("baseline", f"{base.rate:,.0f} msg/s, {base.cpu_ms:.3f} CPU ms/msg, "
-                     f"peak RSS {mib(base.peak_rss)}"),
+        ("daemon", _figures(daemon)),
+        ("baseline", _figures(base)),
         ("daemon / baseline", f"throughput × {daemon.rate / base.rate:.2f}, "
                               f"CPU per message × {daemon.cpu_ms / base.cpu_ms:.2f}"),
     ]  # fmt: skip
+
+
+def _figures(run: Run) -> str:
+    return (f"{run.rate:,.0f} msg/s, {run.cpu_ms:.3f} CPU ms/msg ({run.core_share:.2f} of a core), "
+            f"peak RSS {mib(run.peak_rss)}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
