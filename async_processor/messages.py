@@ -19,6 +19,8 @@ from typing import Any
 from async_processor.errors import InvalidMessage
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# The reference's deadline is an int64; anything larger overflows float arithmetic later.
+MAX_DEADLINE = 2**63 - 1
 ENVELOPE_KINDS = ("plain", "redis", "pubsub")
 # Fields of the typed request variants that ride in ``data`` next to the public ones.
 VARIANT_FIELDS = ("request_queue_name", "result_queue_name", "pubsub_id")
@@ -197,7 +199,7 @@ class Result:
         return out
 
     def encode(self) -> bytes:
-        return json.dumps(self.to_obj(), ensure_ascii=False, separators=(",", ":")).encode()
+        return _dumps(self.to_obj())
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Result:
@@ -262,7 +264,7 @@ def peek_id(raw: bytes | str) -> str | None:
     """Best-effort id of a message that failed to decode (for its error result)."""
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     if isinstance(obj, dict):
         data = obj.get("data")
@@ -291,7 +293,11 @@ def _request_from(
     deadline = obj.get("deadline")
     if isinstance(deadline, float) and deadline.is_integer():
         deadline = int(deadline)
-    if not isinstance(deadline, int) or isinstance(deadline, bool) or deadline <= 0:
+    if (
+        not isinstance(deadline, int)
+        or isinstance(deadline, bool)
+        or not 0 < deadline <= MAX_DEADLINE
+    ):
         raise InvalidMessage(
             INVALID_DEADLINE_TEXT, reason="invalid_deadline", request_id=request_id
         )
@@ -311,7 +317,7 @@ def _request_from(
             endpoint=endpoint,
             extra={k: v for k, v in obj.items() if k not in _PUBLIC_FIELDS},
         )
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:  # OverflowError: int(inf) for "created"
         raise InvalidMessage(str(exc), reason="malformed", request_id=request_id) from exc
     span = spans.get("payload")
     if span is not None:
@@ -329,7 +335,7 @@ def _scan_object(
     """Parse one JSON object; keys in ``raw_keys`` are kept as (start, end) spans only."""
     try:
         return _scan_object_unchecked(text, raw_keys, start)
-    except (ValueError, IndexError) as exc:
+    except (ValueError, IndexError, RecursionError) as exc:  # deep nesting: RecursionError
         raise InvalidMessage(
             f"{what} is not a JSON object: {exc}", reason="malformed", request_id=peek_id(text)
         ) from exc
@@ -375,7 +381,7 @@ def _peek_id(text: str, span: tuple[int, int] | None) -> str | None:
         return None
     try:
         obj = json.loads(text[span[0] : span[1]])
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     candidate = obj.get("id") if isinstance(obj, dict) else None
     return candidate if isinstance(candidate, str) and candidate else None
@@ -415,4 +421,7 @@ def _str_map(value: object, what: str) -> dict[str, str]:
 
 
 def _dumps(value: object) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    # A lone surrogate (legal JSON "\ud800", decoded as such) cannot be UTF-8 encoded;
+    # backslashreplace writes it back as that same JSON escape, so the text round-trips.
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return text.encode("utf-8", "backslashreplace")

@@ -158,3 +158,51 @@ def test_envelope_encode_leaves_out_empty_routing() -> None:
     assert envelope.encode() == (
         b'{"internal":{},"request_kind":"plain","data":{"id":"r","deadline":9,"payload":{}}}'
     )
+
+
+# ----------------------------------------------------------------- hostile input (review)
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("raw", "request_id"),
+    [
+        ('{"id":"deep","deadline":1900000000,"payload":{"a":' + DEEP + "}}", "deep"),
+        ('{"id":"deep","deadline":1900000000,"metadata":' + DEEP + "}", None),
+        ('{"internal":' + DEEP + ',"request_kind":"plain","data":{}}', None),
+    ],
+)
+def test_deeply_nested_json_is_an_invalid_message_not_a_crash(
+    raw: str, request_id: str | None
+) -> None:
+    # A RecursionError escaping decode crashed the poller, and the message came back
+    # after its lease to crash the next replica too (a poison pill).
+    with pytest.raises(InvalidMessage) as caught:
+        decode_envelope(raw)
+    assert caught.value.reason == "malformed"
+    assert caught.value.request_id in (request_id, None)
+    assert peek_id(raw) is None
+
+
+@pytest.mark.parametrize(
+    "field", ['"created":1e400', '"created":-1e400', '"deadline":1' + "0" * 400]
+)
+def test_out_of_range_numbers_are_invalid_not_overflow_errors(field: str) -> None:
+    # int(inf) and float(10**400) raise OverflowError (not ValueError) further down.
+    raw = '{"id":"big","deadline":1900000000,' + field + "}"
+    with pytest.raises(InvalidMessage) as caught:
+        decode_request(raw)
+    assert caught.value.request_id == "big"
+
+
+def test_lone_surrogate_escapes_round_trip_through_the_encoders() -> None:
+    # JSON allows "\ud800"; Python decodes it to a lone surrogate that str.encode("utf-8")
+    # refuses, which crashed the result writer (Result.encode) and defer (Envelope.encode).
+    raw = '{"id":"s\\ud800","deadline":1900000000,"metadata":{"userid":"u\\udfff"}}'
+    envelope = decode_envelope(raw)
+    assert envelope.id == "s\ud800"
+    again = decode_envelope(envelope.encode())
+    assert again.request.metadata == {"userid": "u\udfff"}
+    result = Result.failure(envelope.id, ErrorCode.CANCELLED, "cancelled")
+    assert Result.decode(result.encode()).id == "s\ud800"
