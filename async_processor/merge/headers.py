@@ -32,8 +32,9 @@ MAX_FAIRNESS_ID_BYTES = 256
 # "^" / "_" / "`" / "|" / "~" / DIGIT / ALPHA
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # Field values: any character except CTLs (0x00-0x1F, 0x7F); HTAB is allowed. Characters
-# >= 0x80 are allowed (obs-text), as Go's httpguts does.
-_ILLEGAL_VALUE_CHAR = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# >= 0x80 are allowed (obs-text), as Go's httpguts does, but not lone surrogates (JSON
+# "\ud800" decodes to one): they have no UTF-8 encoding to send.
+_ILLEGAL_VALUE_CHAR = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]")
 
 
 def is_valid_header_name(name: str) -> bool:
@@ -100,6 +101,6 @@ class MergeParams(BaseModel):
 def fairness_id(metadata: Mapping[str, str], attribute: str) -> str | None:
     """``metadata[attribute]`` when usable as a header value: non-empty, ≤ 256 bytes, legal."""
     value = metadata.get(attribute, "")
-    if not value or len(value.encode()) > MAX_FAIRNESS_ID_BYTES:
+    if not value or not is_valid_header_value(value):
         return None
-    return value if is_valid_header_value(value) else None
+    return value if len(value.encode()) <= MAX_FAIRNESS_ID_BYTES else None

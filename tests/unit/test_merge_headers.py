@@ -101,3 +101,11 @@ def test_fairness_id_limits(value: str, expected: str | None) -> None:
 
 def test_missing_fairness_attribute_leaves_headers_alone() -> None:
     assert MergeParams().fairness_stamp(_env({})) is None
+
+
+def test_a_lone_surrogate_userid_is_not_stamped_and_does_not_crash_the_merge() -> None:
+    # JSON "\ud800" decodes to a lone surrogate; len(value.encode()) raised
+    # UnicodeEncodeError inside the merge emitter, which took the daemon down.
+    assert not is_valid_header_value("u\ud800")
+    assert fairness_id({"userid": "u\ud800"}, "userid") is None
+    assert fairness_id({"userid": "ok"}, "userid") == "ok"
