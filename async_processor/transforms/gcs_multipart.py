@@ -160,11 +160,19 @@ def _quote(name: str) -> str:
 
 
 def _int(text: str) -> int | None:
-    return int(text) if _INT.fullmatch(text) else None
+    if not _INT.fullmatch(text):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+        return None
 
 
 def _rfc3339(unix: float) -> str:
-    return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    try:
+        return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (ValueError, OverflowError, OSError):  # outside the calendar: say it in seconds
+        return f"{unix:.0f} (Unix seconds)"
 
 
 @TRANSFORMS.register("gcs_uri_multipart", GcsMultipartParams)

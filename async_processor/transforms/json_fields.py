@@ -58,7 +58,7 @@ def scan(body: bytes) -> Fields:
     try:
         text = body.decode("utf-8")
         return _scan(text)
-    except (UnicodeDecodeError, IndexError) as exc:
+    except (UnicodeDecodeError, IndexError, RecursionError) as exc:  # deep nesting
         raise ValueError(f"not a JSON object: {exc}") from exc
 
 

@@ -189,3 +189,23 @@ def test_field_names_are_escaped_and_boundary_avoids_values() -> None:
 def test_bad_params_fail_at_startup(params: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         TRANSFORMS.build("gcs_uri_multipart", params, TransformContext())
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "https://h/o?Expires=" + "9" * 5000,  # int() refuses > 4300 digits with ValueError
+        v4("20270115T080000Z", "9" * 5000),
+    ],
+)
+def test_absurdly_long_expiry_numbers_mean_no_expiry(uri: str) -> None:
+    assert signed_url_expiry(uri) is None
+    plugin().validate(envelope({"gcs_uri": uri}))
+
+
+@pytest.mark.parametrize("expires", ["-99999999999999999", "-1"])
+def test_expiry_outside_the_calendar_is_still_reported_as_fatal(expires: str) -> None:
+    # datetime.fromtimestamp raised on the message text, so the worker crashed instead of
+    # answering INVALID_REQUEST.
+    with pytest.raises(InvalidMessage, match="at or before the request deadline"):
+        plugin().validate(envelope({"gcs_uri": f"https://h/o?Expires={expires}"}))

@@ -48,3 +48,10 @@ def test_repeated_key_last_wins() -> None:
 def test_non_objects_are_rejected(body: bytes) -> None:
     with pytest.raises(ValueError):
         scan(body)
+
+
+def test_deeply_nested_body_is_a_value_error_not_a_recursion_error() -> None:
+    # A fetched payload_url body nested 100k deep raised RecursionError, which no caller
+    # turns into INVALID_REQUEST: the worker crashed instead.
+    with pytest.raises(ValueError):
+        scan(b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
