@@ -54,6 +54,7 @@ RETRY_SCAN = 200  # due members examined per look
 READ_TIMEOUT = 1.0  # a subscriber's read wakes this often (to notice cancellation)
 RESUBSCRIBE_MAX_BACKOFF = 1.0
 DEDUP_TTL_SECONDS = 86400
+CLOSE_TIMEOUT = 10.0
 DEPRECATION = (
     "redis-pubsub is deprecated: use redis-sortedset. Its limits: every replica receives "
     "every message (fan-out), and messages or results published while nobody is "
@@ -239,6 +240,15 @@ class RedisPubSubTransport:
             raise TransportError(f"redis-pubsub: not subscribed to {', '.join(lost)}")
 
     async def aclose(self) -> None:
+        """Hand buffered, never fetched messages to the retry set (due now); close."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+            left = [d for receive in self._receive.values() for d in _drain(receive)]
+            if left:
+                try:
+                    await self.defer([Deferral(d, 0.0) for d in left])
+                    log.info("buffered_messages_handed_back", count=len(left))
+                except TransportError as exc:
+                    log.warning("hand_back_on_close_failed", count=len(left), error=str(exc))
         await self._redis.aclose()
 
     # ------------------------------------------------------------------ upkeep
@@ -335,6 +345,15 @@ class RedisPubSubTransport:
                     await self._redis.zadd(
                         self.config.retry_queue_name, dict.fromkeys((m for _, m in rest), 0)
                     )  # score 0: due at once
+
+
+def _drain(receive: MemoryObjectReceiveStream[Delivery]) -> list[Delivery]:
+    out: list[Delivery] = []
+    while True:
+        try:
+            out.append(receive.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return out
 
 
 @TRANSPORTS.register("redis-pubsub", RedisPubSubConfig)

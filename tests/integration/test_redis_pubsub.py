@@ -181,6 +181,22 @@ async def test_deferred_message_comes_back_after_its_delay(redis_url: str, uniqu
         await publisher.aclose()
 
 
+async def test_buffered_messages_are_handed_back_on_close(redis_url: str, unique: str) -> None:
+    publisher = Redis.from_url(redis_url)
+    async with running(transport_for(redis_url, unique)) as t:
+        for i in range(5):
+            await publisher.publish(f"{unique}-in", envelope(f"b{i}"))
+        with anyio.fail_after(5):
+            while t._receive[f"{unique}-in"].statistics().current_buffer_used < 5:
+                await anyio.sleep(0.02)
+    # Never fetched, yet not lost: in the retry set, due now, routed to their channel.
+    members = await publisher.zrange(f"{unique}-retry", 0, -1)
+    routed = [json.loads(m)["internal"]["request_queue_name"] for m in members]
+    assert sorted(json.loads(m)["data"]["id"] for m in members) == [f"b{i}" for i in range(5)]
+    assert routed == [f"{unique}-in"] * 5
+    await publisher.aclose()
+
+
 async def test_retries_of_other_channels_are_left_alone(redis_url: str, unique: str) -> None:
     other = Envelope(
         Request(id="x", deadline=int(time.time()) + 300),
