@@ -84,8 +84,10 @@ class Poller:
         reserved = await self._capacity.reserve(wanted)
         try:
             deliveries = await self._transport.fetch(self.queue, reserved, self.queue.poll_interval)
-        except TransportError as exc:
+        except BaseException as exc:  # also cancellation: the slots must not leak
             self._capacity.release(reserved)
+            if not isinstance(exc, TransportError):
+                raise
             await self._back_off(exc)
             return
         self._error_backoff = 0.0

@@ -1,0 +1,110 @@
+"""Poller: pool slots come back on every path, including cancellation at shutdown."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TypeVar, cast
+
+import anyio
+import pytest
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from async_processor.gates.base import ConstantGate
+from async_processor.messages import Envelope, decode_envelope
+from async_processor.metrics import Metrics
+from async_processor.poller import Poller
+from async_processor.results import Completion, Op
+from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport
+from async_processor.work import PoolCapacity, Work
+
+pytestmark = pytest.mark.anyio
+
+T = TypeVar("T")
+QUEUE = QueueSpec(id="q", name="q", batch_size=4, poll_interval=0.05)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class FakeTransport:
+    """Serves ``raws`` once, then blocks each fetch until cancelled (``blocked`` is set)."""
+
+    kind = "fake"
+    queues = (QUEUE,)
+
+    def __init__(self, raws: Sequence[bytes] = ()) -> None:
+        self._raws = list(raws)
+        self.blocked = anyio.Event()
+
+    def decode(self, delivery: Delivery) -> Envelope:
+        return decode_envelope(delivery.raw)
+
+    async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
+        if self._raws:
+            taken, self._raws = self._raws[:limit], self._raws[limit:]
+            return [Delivery(queue=queue, raw=raw) for raw in taken]
+        self.blocked.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def is_cancelled(self, delivery: Delivery) -> bool:
+        return False
+
+    async def backlog(self, queue: QueueSpec) -> int | None:
+        return 0
+
+    async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        return None
+
+
+def message(request_id: str, deadline: float) -> bytes:
+    return b'{"id":"%s","deadline":%d}' % (request_id.encode(), int(deadline))
+
+
+async def run_until_blocked(
+    transport: FakeTransport, capacity: PoolCapacity
+) -> tuple[list[Work], list[Op]]:
+    """Run one poller until its fetch blocks on an empty queue, then cancel it."""
+    lane_in, lane_out = anyio.create_memory_object_stream[Work](16)
+    writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
+    metrics = Metrics().queue("q", "q", "default")
+    fake = cast(Transport, transport)  # only the methods a poller calls
+    poller = Poller(QUEUE, fake, ConstantGate(1.0), capacity, lane_in, writer_in, metrics)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(poller.run)
+        with anyio.fail_after(5):
+            await transport.blocked.wait()
+        tg.cancel_scope.cancel()
+    async with lane_out, writer_out:
+        return list(_drain(lane_out)), list(_drain(writer_out))
+
+
+def _drain(stream: MemoryObjectReceiveStream[T]) -> list[T]:
+    out: list[T] = []
+    while True:
+        try:
+            out.append(stream.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return out
+
+
+async def test_cancelled_while_fetching_gives_the_reserved_slots_back() -> None:
+    capacity = PoolCapacity(8)
+    await run_until_blocked(FakeTransport(), capacity)
+    # The fetch held a reservation of min(batch, free) slots when shutdown cancelled it.
+    assert capacity.free == 8
+
+
+async def test_each_message_holds_one_slot_until_its_worker_or_the_writer_has_it() -> None:
+    future, past = time.time() + 600, time.time() - 5
+    raws = [message("ok", future), message("late", past), b"not json", b'{"id":"x"}']
+    capacity = PoolCapacity(8)
+    forwarded, ops = await run_until_blocked(FakeTransport(raws), capacity)
+    assert [w.envelope.id for w in forwarded] == ["ok"]
+    assert sorted(op.result.id for op in ops if isinstance(op, Completion)) == ["late", "x"]
+    # "not json" has no id: dead-lettered, no op. Forwarded work keeps its slot.
+    assert capacity.free == 8 - len(forwarded)
+    assert not [op for op in ops if isinstance(op, Deferral)]
