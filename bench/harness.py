@@ -156,3 +156,30 @@ async def watch(lane: Lane, proc: Process, count: int, timeout: float) -> Run:
         peak_rss=peak_rss_bytes(pid),
         rss=rss_bytes(pid),
     )
+
+
+async def drain(
+    redis_url: str,
+    sim: SimulatorProcess,
+    label: str,
+    workers: int,
+    messages: int,
+    *,
+    baseline: bool = False,
+    prompt_bytes: int = 64,
+) -> tuple[Run, dict[str, Any]]:
+    """Queue ``messages`` on a fresh lane, let the daemon (or the baseline) answer them all.
+
+    Returns the run and the simulator's stats for it (calls, statuses, peak concurrency).
+    The consumer is stopped before returning, so runs in a row do not overlap.
+    """
+    lane = Lane.fresh(redis_url, label)
+    await submit(lane, messages, prompt_bytes)
+    sim.reset()
+    with ExitStack() as stack:
+        if baseline:
+            proc = start_baseline(stack, lane, sim, workers, messages)
+        else:
+            proc = start_daemon(stack, lane, sim, workers)
+        run = await watch(lane, proc, messages, timeout=messages / 50 + 60)
+    return run, sim.stats()
