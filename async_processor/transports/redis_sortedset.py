@@ -175,11 +175,18 @@ class SortedSetTransport:
                     )
                 replies = await pipe.execute()
         lost = []
-        for (delivery, result), (written, held) in zip(items, replies, strict=True):
+        for (delivery, result), (written, held, fell_back) in zip(items, replies, strict=True):
             self._release(delivery)
             if not written:
                 log.info(
                     "duplicate_result_skipped", request_id=result.id, queue=delivery.queue.name
+                )
+            if fell_back:
+                log.warning(
+                    "result_list_unusable",
+                    request_id=result.id,
+                    result_list=self._result_list(delivery),
+                    written_to=self.config.result_queue_name,
                 )
             if not held:
                 lost.append(delivery)
@@ -194,6 +201,7 @@ class SortedSetTransport:
             keys.inflight_meta_key(name),
             keys.active_key(result.id),
             keys.cancel_key(result.id),
+            self.config.result_queue_name,
         ]
 
     def _result_list(self, delivery: Delivery) -> str:

@@ -425,3 +425,68 @@ async def test_claims_survive_a_redis_crash(make_config, private_redis) -> None:
     async with Redis.from_url(private_redis.url) as r:
         assert await r.llen(config.result_queue_name) == 1
         assert await r.zcard(redis_keys.inflight_key(q)) == 0
+
+
+# --------------------------------------------- producer-chosen keys of the wrong type (review)
+
+
+async def test_unusable_result_list_falls_back_to_the_default_and_acks_once(
+    make_config, r, unique
+) -> None:
+    # The envelope's result_queue_name names a key that is not a list. The script used to
+    # ack the claim and set the dedup marker before LPUSH failed: no result, ever, and
+    # every retry of the batch was then skipped as a duplicate.
+    config = make_config()
+    q = config.queues[0].queue_name
+    wrong = f"{unique}-not-a-list"
+    await r.set(wrong, "x")
+    deadline = future()
+    await r.zadd(q, {member("wr", deadline, token="b" * 32, result_queue=wrong): deadline})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        await transport.complete([(delivery, Result.http("wr", 200, b"{}"))])
+    assert [x.id for x in await results_of(r, config.result_queue_name)] == ["wr"]
+    assert await r.get(wrong) == b"x"
+    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+
+
+async def test_failed_hand_back_leaves_the_claim_held(make_config, r, unique) -> None:
+    # A retry set that is not a sorted set: ZADD fails. The claim must still be held (the
+    # message stays leased and comes back), not acknowledged and lost.
+    config = make_config(retry_queue_name=f"{unique}-retry-string")
+    await r.set(config.retry_queue_name, "x")
+    q = config.queues[0].queue_name
+    deadline = future()
+    await r.zadd(q, {member("hb", deadline): deadline})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        with pytest.raises(TransportError):
+            await transport.defer([Deferral(delivery, 5.0)])
+    assert await r.zcard(redis_keys.inflight_key(q)) == 1
+    assert await r.hlen(redis_keys.inflight_meta_key(q)) == 1
+
+
+async def test_retry_whose_origin_is_not_a_sorted_set_goes_to_the_first_queue(
+    make_config, r, unique
+) -> None:
+    # request_queue_name comes from the message. A key of another type made ZADD fail
+    # after the ZREM (message lost) and aborted the move of every member behind it.
+    config = make_config()
+    wrong = f"{unique}-origin-string"
+    await r.set(wrong, "x")
+    deadline = future()
+    bad = Envelope(Request(id="bad", deadline=deadline), Routing(request_queue_name=wrong))
+    good = Envelope(Request(id="good", deadline=deadline + 1), Routing())
+    # Naming the retry set itself: moved "back" into it, then removed, it would be lost.
+    itself = Envelope(
+        Request(id="self", deadline=deadline + 2),
+        Routing(request_queue_name=config.retry_queue_name),
+    )
+    await r.zadd(config.retry_queue_name, {bad.encode(): 1, good.encode(): 2, itself.encode(): 3})
+    async with opened(config) as transport:
+        await transport.move_due()
+    q = config.queues[0].queue_name
+    assert await r.zcard(config.retry_queue_name) == 0
+    assert await r.zscore(q, bad.encode()) == deadline
+    assert await r.zscore(q, good.encode()) == deadline + 1
+    assert await r.zscore(q, itself.encode()) == deadline + 2

@@ -5,14 +5,16 @@
 -- ARGV[1] claim id, ARGV[2] member, ARGV[3] score, ARGV[4] "delay" (score is relative to now)
 --   or "at" (absolute score)
 -- Returns 1 when handed back, 0 when the claim was not held.
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then
+-- The write comes before the ack: if it fails, the claim stays held and nothing is lost.
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   return 0
 end
-redis.call('HDEL', KEYS[2], ARGV[1])
 local score = tonumber(ARGV[3])
 if ARGV[4] == 'delay' then
   local t = redis.call('TIME')
   score = tonumber(t[1]) + tonumber(t[2]) / 1000000 + score
 end
 redis.call('ZADD', KEYS[3], score, ARGV[2])
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
 return 1

@@ -18,7 +18,7 @@ for _, member in ipairs(due) do
     local routing = msg['internal']
     if type(routing) == 'table' then
       local name = routing['request_queue_name']
-      if type(name) == 'string' and name ~= '' then
+      if type(name) == 'string' and name ~= '' and name ~= KEYS[1] then
         origin = name
       end
     end
@@ -26,7 +26,12 @@ for _, member in ipairs(due) do
       deadline = data['deadline']
     end
   end
+  -- The origin comes from the message and may name a key of another type: then the
+  -- fallback queue, so one bad member neither gets lost nor blocks the ones behind it.
+  local added = redis.pcall('ZADD', origin, deadline, member)
+  if type(added) == 'table' and added.err then
+    redis.call('ZADD', KEYS[2], deadline, member)
+  end
   redis.call('ZREM', KEYS[1], member)
-  redis.call('ZADD', origin, deadline, member)
 end
 return #due
