@@ -259,3 +259,27 @@ async def test_sigterm_within_drain_timeout_nacks_what_is_left(
     # The 8 in flight were nacked: available again at once, not after a 60 s lease.
     back = await admin.pull_until(names["sub"], len(ids), timeout=5)
     assert sorted(json.loads(m.message.data)["id"] for m in back) == sorted(ids)
+
+
+async def test_missing_subscription_keeps_running_unready_then_recovers(
+    admin: PubSubAdmin,
+    pubsub_env: PubSubEmulator,
+    unique: str,
+    simulator: SimulatorProcess,
+    daemon_factory: DaemonFactory,
+) -> None:
+    names = {"req": f"{unique}-req", "sub": f"{unique}-sub", "results": f"{unique}-res"}
+    await admin.create_subscription(f"{unique}-res-sub", names["results"])
+    env = {"PUBSUB_EMULATOR_HOST": pubsub_env.host}
+    config = gcp_config(names, simulator.url)
+    daemon = await anyio.to_thread.run_sync(
+        lambda: daemon_factory.start(config, transport="gcp-pubsub", env=env, wait=False)
+    )
+    await anyio.sleep(3)
+    assert daemon.proc.poll() is None  # still running
+    assert not await anyio.to_thread.run_sync(daemon.ready)  # /readyz answers 503
+    await admin.create_subscription(names["sub"], names["req"])
+    await anyio.to_thread.run_sync(lambda: daemon.wait_ready(30))
+    await publish(admin, names["req"], ["late"])
+    [result] = await collect(admin, f"{unique}-res-sub", 1, 20)
+    assert result.id == "late"
