@@ -23,7 +23,7 @@ from redis.asyncio.client import Pipeline
 from async_processor.errors import InvalidMessage
 from async_processor.messages import Envelope, Request, Result, Routing, decode_request
 from async_processor.transports import redis_keys as keys
-from async_processor.transports.redis_sortedset import connect, redis_errors
+from async_processor.transports.redis_keys import connect, redis_errors
 
 SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many
 

@@ -1,7 +1,8 @@
 """Redis key names and Lua scripts shared by the Redis transports and the client library.
 
-Input: queue names and request ids. Output: the key names both sides agree on, and the
-Lua sources in ``transports/lua/`` registered on a ``redis.asyncio`` client.
+Input: queue names and request ids. Output: the key names both sides agree on, the
+Lua sources in ``transports/lua/`` registered on a ``redis.asyncio`` client, and the
+client itself (``connect``) with its errors mapped to ``TransportError``.
 
 Keys (the reference's names where it has them, DESIGN.md §4):
 
@@ -21,11 +22,19 @@ reads from each envelope; like the reference, this targets a standalone Redis.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import resources
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError
 
+from async_processor.errors import TransportError
+
+DEFAULT_URL = "redis://localhost:6379/0"
 DEFAULT_REQUEST_QUEUE = "request-sortedset"
 DEFAULT_RESULT_LIST = "result-list"
 DEFAULT_RETRY_QUEUE = "retry-sortedset"
@@ -81,3 +90,27 @@ def script_source(name: str) -> str:
 def register_scripts(client: Redis) -> dict[str, AsyncScript]:
     """Every script registered on ``client`` (EVALSHA, loaded on first use)."""
     return {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
+
+
+def connect(url: str, *, socket_timeout: float | None = 30.0) -> Redis:
+    """One ``redis.asyncio`` client (and pool) for a redis://, rediss:// or unix:// URL.
+
+    Retries once quickly on a dropped connection; longer outages surface as errors so
+    the pipeline's own backoff applies.
+    """
+    return Redis.from_url(
+        url or DEFAULT_URL,
+        socket_connect_timeout=5.0,
+        socket_timeout=socket_timeout,
+        health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1),
+    )
+
+
+@contextmanager
+def redis_errors(action: str) -> Iterator[None]:
+    """Turn a Redis or socket failure into ``TransportError`` (retryable by callers)."""
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        raise TransportError(f"redis {action} failed: {type(exc).__name__}: {exc}") from exc

@@ -25,21 +25,17 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisError
 
 from async_processor.config import SortedSetConfig
-from async_processor.errors import TransportError
+from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope, Result, decode_envelope
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
@@ -49,10 +45,11 @@ from async_processor.transports.base import (
     QueueSpec,
     TransportContext,
 )
+from async_processor.transports.redis_keys import connect as connect
+from async_processor.transports.redis_keys import redis_errors as redis_errors
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_URL = "redis://localhost:6379/0"
 FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on an empty queue
 RETRY_MOVE_INTERVAL = 0.2  # seconds between checks of the retry set for due members
 CHUNK = 500  # members per reaper / retry-mover / heartbeat script call
@@ -64,34 +61,15 @@ STALE_CLAIM_GRACE = 300.0
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """A delivery's receipt: the claim id in ``<queue>:inflight`` and its original score."""
+    """A delivery's receipt: the claim id in ``<queue>:inflight`` and its original score.
+
+    ``cancelled`` is the cancel check made with the fetch (one MGET per batch instead of a
+    GET per message); the first ``is_cancelled`` uses it, later ones ask Redis again.
+    """
 
     id: str
     score: float
-
-
-def connect(url: str, *, socket_timeout: float | None = 30.0) -> Redis:
-    """One ``redis.asyncio`` client (and pool) for a redis://, rediss:// or unix:// URL.
-
-    Retries once quickly on a dropped connection; longer outages surface as errors so
-    the pipeline's own backoff applies.
-    """
-    return Redis.from_url(
-        url or DEFAULT_URL,
-        socket_connect_timeout=5.0,
-        socket_timeout=socket_timeout,
-        health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1),
-    )
-
-
-@contextmanager
-def redis_errors(action: str) -> Iterator[None]:
-    """Turn a Redis or socket failure into ``TransportError`` (retryable by callers)."""
-    try:
-        yield
-    except (RedisError, OSError) as exc:
-        raise TransportError(f"redis {action} failed: {type(exc).__name__}: {exc}") from exc
+    cancelled: bool | None = None
 
 
 class SortedSetTransport:
@@ -142,10 +120,35 @@ class SortedSetTransport:
             delivery = Delivery(queue=queue, raw=bytes(flat[i + 1]), handle=claim)
             held[claim.id] = delivery
             deliveries.append(delivery)
+        await self._check_cancels(deliveries)
         return deliveries
+
+    async def _check_cancels(self, deliveries: list[Delivery]) -> None:
+        """Read the batch's cancel markers in one MGET (best effort: a failure leaves the
+        check to ``is_cancelled``, since the claim has already succeeded)."""
+        tokened = [d for d in deliveries if self._decodes(d) and _token(d)]
+        if not tokened:
+            return
+        try:
+            with redis_errors("cancel check"):
+                markers = await self._redis.mget([_cancel_key(d) for d in tokened])
+        except TransportError:
+            return
+        for delivery, marker in zip(tokened, markers, strict=True):
+            cancelled = marker == _token(delivery).encode()
+            delivery.handle = replace(_claim(delivery), cancelled=cancelled)
+
+    def _decodes(self, delivery: Delivery) -> bool:
+        try:
+            self.decode(delivery)
+        except InvalidMessage:  # the poller decodes it again and answers or dead-letters it
+            return False
+        return True
 
     def decode(self, delivery: Delivery) -> Envelope:
         """The member's envelope with routing filled from the queue (queue labels win)."""
+        if delivery.envelope is not None:  # decoded at fetch time already
+            return delivery.envelope
         envelope = decode_envelope(delivery.raw, max_bytes=self._ctx.max_message_bytes)
         routing = envelope.routing
         routing.request_queue_name = routing.request_queue_name or delivery.queue.name
@@ -273,10 +276,14 @@ class SortedSetTransport:
     async def is_cancelled(self, delivery: Delivery) -> bool:
         """The producer's cancel marker holds this submission's token (no token: never)."""
         token = _token(delivery)
-        if not token or delivery.envelope is None:
+        if not token:
             return False
+        claim = _claim(delivery)
+        if claim.cancelled is not None:
+            delivery.handle = replace(claim, cancelled=None)
+            return claim.cancelled
         with redis_errors("cancel check"):
-            marker = await self._redis.get(keys.cancel_key(delivery.envelope.id))
+            marker = await self._redis.get(_cancel_key(delivery))
         return marker == token.encode()
 
     async def backlog(self, queue: QueueSpec) -> int | None:
@@ -374,6 +381,10 @@ def _claim(delivery: Delivery) -> Claim:
 
 def _token(delivery: Delivery) -> str:
     return delivery.envelope.routing.request_token if delivery.envelope else ""
+
+
+def _cancel_key(delivery: Delivery) -> str:
+    return keys.cancel_key(delivery.envelope.id if delivery.envelope else "")
 
 
 def _fingerprint(delivery: Delivery) -> str:

@@ -490,3 +490,34 @@ async def test_retry_whose_origin_is_not_a_sorted_set_goes_to_the_first_queue(
     assert await r.zscore(q, bad.encode()) == deadline
     assert await r.zscore(q, good.encode()) == deadline + 1
     assert await r.zscore(q, itself.encode()) == deadline + 2
+
+
+async def test_fetch_checks_the_batch_cancel_markers_in_one_round_trip(
+    make_config, r, monkeypatch
+) -> None:
+    # A GET per message in the poller cost ~100 us of client CPU (of a 250 us budget) and
+    # a round trip each; the markers of a batch are now read with the claim, in one MGET.
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    tokens = {f"m{i}": f"{i:032x}" for i in range(3)}
+    await r.zadd(q, {member(i, deadline + n, token=t): deadline + n
+                     for n, (i, t) in enumerate(tokens.items())})  # fmt: skip
+    await r.set(redis_keys.cancel_key("m1"), tokens["m1"])
+    async with opened(config) as transport:
+        deliveries = await transport.fetch(transport.queues[0], 3, 0)
+        gets: list[str] = []
+        real_get = transport._redis.get
+
+        async def counting_get(key: str) -> Any:
+            gets.append(key)
+            return await real_get(key)
+
+        monkeypatch.setattr(transport._redis, "get", counting_get)
+        flags = [await transport.is_cancelled(d) for d in deliveries]
+        assert [transport.decode(d).id for d in deliveries] == ["m0", "m1", "m2"]
+        assert flags == [False, True, False]
+        assert gets == []
+        await r.delete(redis_keys.cancel_key("m1"))  # later checks ask Redis again
+        assert not await transport.is_cancelled(deliveries[1])
+        assert gets == [redis_keys.cancel_key("m1")]
