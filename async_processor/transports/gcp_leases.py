@@ -1,19 +1,22 @@
 """Pub/Sub receipts and the leases the gcp-pubsub transport keeps on held messages.
 
-Stage: lease bookkeeping for ``gcp_pubsub``. Input: deliveries as pulled, acked or
-handed back. Output: which ack ids need their deadline extended now, and ack ids grouped
-per subscription in request-sized chunks.
+Stage: lease and ack-id bookkeeping for ``gcp_pubsub``. Input: deliveries as pulled,
+acked or handed back. Output: which ack ids need their deadline extended now, ack ids
+grouped per subscription in request-sized chunks, and which ack rejections are final.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import structlog
+from google.api_core import exceptions as gexc
 
+from async_processor.errors import TransportError
 from async_processor.transports.base import Delivery
 
 log = structlog.get_logger(__name__)
@@ -23,6 +26,8 @@ EXTEND_BEFORE = 20.0  # extend a lease once less than this is left
 ACK_CHUNK = 1000  # ack ids per acknowledge / modify_ack_deadline request
 STALE_GRACE = 300.0  # stop extending a message this long after its deadline (a leak)
 UNDECODED_HOLD = 600.0  # ... or this long after it was pulled when it never decoded
+# Rejections about particular ack ids (expired under exactly-once delivery, malformed).
+ACK_ID_ERRORS = (gexc.InvalidArgument, gexc.FailedPrecondition)
 
 
 @dataclass(slots=True)
@@ -107,3 +112,24 @@ class Leases:
             log.warning("stale_message_released", message_id=r.message_id)
             self._held.pop(r.ack_id, None)
         return stale
+
+
+@contextmanager
+def unless_hopeless(ack_ids: Sequence[str]) -> Iterator[None]:
+    """Swallow an ack/modack rejection that no retry can fix, so the result writer moves on.
+
+    Expired ack ids (exactly-once delivery), a deleted subscription or a missing permission
+    fail the same way every time; the messages come back by themselves after their ack
+    deadline, and their results are not published again by this process. Readiness still
+    sees a deleted subscription or a denied permission.
+    """
+    try:
+        yield
+    except TransportError as exc:
+        cause = exc.__cause__
+        transient = isinstance(
+            cause, gexc.TooManyRequests | gexc.ResourceExhausted | gexc.Cancelled
+        )
+        if transient or not isinstance(cause, gexc.ClientError):
+            raise
+        log.warning("ack_ids_rejected", count=len(ack_ids), error=str(exc))

@@ -52,11 +52,13 @@ from async_processor.transports.base import (
 )
 from async_processor.transports.gcp_backlog import BacklogReader
 from async_processor.transports.gcp_leases import (
+    ACK_ID_ERRORS,
     LEASE_SECONDS,
     Leases,
     Receipt,
     ack_groups,
     receipt,
+    unless_hopeless,
 )
 
 log = structlog.get_logger(__name__)
@@ -142,9 +144,11 @@ class GcpPubSubTransport:
         try:
             yield
         except (gexc.GoogleAPIError, GoogleAuthError) as exc:
-            status = self._status[resource]
-            status.error_at, status.error = time.monotonic(), f"{type(exc).__name__}: {exc}"
-            raise TransportError(f"pubsub {action} on {resource} failed: {status.error}") from exc
+            error = f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, ACK_ID_ERRORS):  # about some ack ids, not the resource
+                status = self._status[resource]
+                status.error_at, status.error = time.monotonic(), error
+            raise TransportError(f"pubsub {action} on {resource} failed: {error}") from exc
         self._status[resource].ok_at = time.monotonic()
 
     # ------------------------------------------------------------------ fetch and decode
@@ -171,10 +175,20 @@ class GcpPubSubTransport:
         try:
             await anyio.lowlevel.checkpoint_if_cancelled()
         except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True), anyio.move_on_after(RPC_TIMEOUT):
-                await self.defer([Deferral(d, 0.0) for d in deliveries])
+            await self._nack_quietly(deliveries, "cancelled_fetch")
             raise
         return deliveries
+
+    async def _nack_quietly(self, deliveries: list[Delivery], why: str) -> None:
+        """Hand back at once, shielded and bounded; a failure only delays their redelivery."""
+        if not deliveries:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(RPC_TIMEOUT):
+            try:
+                await self.defer([Deferral(d, 0.0) for d in deliveries])
+                log.info("held_messages_nacked", count=len(deliveries), why=why)
+            except TransportError as exc:
+                log.warning("nack_failed", count=len(deliveries), why=why, error=str(exc))
 
     async def _ack_deadline(self, subscription: str) -> int:
         """The subscription's own ack deadline (learned once; also proves it exists)."""
@@ -269,7 +283,7 @@ class GcpPubSubTransport:
     async def _acknowledge(self, deliveries: Sequence[Delivery]) -> None:
         subscriber, _ = self._clients()
         for subscription, ack_ids in ack_groups(deliveries):
-            with self._rpc(subscription, "acknowledge"):
+            with unless_hopeless(ack_ids), self._rpc(subscription, "acknowledge"):
                 await subscriber.acknowledge(
                     subscription=subscription, ack_ids=ack_ids, timeout=RPC_TIMEOUT, retry=None
                 )
@@ -321,7 +335,7 @@ class GcpPubSubTransport:
     ) -> None:
         subscriber, _ = self._clients()
         for subscription, ack_ids in groups:
-            with self._rpc(subscription, action):
+            with unless_hopeless(ack_ids), self._rpc(subscription, action):
                 await subscriber.modify_ack_deadline(
                     subscription=subscription,
                     ack_ids=ack_ids,
@@ -390,14 +404,7 @@ class GcpPubSubTransport:
     async def aclose(self) -> None:
         """Nack what is still held (redelivered at once elsewhere), then close the channels."""
         with anyio.CancelScope(shield=True):
-            held = self._leases.take_all()
-            if held:
-                with anyio.move_on_after(RPC_TIMEOUT):
-                    try:
-                        await self.defer([Deferral(d, 0.0) for d in held])
-                        log.info("held_messages_nacked", count=len(held))
-                    except TransportError as exc:
-                        log.warning("nack_on_close_failed", count=len(held), error=str(exc))
+            await self._nack_quietly(self._leases.take_all(), "close")
             for client in (self._subscriber, self._publisher):
                 if client is not None:
                     await client.transport.close()  # type: ignore[no-untyped-call]

@@ -1,7 +1,8 @@
-"""gcp-pubsub transport paths the emulator cannot produce (permission errors)."""
+"""gcp-pubsub transport paths the emulator cannot produce (permission and ack errors)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -9,7 +10,10 @@ from google.api_core import exceptions as gexc
 from google.pubsub_v1.types import PullResponse
 
 from async_processor.config import GcpPubSubConfig
-from async_processor.transports.base import TransportContext
+from async_processor.errors import TransportError
+from async_processor.messages import Result
+from async_processor.transports.base import Delivery, TransportContext
+from async_processor.transports.gcp_leases import Receipt
 from async_processor.transports.gcp_pubsub import (
     GcpPubSubTransport,
     dead_letter_topic,
@@ -39,6 +43,51 @@ class Denied:
     async def pull(self, **_: Any) -> PullResponse:
         self.pulls += 1
         return PullResponse()
+
+
+class Rejecting(Denied):
+    """Publishes fine; every acknowledge fails with ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+        self.published = 0
+
+    async def publish(self, **kwargs: Any) -> None:
+        self.published += len(kwargs["messages"])
+
+    async def acknowledge(self, **_: Any) -> None:
+        raise self.error
+
+
+def delivery_of(t: GcpPubSubTransport) -> Delivery:
+    held = Receipt("ack-1", "projects/proj/subscriptions/sub", "m1", 0, time.time(), 0.0)
+    return Delivery(queue=t.queues[0], raw=b"{}", handle=held)
+
+
+async def test_expired_ack_ids_do_not_block_the_result_writer() -> None:
+    client = Rejecting(gexc.FailedPrecondition("ack id expired (exactly-once delivery)"))
+    t = transport(client)
+    await t.complete([(delivery_of(t), Result.http("r", 200, b"{}"))])
+    assert client.published == 1
+    await t.health()  # about those ack ids only, not the subscription
+
+
+async def test_deleted_subscription_on_ack_moves_on_but_is_unready() -> None:
+    t = transport(Rejecting(gexc.NotFound("subscription gone")))
+    await t.complete([(delivery_of(t), Result.http("r", 200, b"{}"))])
+    with pytest.raises(TransportError, match="NotFound"):
+        await t.health()
+
+
+async def test_transient_ack_failure_is_retried_without_publishing_again() -> None:
+    client = Rejecting(gexc.ServiceUnavailable("try again"))
+    t = transport(client)
+    item = (delivery_of(t), Result.http("r", 200, b"{}"))
+    for _ in range(2):
+        with pytest.raises(TransportError):
+            await t.complete([item])
+    assert client.published == 1
 
 
 def transport(client: Denied) -> GcpPubSubTransport:
