@@ -28,6 +28,7 @@ BACKOFF_BASE = 2.0
 BACKOFF_CAP = 60.0
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 LAST_BODY_LIMIT = 64 * 1024
+_RNG = random.Random()  # one per process: a fresh Random() per retry reseeds from urandom
 
 
 class Counter(Enum):
@@ -94,7 +95,7 @@ def decide(
     remaining = deadline - now
     if remaining <= 0:
         return expired(request_id, attempt if attempt.status else last_http)
-    rng = rng or random.Random()
+    rng = rng or _RNG
     return Retry(backoff(retry_count + 1, remaining, attempt.retry_after, rng))
 
 
@@ -141,7 +142,7 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     if not value:
         return None
     text = value.strip()
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # isdigit alone takes "²", which float() rejects
         return float(text)
     try:
         when = parsedate_to_datetime(text)

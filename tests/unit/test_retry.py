@@ -123,6 +123,13 @@ def test_parse_retry_after_forms() -> None:
     assert parse_retry_after(formatdate(NOW - 30, usegmt=True), now=NOW) == 0.0
 
 
+@pytest.mark.parametrize("value", ["\u00b2", "1\u00b2", "\u0663", "\uff17"])
+def test_retry_after_with_non_ascii_digits_is_ignored_not_a_crash(value: str) -> None:
+    # str.isdigit() accepts superscripts, which float() rejects with ValueError: a gateway
+    # (or proxy) sending "Retry-After: \u00b2" crashed the worker inside send().
+    assert parse_retry_after(value) is None
+
+
 def test_last_answer_rides_with_the_message_through_the_broker() -> None:
     from async_processor.messages import decode_envelope
     from async_processor.retry import last_answer, remember_answer
