@@ -45,7 +45,8 @@ from async_processor.transports.base import (
     QueueSpec,
     TransportContext,
 )
-from async_processor.transports.redis_sortedset import _fingerprint, connect, redis_errors
+from async_processor.transports.redis_keys import connect, redis_errors
+from async_processor.transports.redis_sortedset import _fingerprint
 
 log = structlog.get_logger(__name__)
 
