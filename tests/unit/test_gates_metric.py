@@ -109,12 +109,12 @@ async def test_fail_open_gates_warn_at_start_and_on_fallback(logs: LogRecorder) 
 @pytest.mark.anyio
 async def test_cache_keeps_samples_and_errors_for_the_ttl() -> None:
     inner = Source(GateError("down"), [0.5])
-    cached = CachedSource(inner, ttl=0.2)
+    cached = CachedSource(inner, ttl=0.5)
     for _ in range(3):
         with pytest.raises(GateError):
             await cached.query()
     assert inner.calls == 1  # the error was cached too
-    await anyio.sleep(0.25)
+    await anyio.sleep(0.55)
     assert [s.value for s in await cached.query()] == [0.5]
     assert [s.value for s in await cached.query()] == [0.5]
     assert inner.calls == 2
