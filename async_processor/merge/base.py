@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from async_processor.registry import Registry
 from async_processor.transports.base import QueueSpec
 from async_processor.work import Work
+
+if TYPE_CHECKING:
+    from async_processor.metrics import Metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +35,7 @@ class MergePolicy(Protocol):
 
 @dataclass(slots=True)
 class MergeContext:
-    metrics: Any = None  # async_processor.metrics.Metrics
+    metrics: Metrics | None = None
 
 
 MERGE_POLICIES: Registry[MergePolicy, MergeContext] = Registry("merge policy")

@@ -9,10 +9,13 @@ claimed the body (``body_claimed``), later body rewriters leave it alone. Errors
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from async_processor.messages import Envelope
 from async_processor.registry import Registry
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 @dataclass(slots=True)
@@ -39,7 +42,7 @@ class Transform(Protocol):
 class TransformContext:
     """Shared resources for transforms (an aiohttp session for fetching, size limit)."""
 
-    http: Any = None  # aiohttp.ClientSession
+    http: aiohttp.ClientSession | None = None
     max_message_bytes: int = 4 * 1024 * 1024
     name: str = ""  # the config entry's ``name``, set per transform by the chain builder
 

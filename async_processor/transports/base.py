@@ -14,13 +14,16 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from anyio.abc import TaskStatus
 
 from async_processor.messages import Envelope, Result
 from async_processor.registry import Registry
+
+if TYPE_CHECKING:
+    from async_processor.metrics import Metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +114,7 @@ class TransportContext:
     """Process-wide settings a transport may need."""
 
     max_message_bytes: int = 4 * 1024 * 1024
-    metrics: Any = None  # async_processor.metrics.Metrics
+    metrics: Metrics | None = None
 
 
 TRANSPORTS: Registry[Transport, TransportContext] = Registry("transport")
