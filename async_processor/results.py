@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import anyio
 import structlog
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.abc import ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from async_processor.errors import TransportError
 from async_processor.messages import Result
@@ -68,11 +69,11 @@ class ResultWriter:
             await _with_retries("defer", lambda: self._transport.defer(deferrals))
 
 
-def _take_ready(stream: ObjectReceiveStream[Op], limit: int) -> list[Op]:
+def _take_ready(stream: MemoryObjectReceiveStream[Op], limit: int) -> list[Op]:
     out: list[Op] = []
     while len(out) < limit:
         try:
-            out.append(stream.receive_nowait())  # type: ignore[attr-defined]
+            out.append(stream.receive_nowait())
         except (anyio.WouldBlock, anyio.EndOfStream):
             break
     return out
