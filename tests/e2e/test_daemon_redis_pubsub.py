@@ -61,3 +61,30 @@ def test_burst_with_retries_every_message_one_result(
     assert {x.status_code for x in got} == {200}
     assert daemon.metric("llm_d_async_async_request_retries_total") > 0
     assert r.zcard(f"{unique}:retry") == 0
+
+
+def test_two_replicas_fan_out_but_publish_one_result_per_id(
+    redis_url: str, unique: str, simulator: SimulatorProcess, daemon_factory: DaemonFactory
+) -> None:
+    simulator.configure(latency=0.01, error_rate=0.0)
+    before = simulator.stats()["total"]
+    r = redis.Redis.from_url(redis_url)
+    results = r.pubsub()
+    results.subscribe(f"{unique}:results")
+    config = _config(redis_url, simulator.url, unique)
+    for _ in range(2):
+        daemon_factory.start(config, "--concurrency", "16", transport="redis-pubsub")
+    ids = [f"f{i}" for i in range(100)]
+    deadline = int(time.time()) + 600
+    for request_id in ids:
+        body = {"id": request_id, "deadline": deadline, "payload": {"prompt": request_id}}
+        assert r.publish(f"{unique}:in", json.dumps(body)) == 2  # both replicas subscribed
+    got = _collect(results, len(ids), 20)
+    end = time.monotonic() + 10
+    while simulator.stats()["total"] - before < 2 * len(ids) and time.monotonic() < end:
+        time.sleep(0.05)
+    # The documented limit: every replica did the work ...
+    assert simulator.stats()["total"] - before == 2 * len(ids)
+    # ... but only one result per id went out.
+    got += _collect(results, 1, 1.0)
+    assert Counter(x.id for x in got) == Counter(ids)
