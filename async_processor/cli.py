@@ -79,6 +79,7 @@ def run(argv: Sequence[str], env: Mapping[str, str]) -> int:
 def check_config(argv: Sequence[str], env: Mapping[str, str]) -> int:
     """Validate flags, files and plugin types; print the effective config as JSON."""
     settings = parse_settings(argv, env, prog=f"{PROG} check-config")
+    configure_logging(settings.log_level, settings.log_format)  # stderr: stdout is the JSON
     config = build_config(settings, env)
     validate_plugins: Callable[[AppConfig], Any] | None = getattr(
         _optional("processor"), "validate_plugins", None
