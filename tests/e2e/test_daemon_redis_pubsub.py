@@ -41,7 +41,7 @@ def test_burst_with_retries_every_message_one_result(
     # One in twenty attempts fails with 500: those come back through the retry set.
     simulator.configure(latency=0.01, error_rate=0.05, seed=7)
     r = redis.Redis.from_url(redis_url)
-    results = r.pubsub()
+    results = r.pubsub()  # type: ignore[no-untyped-call]
     results.subscribe(f"{unique}:results")
     daemon = daemon_factory.start(
         _config(redis_url, simulator.url, unique), "--concurrency", "16", transport="redis-pubsub"
@@ -69,7 +69,7 @@ def test_two_replicas_fan_out_but_publish_one_result_per_id(
     simulator.configure(latency=0.01, error_rate=0.0)
     before = simulator.stats()["total"]
     r = redis.Redis.from_url(redis_url)
-    results = r.pubsub()
+    results = r.pubsub()  # type: ignore[no-untyped-call]
     results.subscribe(f"{unique}:results")
     config = _config(redis_url, simulator.url, unique)
     for _ in range(2):

@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -81,7 +81,7 @@ async def listening(url: str, channel: str) -> AsyncIterator[PubSub]:
     try:
         yield pubsub
     finally:
-        await pubsub.aclose()
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
         await client.aclose()
 
 
@@ -190,7 +190,7 @@ async def test_buffered_messages_are_handed_back_on_close(redis_url: str, unique
             while t._receive[f"{unique}-in"].statistics().current_buffer_used < 5:
                 await anyio.sleep(0.02)
     # Never fetched, yet not lost: in the retry set, due now, routed to their channel.
-    members = await publisher.zrange(f"{unique}-retry", 0, -1)
+    members = cast(list[bytes], await publisher.zrange(f"{unique}-retry", 0, -1))
     routed = [json.loads(m)["internal"]["request_queue_name"] for m in members]
     assert sorted(json.loads(m)["data"]["id"] for m in members) == [f"b{i}" for i in range(5)]
     assert routed == [f"{unique}-in"] * 5

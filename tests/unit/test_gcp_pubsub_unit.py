@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from google.api_core import exceptions as gexc
+from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
 from google.pubsub_v1.types import PullResponse
 
 from async_processor.config import GcpPubSubConfig
@@ -28,6 +29,10 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+def api_error(kind: type[gexc.GoogleAPICallError], message: str) -> gexc.GoogleAPICallError:
+    return kind(message)
+
+
 class Denied:
     """A client whose describe calls are denied (roles/pubsub.subscriber / publisher only)."""
 
@@ -35,10 +40,10 @@ class Denied:
         self.pulls = 0
 
     async def get_subscription(self, **_: Any) -> Any:
-        raise gexc.PermissionDenied("pubsub.subscriptions.get denied")
+        raise api_error(gexc.PermissionDenied, "pubsub.subscriptions.get denied")
 
     async def get_topic(self, **_: Any) -> Any:
-        raise gexc.PermissionDenied("pubsub.topics.get denied")
+        raise api_error(gexc.PermissionDenied, "pubsub.topics.get denied")
 
     async def pull(self, **_: Any) -> PullResponse:
         self.pulls += 1
@@ -66,7 +71,7 @@ def delivery_of(t: GcpPubSubTransport) -> Delivery:
 
 
 async def test_expired_ack_ids_do_not_block_the_result_writer() -> None:
-    client = Rejecting(gexc.FailedPrecondition("ack id expired (exactly-once delivery)"))
+    client = Rejecting(api_error(gexc.FailedPrecondition, "ack id expired (exactly-once delivery)"))
     t = transport(client)
     await t.complete([(delivery_of(t), Result.http("r", 200, b"{}"))])
     assert client.published == 1
@@ -74,14 +79,14 @@ async def test_expired_ack_ids_do_not_block_the_result_writer() -> None:
 
 
 async def test_deleted_subscription_on_ack_moves_on_but_is_unready() -> None:
-    t = transport(Rejecting(gexc.NotFound("subscription gone")))
+    t = transport(Rejecting(api_error(gexc.NotFound, "subscription gone")))
     await t.complete([(delivery_of(t), Result.http("r", 200, b"{}"))])
     with pytest.raises(TransportError, match="NotFound"):
         await t.health()
 
 
 async def test_transient_ack_failure_is_retried_without_publishing_again() -> None:
-    client = Rejecting(gexc.ServiceUnavailable("try again"))
+    client = Rejecting(api_error(gexc.ServiceUnavailable, "try again"))
     t = transport(client)
     item = (delivery_of(t), Result.http("r", 200, b"{}"))
     for _ in range(2):
@@ -101,8 +106,8 @@ def transport(client: Denied) -> GcpPubSubTransport:
     return GcpPubSubTransport(
         config,
         TransportContext(),
-        subscriber=client,
-        publisher=client,  # type: ignore[arg-type]
+        subscriber=cast(SubscriberAsyncClient, client),
+        publisher=cast(PublisherAsyncClient, client),
     )
 
 
