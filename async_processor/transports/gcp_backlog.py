@@ -31,11 +31,18 @@ TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 
 class BacklogReader:
-    def __init__(self, project: str, *, enabled: bool = True, base_url: str = MONITORING_URL):
+    def __init__(
+        self,
+        project: str,
+        *,
+        enabled: bool = True,
+        base_url: str = MONITORING_URL,
+        credentials: Any = None,  # google.auth credentials; None = Application Default
+    ) -> None:
         self._project = project
         self.enabled = enabled
         self._base_url = base_url
-        self._credentials: Any = None
+        self._credentials = credentials
         self._session: aiohttp.ClientSession | None = None
         self._warned = False
 

@@ -6,6 +6,7 @@ import time
 from typing import Any, cast
 
 import pytest
+from aiohttp import web
 from google.api_core import exceptions as gexc
 from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
 from google.pubsub_v1.types import PullResponse
@@ -14,12 +15,14 @@ from async_processor.config import GcpPubSubConfig
 from async_processor.errors import TransportError
 from async_processor.messages import Result
 from async_processor.transports.base import Delivery, TransportContext
+from async_processor.transports.gcp_backlog import BacklogReader
 from async_processor.transports.gcp_leases import Receipt
 from async_processor.transports.gcp_pubsub import (
     GcpPubSubTransport,
     dead_letter_topic,
     resource_path,
 )
+from tests.fixtures.servers import free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -130,3 +133,47 @@ def test_full_paths_are_kept_and_short_ids_get_the_project() -> None:
     assert resource_path("proj", "topics", full) == full
     dead = dead_letter_topic("projects/p1/subscriptions/orders")
     assert dead == "projects/p1/topics/orders-dead-letter"
+
+
+class StaticToken:
+    """google.auth-style credentials that are always valid."""
+
+    valid = True
+    token = "secret-token"
+
+
+async def test_backlog_reader_queries_cloud_monitoring() -> None:
+    seen: list[web.Request] = []
+
+    async def series(request: web.Request) -> web.Response:
+        seen.append(request)
+        point = {"interval": {"endTime": "2026-01-01T00:00:00Z"}, "value": {"int64Value": "42"}}
+        return web.json_response({"timeSeries": [{"points": [point]}]})
+
+    app = web.Application()
+    app.router.add_get("/v3/projects/{project}/timeSeries", series)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    reader = BacklogReader(
+        "proj", base_url=f"http://127.0.0.1:{port}/v3", credentials=StaticToken()
+    )
+    try:
+        assert await reader.undelivered("projects/p2/subscriptions/orders") == 42
+    finally:
+        await reader.aclose()
+        await runner.cleanup()
+    [request] = seen
+    assert request.match_info["project"] == "p2"
+    assert request.headers["Authorization"] == "Bearer secret-token"
+    assert 'resource.labels.subscription_id = "orders"' in request.query["filter"]
+    assert "num_undelivered_messages" in request.query["filter"]
+
+
+async def test_backlog_unknown_when_monitoring_fails() -> None:
+    reader = BacklogReader("proj", base_url="http://127.0.0.1:1/v3", credentials=StaticToken())
+    try:
+        assert await reader.undelivered("projects/proj/subscriptions/orders") is None
+    finally:
+        await reader.aclose()
