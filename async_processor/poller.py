@@ -74,7 +74,7 @@ class Poller:
                 await self._cycle()
 
     async def _cycle(self) -> None:
-        budget = await self._gate.budget()
+        budget = await self._budget()
         self._metrics.dispatch_budget.set(budget)
         wanted = min(self.queue.batch_size, math.floor(self.queue.batch_size * budget))
         if wanted <= 0:
@@ -93,6 +93,16 @@ class Poller:
         self._error_backoff = 0.0
         self._capacity.release(reserved - len(deliveries))
         await self._admit_all(deliveries)
+
+    async def _budget(self) -> float:
+        """The gate's budget clamped to [0, 1]; a failing or NaN budget counts as closed
+        (as the reference's gates fail closed) instead of stopping the daemon."""
+        try:
+            budget = await self._gate.budget()
+        except Exception as exc:
+            self._log.warning("queue_gate_budget_failed", error=str(exc))
+            return 0.0
+        return min(1.0, max(0.0, budget))  # max(0.0, nan) is 0.0
 
     async def _admit_all(self, deliveries: Sequence[Delivery]) -> None:
         for index, delivery in enumerate(deliveries):

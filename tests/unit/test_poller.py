@@ -108,3 +108,35 @@ async def test_each_message_holds_one_slot_until_its_worker_or_the_writer_has_it
     # "not json" has no id: dead-lettered, no op. Forwarded work keeps its slot.
     assert capacity.free == 8 - len(forwarded)
     assert not [op for op in ops if isinstance(op, Deferral)]
+
+
+class BrokenBudgetGate(ConstantGate):
+    def __init__(self, budget: float | None) -> None:
+        super().__init__(1.0)
+        self._budget = budget
+
+    async def budget(self) -> float:
+        if self._budget is None:
+            raise RuntimeError("backend exploded")
+        return self._budget
+
+
+@pytest.mark.parametrize("budget", [None, float("nan")])
+async def test_a_failing_or_nan_budget_closes_the_queue_instead_of_crashing(
+    budget: float | None,
+) -> None:
+    # math.floor(batch * nan) raised ValueError and an exception from budget() escaped:
+    # either stopped the poller's task group, i.e. the daemon.
+    transport = FakeTransport([message("ok", time.time() + 600)])
+    lane_in, lane_out = anyio.create_memory_object_stream[Work](16)
+    writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
+    metrics = Metrics().queue("q", "q", "default")
+    gate = BrokenBudgetGate(budget)
+    fake = cast(Transport, transport)
+    poller = Poller(QUEUE, fake, gate, PoolCapacity(8), lane_in, writer_in, metrics)
+    async with lane_out, writer_out, anyio.create_task_group() as tg:
+        tg.start_soon(poller.run)
+        await anyio.sleep(3 * QUEUE.poll_interval)
+        tg.cancel_scope.cancel()
+    assert metrics.dispatch_budget._value.get() == 0.0
+    assert transport._raws  # nothing fetched while closed
