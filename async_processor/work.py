@@ -6,7 +6,6 @@ the pool admission gate, the transforms and the dispatch worker.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import anyio
@@ -26,7 +25,6 @@ class Work:
     releases: Releases = field(default_factory=Releases)
     # Headers stamped by the merge policy (fairness, priority, lane objective), in order.
     stamped_headers: list[tuple[str, str]] = field(default_factory=list)
-    enqueued_at: float = field(default_factory=time.monotonic)
 
     @property
     def queue(self) -> QueueSpec:
