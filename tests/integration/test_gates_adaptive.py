@@ -125,6 +125,9 @@ async def pipeline_run(
     """Run the daemon with a 128-worker pool; simulator stats, in-flight samples, limit."""
     pools = [PoolConfig(id="p", workers=CALLERS, **gate)]
     config = _config(redis_url, simulator.url, queue, pools=pools)
+    # Fetch in large batches so that feeding 128 workers is not what limits the run.
+    transport = config.transport_config.model_copy(update={"batch_size": CALLERS})
+    config = config.model_copy(update={"transport_config": transport})
     simulator.reset()
     samples: list[int] = []
     async with running(config) as processor:
@@ -161,9 +164,9 @@ async def test_adaptive_pool_gate_in_the_daemon(
     mean = sum(samples) / len(samples)
     # The limit is what the gate learned. How many are in flight also depends on how fast
     # the pipeline feeds the workers (slow on a loaded machine), so it is only held to
-    # "never far past capacity"; the fixed pool keeps all 128 busy.
+    # "never far past capacity".
     assert 0 < mean <= CAPACITY + 2, (mean, limit)
-    assert limit is not None and 0.6 * CAPACITY <= limit <= 1.2 * CAPACITY
-    rejected = adaptive["by_status"].get("429", 0)
-    assert rejected * 10 < fixed["by_status"].get("429", 0), (adaptive, fixed)
-    assert adaptive["by_status"].get("200", 0) >= 0.6 * fixed["by_status"].get("200", 0)
+    assert limit is not None and 0.6 * CAPACITY <= limit <= 1.2 * CAPACITY, (limit, adaptive)
+    rejected, ok = adaptive["by_status"].get("429", 0), adaptive["by_status"].get("200", 0)
+    assert rejected * 10 < fixed["by_status"].get("429", 0), (adaptive, fixed, limit)
+    assert rejected < 0.05 * ok, (adaptive, limit)
