@@ -25,13 +25,12 @@ from async_processor.messages import (
     Result,
 )
 from async_processor.metrics import QueueMetrics
-from async_processor.retry import Final, expired, last_answer
+from async_processor.retry import REFUSE_DELAY, Final, expired, last_answer
 from async_processor.work import Work
 
 log = structlog.get_logger(__name__)
 
 WAIT_STEP = 0.05
-REFUSE_DELAY = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,14 +32,12 @@ from async_processor.messages import (
 )
 from async_processor.metrics import QueueMetrics
 from async_processor.results import Completion, Op
-from async_processor.retry import expired, last_answer
+from async_processor.retry import REFUSE_DELAY, expired, last_answer
 from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport
 from async_processor.work import PoolCapacity, Work
 
 log = structlog.get_logger(__name__)
 
-# A message a gate refused comes back after this long (never a hot re-pop loop).
-REFUSE_DELAY = 1.0
 HAND_BACK_TIMEOUT = 5.0
 MAX_ERROR_BACKOFF = 5.0
 

@@ -28,6 +28,8 @@ BACKOFF_BASE = 2.0
 BACKOFF_CAP = 60.0
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 LAST_BODY_LIMIT = 64 * 1024
+# A message a gate refused comes back after this long (never a hot re-pop loop, §5.3).
+REFUSE_DELAY = 1.0
 _RNG = random.Random()  # one per process: a fresh Random() per retry reseeds from urandom
 
 
