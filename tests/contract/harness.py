@@ -76,6 +76,9 @@ class TransportHarness(Protocol):
     # stops. False only for redis-pubsub: a channel keeps nothing, so what a stopping
     # daemon had buffered is gone (its documented limit; the retry set is kept).
     keeps_unfetched: bool
+    # Whether a retried message carries its retry state (count, last HTTP answer) with it.
+    # The Redis envelopes do; a Pub/Sub message is redelivered as it was published.
+    carries_retry_state: bool
 
     def config(self, gateway: str, *, objective: str = "", **runtime: Any) -> AppConfig:
         """The daemon's config: one queue to ``gateway``, ``runtime`` as RuntimeConfig fields."""
@@ -128,6 +131,7 @@ class _RedisHarness:
 
     name = ""
     keeps_unfetched = True
+    carries_retry_state = True
 
     def __init__(self, url: str, unique: str) -> None:
         self.url = url
@@ -259,6 +263,7 @@ class RedisPubSubHarness(_RedisHarness):
 class GcpPubSubHarness:
     name = "gcp-pubsub"
     keeps_unfetched = True  # unacked messages stay in the subscription (nacked on stop)
+    carries_retry_state = False  # see TransportHarness.carries_retry_state
 
     def __init__(self, admin: PubSubAdmin, unique: str) -> None:
         self.admin = admin
