@@ -290,17 +290,7 @@ def _request_from(
             reason="too_large",
             request_id=request_id,
         )
-    deadline = obj.get("deadline")
-    if isinstance(deadline, float) and deadline.is_integer():
-        deadline = int(deadline)
-    if (
-        not isinstance(deadline, int)
-        or isinstance(deadline, bool)
-        or not 0 < deadline <= MAX_DEADLINE
-    ):
-        raise InvalidMessage(
-            INVALID_DEADLINE_TEXT, reason="invalid_deadline", request_id=request_id
-        )
+    deadline = _deadline_of(obj, request_id)
     try:
         created = obj.get("created", 0) or 0
         if not isinstance(created, int | float) or isinstance(created, bool):
@@ -327,6 +317,20 @@ def _request_from(
                 "payload must be a JSON object", reason="malformed", request_id=request_id
             )
     return request
+
+
+def _deadline_of(obj: dict[str, Any], request_id: str) -> int:
+    """Whole Unix seconds in (0, int64 max]; 1.9e9 is accepted as 1900000000."""
+    deadline = obj.get("deadline")
+    if isinstance(deadline, float) and deadline.is_integer():
+        deadline = int(deadline)
+    if (
+        isinstance(deadline, int)
+        and not isinstance(deadline, bool)
+        and 0 < deadline <= MAX_DEADLINE
+    ):
+        return deadline
+    raise InvalidMessage(INVALID_DEADLINE_TEXT, reason="invalid_deadline", request_id=request_id)
 
 
 def _scan_object(
