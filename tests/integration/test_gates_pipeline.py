@@ -182,3 +182,49 @@ async def test_queue_quota_slot_comes_back_when_the_pool_gate_ends_the_request(
     assert result.error_code == error_code
     assert simulator.stats()["total"] == 0
     assert key_after == "0"
+
+
+async def test_local_limit_at_pool_level_parks_workers_and_holds_the_cap(
+    redis_url: str, unique: str, simulator: SimulatorProcess
+) -> None:
+    simulator.configure(latency=0.1)
+    inner = {"gate_type": "local-max-concurrency", "gate_params": {"limit": 2}}
+    pools = [
+        PoolConfig(id="p", workers=16, gate_type="wait-on-refuse", gate_params={"gate": inner})
+    ]
+    cfg = config(redis_url, simulator.url, unique, {}, pools, gate_wait_timeout="1m")
+    async with running(cfg):
+        client = await _submit(redis_url, unique, *[request(f"l{i}", "x") for i in range(20)])
+        results = await client.drain_results(20, 15)
+    assert sorted(r.status_code for r in results) == [200] * 20
+    assert simulator.stats()["max_concurrent_seen"] == 2
+
+
+async def test_leased_rate_ceiling_paces_the_pool(
+    redis_url: str, unique: str, simulator: SimulatorProcess
+) -> None:
+    r = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    secs, micros = await r.time()
+    lease = {
+        "api_version": "llm-d.ai/v1alpha1",
+        "pool_id": "p",
+        "max_admission_rps": "10",
+        "valid_until_unix_ms": str(secs * 1000 + micros // 1000 + 60_000),
+        "decision_id": "d-7",
+    }
+    await r.hset(f"{unique}:lease", mapping=lease)  # type: ignore[arg-type]
+    leased = {"address": redis_url, "control_key": f"{unique}:lease", "burst_seconds": 0.5}
+    inner = {"gate_type": "redis-leased-rate", "gate_params": leased}
+    pools = [
+        PoolConfig(id="p", workers=16, gate_type="wait-on-refuse", gate_params={"gate": inner})
+    ]
+    cfg = config(redis_url, simulator.url, unique, {}, pools, gate_wait_timeout="1m")
+    async with running(cfg):
+        start = time.monotonic()
+        client = await _submit(redis_url, unique, *[request(f"z{i}", "x") for i in range(15)])
+        results = await client.drain_results(15, 15)
+        took = time.monotonic() - start
+    await r.aclose()
+    assert sorted(res.status_code for res in results) == [200] * 15
+    # A burst of 5 then 10/s: the last of 15 cannot leave before ~1 s.
+    assert 0.9 <= took < 5, took
