@@ -521,3 +521,26 @@ async def test_fetch_checks_the_batch_cancel_markers_in_one_round_trip(
         await r.delete(redis_keys.cancel_key("m1"))  # later checks ask Redis again
         assert not await transport.is_cancelled(deliveries[1])
         assert gets == [redis_keys.cancel_key("m1")]
+
+
+async def test_heartbeat_never_extends_a_lease_another_replica_reclaimed(make_config, r) -> None:
+    config = make_config(lease_seconds=0.2)
+    q = config.queues[0].queue_name
+    deadline = future()
+    await r.zadd(q, {member("contested", deadline): deadline})
+    async with opened(config) as a, opened(config) as b:
+        first = await fetch_one(a)
+        await anyio.sleep(0.3)  # a stalls past its lease
+        await b.reap()
+        second = await fetch_one(b)
+        b_expiry = await r.zscore(redis_keys.inflight_key(q), second.handle.id)
+        await a.heartbeat()
+        assert await r.zscore(redis_keys.inflight_key(q), first.handle.id) is None
+        assert await r.zscore(redis_keys.inflight_key(q), second.handle.id) == b_expiry
+        assert first.handle.id not in a._held[q]
+        # a finishes anyway: its result counts once, and b's later one is the duplicate.
+        await a.complete([(first, Result.http("contested", 200, b"a"))])
+        await b.complete([(second, Result.http("contested", 200, b"b"))])
+    assert [x.payload for x in await results_of(r, config.result_queue_name)] == ["a"]
+    assert await r.zcard(q) == 0
+    assert await r.zcard(redis_keys.inflight_key(q)) == 0
