@@ -60,8 +60,7 @@ class PayloadUrl:
         url = self._url(envelope)
         if url is None:
             return
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if not _is_http_url(url):
             raise InvalidMessage(
                 f"metadata {self._params.metadata_key!r} is not an http(s) URL",
                 reason="bad_payload_url",
@@ -139,6 +138,15 @@ class PayloadUrl:
             return
         async with aiohttp.ClientSession() as session:
             yield session
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsed lazily: raises ValueError for a bad port
+    except ValueError:  # e.g. an unclosed IPv6 literal
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 def redact(url: str) -> str:

@@ -118,3 +118,13 @@ def test_malformed_configs_fail_at_startup_with_one_line(
     with pytest.raises(ConfigError, match=message) as info:
         chain(*entries)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://h:99999/x", "http://h:abc/", "ftp://h/x"])
+def test_an_unparsable_payload_url_is_invalid_request_not_a_crash(url: str) -> None:
+    # urlsplit raises ValueError for a bad IPv6 literal, and .port for a bad port; the
+    # chain only converts MessageErrors, so these escaped and crashed the worker.
+    fetch = {"name": "src", "type": "payload_url"}
+    request = Request(id="r", deadline=2_000_000_000, metadata={"payload_url": url})
+    with pytest.raises(InvalidMessage, match="is not an http"):
+        chain(fetch).validate(Envelope(request=request))
