@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, NoReturn, TypeVar, cast
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -293,10 +294,12 @@ class AppConfig(Strict):
 
 
 def check_http_url(value: str) -> str:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - parsed lazily: raises ValueError for a bad port
+    except ValueError:  # e.g. an unclosed IPv6 literal
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{value!r} is not an http(s) URL with a host")
     return value
 

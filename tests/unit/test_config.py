@@ -204,6 +204,9 @@ def test_transport_source_errors(tmp_path: Path) -> None:
         ({**SORTEDSET, "queues": [{**QUEUE, "gate_tipe": "x"}]}, "queues.0.gate_tipe"),
         ({**SORTEDSET, "queues": [{"queue_name": "q"}]}, "queues.0.igw_base_url: Field required"),
         ({**SORTEDSET, "queues": [{**QUEUE, "igw_base_url": "gw:80"}]}, "not an http(s) URL"),
+        # A bad port or IPv6 literal failed every request at send time instead of here.
+        ({**SORTEDSET, "queues": [{**QUEUE, "igw_base_url": "http://gw:80a"}]}, "not an http"),
+        ({**SORTEDSET, "queues": [{**QUEUE, "igw_base_url": "http://[::1"}]}, "not an http"),
         ({**SORTEDSET, "url": "localhost:6379"}, "url: Value error, must be a redis://"),
         ({**SORTEDSET, "queues": [QUEUE, QUEUE]}, "duplicate 'q1'"),
         ({"queues": [QUEUE]}, "url is required for redis-sortedset (or set REDIS_URL)"),
