@@ -89,7 +89,8 @@ async def _check(readiness: Readiness) -> str | None:
 
 
 def _authorized(request: web.Request, expected: bytes) -> bool:
-    given = request.headers.get("Authorization", "").encode()
+    # Undecodable header bytes arrive as surrogates: turn them back into the same bytes.
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
     return hmac.compare_digest(given, expected)
 
 

@@ -117,6 +117,24 @@ async def test_metrics_bearer_token() -> None:
         assert status == 200 and "llm_d_async_async_request_total 3.0" in body
 
 
+async def test_a_non_utf8_authorization_header_is_401_not_500() -> None:
+    # aiohttp keeps undecodable header bytes as surrogates; str.encode() raised on them.
+    async with running(
+        health.serve_metrics, "127.0.0.1", 0, _registry(), bearer_token="s3cret"
+    ) as base:
+        port = int(base.rsplit(":", 1)[1])
+
+        def raw_get() -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(
+                    b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\r\n"
+                    b"Connection: close\r\n\r\n"
+                )
+                return sock.recv(100).split(b"\r\n")[0]
+
+        assert await anyio.to_thread.run_sync(raw_get) == b"HTTP/1.1 401 Unauthorized"
+
+
 async def test_taken_port_is_a_config_error_naming_it() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
