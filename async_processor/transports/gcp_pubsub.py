@@ -125,6 +125,9 @@ class GcpPubSubTransport:
         self._ack_deadlines: dict[str, int] = {}  # subscription -> its own ack deadline
         self._status: dict[str, _Status] = defaultdict(_Status)  # resource -> last outcome
         self._published: OrderedDict[str, None] = OrderedDict()  # "<sub>/<message id>"
+        # Routing of messages this process deferred: Pub/Sub cannot carry it back, and its
+        # delivery_attempt exists only with a dead-letter policy (best effort, per process).
+        self._carried: OrderedDict[str, Routing] = OrderedDict()
 
     # ------------------------------------------------------------------ clients
 
@@ -237,13 +240,17 @@ class GcpPubSubTransport:
         request = decode_request(delivery.raw, max_bytes=self._ctx.max_message_bytes)
         request.metadata = {**request.metadata, **delivery.attributes}
         held = receipt(delivery)
+        carried = self._carried.pop(_key(held), None)
         routing = Routing(
-            # Only counts redeliveries when the subscription has a dead-letter policy.
-            retry_count=max(held.delivery_attempt - 1, 0),
+            # delivery_attempt counts redeliveries only under a dead-letter policy; what this
+            # process deferred it remembers itself.
+            retry_count=max(held.delivery_attempt - 1, carried.retry_count if carried else 0),
             queue_id=delivery.queue.id,
             request_queue_name=delivery.queue.name,
             transport_correlation_id=held.message_id,
             labels=dict(delivery.queue.labels),
+            last_status=carried.last_status if carried else 0,
+            last_body=carried.last_body if carried else "",
         )
         delivery.envelope = Envelope(request=request, routing=routing, kind="pubsub")
         return delivery.envelope
@@ -263,7 +270,7 @@ class GcpPubSubTransport:
         self._observe_latency(d for d, _ in items)
 
     def _already_published(self, held: Receipt) -> bool:
-        if held.published or f"{held.subscription}/{held.message_id}" in self._published:
+        if held.published or _key(held) in self._published:
             if not held.published:
                 log.info("duplicate_result_skipped", message_id=held.message_id)
             return True
@@ -271,7 +278,7 @@ class GcpPubSubTransport:
 
     def _remember_published(self, held: Receipt) -> None:
         held.published = True
-        self._published[f"{held.subscription}/{held.message_id}"] = None
+        self._published[_key(held)] = None
         if len(self._published) > DEDUP_MEMORY:
             self._published.popitem(last=False)
 
@@ -303,6 +310,7 @@ class GcpPubSubTransport:
         """Redeliver each message after its delay, via its ack deadline (0 = nack now)."""
         by_delay: dict[int, list[Delivery]] = defaultdict(list)
         for item in items:
+            self._carry(item.delivery)
             # Rounded up: a retry never comes back before its backoff.
             seconds = min(MAX_ACK_DEADLINE, max(0, math.ceil(item.delay)))
             by_delay[seconds].append(item.delivery)
@@ -310,6 +318,14 @@ class GcpPubSubTransport:
             for seconds, deliveries in by_delay.items():
                 await self._modify(ack_groups(deliveries), seconds, "defer")
                 self._leases.forget(deliveries)
+
+    def _carry(self, delivery: Delivery) -> None:
+        envelope = delivery.envelope
+        if envelope is None or not (envelope.routing.retry_count or envelope.routing.last_status):
+            return
+        self._carried[_key(receipt(delivery))] = envelope.routing
+        if len(self._carried) > DEDUP_MEMORY:
+            self._carried.popitem(last=False)
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Copy an unusable message to ``<subscription>-dead-letter`` if it exists; ack it."""
@@ -433,3 +449,7 @@ def _publish_chunks(
 @TRANSPORTS.register("gcp-pubsub", GcpPubSubConfig)
 def build(config: GcpPubSubConfig, ctx: TransportContext) -> GcpPubSubTransport:
     return GcpPubSubTransport(config, ctx)
+
+
+def _key(held: Receipt) -> str:
+    return f"{held.subscription}/{held.message_id}"
