@@ -11,12 +11,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
 from async_processor.messages import Envelope, Result
 from async_processor.registry import Registry
+
+if TYPE_CHECKING:  # annotations only, as the other seams do
+    from async_processor.metrics import Metrics
 
 
 class Action(Enum):
@@ -135,7 +138,7 @@ class GateContext:
     """
 
     owner: GateOwner
-    metrics: Any = None  # async_processor.metrics.Metrics (Any avoids an import cycle)
+    metrics: Metrics | None = None
     prometheus_url: str = ""
     prometheus_cache_ttl: float = 5.0
     request_timeout: float = 300.0

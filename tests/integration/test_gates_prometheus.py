@@ -64,6 +64,7 @@ async def test_saturation_sends_the_exact_query(
     assert fake_prometheus.queries == [expected]
     labels = {"queue_id": "q", "queue_name": "q", "pool_name": "pool-a"}
     labels["inference_pool"] = 'pool "x"'
+    assert ctx.metrics is not None
     registry = ctx.metrics.registry
     value = registry.get_sample_value("llm_d_async_async_gate_metric_value", labels)
     threshold = registry.get_sample_value("llm_d_async_async_gate_metric_threshold", labels)
@@ -191,6 +192,7 @@ async def test_budgets_follow_simulator_load_through_real_prometheus(
     await until(idle)
     labels = {"queue_id": "q", "queue_name": "q", "pool_name": "pool-a"}
     labels["inference_pool"] = "sim-pool"
+    assert ctx.metrics is not None
     available = ctx.metrics.registry.get_sample_value(
         "llm_d_async_async_gate_metric_source_available", labels
     )

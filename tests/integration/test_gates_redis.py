@@ -290,6 +290,7 @@ async def lease(r: aioredis.Redis, unique: str, rps: str, valid_ms: int, **over:
 
 def gauges(ctx: GateContext) -> tuple[float | None, ...]:
     labels = {"queue_id": "q", "queue_name": "q", "pool_name": "pool-a"}
+    assert ctx.metrics is not None
     registry = ctx.metrics.registry
     names = ("rps", "lease_valid", "valid_until_seconds")
     return tuple(

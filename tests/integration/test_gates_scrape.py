@@ -64,6 +64,7 @@ async def test_scrape_follows_simulator_load(simulator: SimulatorProcess, ctx: G
             stop.set()
     await until(lambda: budget_is(0.9), timeout=5)
     labels = {"queue_id": "q", "queue_name": "q", "pool_name": "pool-a", "inference_pool": ""}
+    assert ctx.metrics is not None
     value = ctx.metrics.registry.get_sample_value("llm_d_async_async_gate_metric_value", labels)
     assert value == 1.0  # 1 - saturation at the last reading, under the owner's labels
 
