@@ -268,9 +268,7 @@ def peek_id(raw: bytes | str) -> str | None:
         return None
     if isinstance(obj, dict):
         data = obj.get("data")
-        candidate = data.get("id") if isinstance(data, dict) else obj.get("id")
-        if isinstance(candidate, str) and candidate:
-            return candidate
+        return usable_id(data.get("id") if isinstance(data, dict) else obj.get("id"))
     return None
 
 
@@ -281,9 +279,9 @@ def _request_from(
     max_bytes: int,
     size: int,
 ) -> Request:
-    request_id = obj.get("id")
-    if not isinstance(request_id, str) or not request_id:
-        raise InvalidMessage("request has no string id", reason="missing_id")
+    request_id = usable_id(obj.get("id"))
+    if request_id is None:
+        raise InvalidMessage("request has no usable string id", reason="missing_id")
     if size > max_bytes:
         raise InvalidMessage(
             f"message of {size} bytes exceeds the {max_bytes}-byte limit",
@@ -387,8 +385,23 @@ def _peek_id(text: str, span: tuple[int, int] | None) -> str | None:
         obj = json.loads(text[span[0] : span[1]])
     except (ValueError, RecursionError):
         return None
-    candidate = obj.get("id") if isinstance(obj, dict) else None
-    return candidate if isinstance(candidate, str) and candidate else None
+    return usable_id(obj.get("id") if isinstance(obj, dict) else None)
+
+
+def usable_id(candidate: object) -> str | None:
+    """A non-empty string id that can name Redis keys (``request-done:<id>``, ...).
+
+    A lone surrogate (JSON "\\ud800") has no UTF-8 form, and redis-py encodes keys as
+    strict UTF-8: such an id counts as none, so the message is dead-lettered.
+    """
+    if not isinstance(candidate, str) or not candidate:
+        return None
+    if not candidate.isascii():
+        try:
+            candidate.encode()
+        except UnicodeEncodeError:
+            return None
+    return candidate
 
 
 def _as_text(raw: bytes | str) -> str:

@@ -199,10 +199,26 @@ def test_out_of_range_numbers_are_invalid_not_overflow_errors(field: str) -> Non
 def test_lone_surrogate_escapes_round_trip_through_the_encoders() -> None:
     # JSON allows "\ud800"; Python decodes it to a lone surrogate that str.encode("utf-8")
     # refuses, which crashed the result writer (Result.encode) and defer (Envelope.encode).
-    raw = '{"id":"s\\ud800","deadline":1900000000,"metadata":{"userid":"u\\udfff"}}'
+    raw = '{"id":"s","deadline":1900000000,"metadata":{"userid":"u\\udfff"}}'
     envelope = decode_envelope(raw)
-    assert envelope.id == "s\ud800"
     again = decode_envelope(envelope.encode())
     assert again.request.metadata == {"userid": "u\udfff"}
-    result = Result.failure(envelope.id, ErrorCode.CANCELLED, "cancelled")
-    assert Result.decode(result.encode()).id == "s\ud800"
+    result = Result.failure("r\ud800", ErrorCode.CANCELLED, "cancelled")
+    assert Result.decode(result.encode()).id == "r\ud800"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"id":"s\\ud800","deadline":1900000000}',
+        '{"id":"s\\ud800","deadline":0}',  # the error result would carry the id
+        '{"internal":{},"request_kind":"nope","data":{"id":"s\\udfff","deadline":1}}',
+    ],
+)
+def test_an_id_that_cannot_be_a_redis_key_is_no_usable_id(raw: str) -> None:
+    # redis-py encodes keys (request-done:<id>, request-cancel:<id>) as strict UTF-8:
+    # such an id crashed the fetch (cancel MGET) and the result writer (done marker).
+    with pytest.raises(InvalidMessage) as caught:
+        decode_envelope(raw)
+    assert caught.value.request_id is None
+    assert peek_id(raw) is None
