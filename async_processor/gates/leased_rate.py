@@ -25,7 +25,7 @@ from async_processor.errors import ConfigError
 from async_processor.gates.base import CONTINUE, GATES, REFUSE, Gate, GateContext, Releases, Verdict
 from async_processor.gates.params import Float, Str
 from async_processor.gates.redis import RedisAddress, redis_client
-from async_processor.gates.shared import owner_gauge
+from async_processor.gates.shared import Throttle, owner_gauge
 from async_processor.messages import Envelope
 
 log = structlog.get_logger(__name__)
@@ -109,6 +109,7 @@ class LeasedRateGate:
         self.pool_id = pool_id
         self._client = client
         self._take = client.register_script(LEASE_TAKE_SCRIPT)
+        self._warn = Throttle()
         self._rps = owner_gauge(ctx, "drain_limit_rps", "Leased dispatch-rate ceiling (req/s).")
         self._valid = owner_gauge(ctx, "drain_limit_lease_valid", "1 while a lease is valid.")
         self._until = owner_gauge(
@@ -124,9 +125,11 @@ class LeasedRateGate:
                 pipe.time()
                 raw, (secs, micros) = await pipe.execute()
         except (RedisError, OSError) as exc:
-            log.warning("leased_rate_unavailable", error=str(exc))
+            if self._warn.ready():
+                log.warning("leased_rate_unavailable", error=str(exc))
             self._publish(NO_LEASE)
             return 0.0
+        self._warn.reset()
         record = {_text(k): _text(v) for k, v in raw.items()}
         lease = check_lease(record, self.pool_id, int(secs) * 1000 + int(micros) // 1000)
         self._publish(lease)
@@ -140,9 +143,11 @@ class LeasedRateGate:
                 args=[API_VERSION, self.pool_id, repr(p.burst_seconds)],
             )
         except (RedisError, OSError) as exc:
-            log.warning("leased_rate_unavailable", error=str(exc))
+            if self._warn.ready():
+                log.warning("leased_rate_unavailable", error=str(exc))
             self._publish(NO_LEASE)
             return REFUSE
+        self._warn.reset()
         lease = Lease(True, float(rps), int(until)) if valid else NO_LEASE
         self._publish(lease)
         return CONTINUE if allowed else REFUSE

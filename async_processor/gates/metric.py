@@ -20,12 +20,10 @@ import structlog
 
 from async_processor.errors import GateError
 from async_processor.gates.base import CONTINUE, REFUSE, GateContext, Releases, Verdict
+from async_processor.gates.shared import Throttle
 from async_processor.messages import Envelope
 
 log = structlog.get_logger(__name__)
-
-# While a fail-open gate keeps falling back, repeat its warning at most this often.
-FALLBACK_WARN_EVERY = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +118,7 @@ class MetricGate:
         self.fallback = min(1.0, max(0.0, fallback))
         self.name = name
         self._fails_open = fails_open and self.fallback > 0
-        self._warned_at = -math.inf
+        self._warn = Throttle()
         self._gauges = None
         if ctx.metrics is not None:
             owner = ctx.owner
@@ -142,7 +140,7 @@ class MetricGate:
             gauge_value.set(value)
             gauge_threshold.set(self.threshold)
             available.set(1)
-        self._warned_at = -math.inf
+        self._warn.reset()
         if value <= self.threshold:
             return 0.0
         return min(1.0, max(0.0, value - self.threshold))
@@ -153,9 +151,7 @@ class MetricGate:
     def _use_fallback(self, why: str) -> float:
         if self._gauges is not None:
             self._gauges[2].set(0)
-        now = time.monotonic()
-        if now - self._warned_at >= FALLBACK_WARN_EVERY:
-            self._warned_at = now
+        if self._warn.ready():
             event = "gate_failing_open" if self._fails_open else "gate_using_fallback"
             log.warning(event, gate=self.name, reason=why, fallback_budget=self.fallback)
         return self.fallback

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from async_processor.errors import GateError
 from async_processor.gates.base import CONTINUE, GATES, REFUSE, Gate, GateContext, Releases, Verdict
 from async_processor.gates.params import Duration, Int, Params, Str
-from async_processor.gates.shared import shielded
+from async_processor.gates.shared import Throttle, shielded
 from async_processor.messages import Envelope
 
 log = structlog.get_logger(__name__)
@@ -98,22 +98,24 @@ class RedisBudgetGate:
     def __init__(self, client: aioredis.Redis, key: str) -> None:
         self._client = client
         self._key = key
+        self._warn = Throttle()
 
     async def budget(self) -> float:
         try:
             raw = await self._client.get(self._key)
         except (RedisError, OSError) as exc:
-            log.warning("redis_gate_unavailable", key=self._key, error=str(exc))
+            if self._warn.ready():
+                log.warning("redis_gate_unavailable", key=self._key, error=str(exc))
             return 0.0
-        if raw is None:
-            return 1.0
         try:
-            value = float(raw)
+            value = math.nan if raw is None else float(raw)
         except ValueError:
             value = math.nan
         if math.isnan(value):
-            log.warning("redis_gate_value_unparsable", key=self._key)
+            if raw is not None and self._warn.ready():
+                log.warning("redis_gate_value_unparsable", key=self._key)
             return 1.0
+        self._warn.reset()
         return min(1.0, max(0.0, value))
 
     async def apply(self, message: Envelope, releases: Releases) -> Verdict:

@@ -7,6 +7,8 @@ optional ``observe`` / ``wait_changed`` hooks forwarded through wrapper gates.
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -29,6 +31,32 @@ log = structlog.get_logger(__name__)
 
 # A release talks to a backend; bound it so shutdown cannot hang on a dead Redis.
 RELEASE_TIMEOUT = 5.0
+# A failing backend is reported when it starts failing, then at most this often.
+WARN_EVERY = 60.0
+
+
+class Throttle:
+    """Lets a repeated warning through once per ``interval``; ``reset`` when it recovers.
+
+    Pool gates are asked every 50 ms by every parked worker: without this a dead backend
+    would log thousands of identical lines a second.
+    """
+
+    __slots__ = ("_last", "interval")
+
+    def __init__(self, interval: float = WARN_EVERY) -> None:
+        self.interval = interval
+        self._last = -math.inf
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            return False
+        self._last = now
+        return True
+
+    def reset(self) -> None:
+        self._last = -math.inf
 
 
 def owner_gauge(ctx: GateContext, name: str, doc: str) -> Gauge | None:

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from async_processor.errors import GateError
+from async_processor.gates import redis as redis_gates
 from async_processor.gates.base import (
     CONTINUE,
     REFUSE,
@@ -87,10 +88,16 @@ async def test_redis_budget_key(
 
 
 @pytest.mark.anyio
-async def test_redis_gate_closes_when_redis_is_unreachable(gate_ctx: GateContext) -> None:
+async def test_redis_gate_closes_when_redis_is_unreachable(
+    gate_ctx: GateContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    warnings: list[str] = []
+    monkeypatch.setattr(redis_gates.log, "warning", lambda event, **kw: warnings.append(event))
     gate = build_gate("redis", {"address": f"127.0.0.1:{free_port()}"}, gate_ctx)
     assert await gate.budget() == 0.0
-    assert await gate.apply(user_msg("a"), Releases()) == REFUSE
+    for _ in range(5):
+        assert await gate.apply(user_msg("a"), Releases()) == REFUSE
+    assert warnings == ["redis_gate_unavailable"]  # once, not at every call
 
 
 @pytest.mark.anyio
