@@ -208,6 +208,7 @@ class QueryParams(Params):
 @GATES.register("prometheus-query", QueryParams)
 def _query(params: QueryParams, ctx: GateContext) -> Gate:
     _require_url(ctx, "prometheus-query")
+    log.info("prometheus_query_metric_source", query=params.query)
     return MetricGate(
         _source(ctx, params.query),
         threshold=0.0,
