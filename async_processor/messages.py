@@ -417,8 +417,9 @@ def _opt_str(obj: dict[str, Any], key: str) -> str:
     value = obj.get(key, "")
     if value is None:
         return ""
-    if not isinstance(value, str):
-        raise ValueError(f"internal.{key} must be a string")
+    if not isinstance(value, str) or usable_id(value or "-") is None:
+        # Routing strings name Redis keys (result list, origin queue, dedup marker).
+        raise ValueError(f"internal.{key} must be a UTF-8 string")
     return value
 
 

@@ -222,3 +222,14 @@ def test_an_id_that_cannot_be_a_redis_key_is_no_usable_id(raw: str) -> None:
         decode_envelope(raw)
     assert caught.value.request_id is None
     assert peek_id(raw) is None
+
+
+@pytest.mark.parametrize("field", ["result_queue_name", "request_queue_name", "request_token"])
+def test_routing_names_that_cannot_be_redis_keys_are_invalid(field: str) -> None:
+    # These become Redis keys (result list, retry origin, dedup fingerprint): a lone
+    # surrogate made redis-py raise UnicodeEncodeError in the result writer.
+    internal = '{"' + field + '":"x\\ud800"}'
+    raw = '{"internal":' + internal + ',"request_kind":"redis","data":{"id":"r","deadline":5}}'
+    with pytest.raises(InvalidMessage) as caught:
+        decode_envelope(raw)
+    assert caught.value.request_id == "r"
