@@ -76,9 +76,10 @@ class TransportHarness(Protocol):
     # stops. False only for redis-pubsub: a channel keeps nothing, so what a stopping
     # daemon had buffered is gone (its documented limit; the retry set is kept).
     keeps_unfetched: bool
-    # Whether a retried message carries its retry state (count, last HTTP answer) with it.
-    # The Redis envelopes do; a Pub/Sub message is redelivered as it was published.
-    carries_retry_state: bool
+    # Whether a retry's state (count, last HTTP answer) survives a restart of the daemon.
+    # The Redis envelopes carry it on the broker; a Pub/Sub message is redelivered as it
+    # was published, and the transport remembers the state only in the deferring process.
+    retry_state_survives_restart: bool
 
     def config(self, gateway: str, *, objective: str = "", **runtime: Any) -> AppConfig:
         """The daemon's config: one queue to ``gateway``, ``runtime`` as RuntimeConfig fields."""
@@ -131,7 +132,7 @@ class _RedisHarness:
 
     name = ""
     keeps_unfetched = True
-    carries_retry_state = True
+    retry_state_survives_restart = True
 
     def __init__(self, url: str, unique: str) -> None:
         self.url = url
@@ -263,7 +264,7 @@ class RedisPubSubHarness(_RedisHarness):
 class GcpPubSubHarness:
     name = "gcp-pubsub"
     keeps_unfetched = True  # unacked messages stay in the subscription (nacked on stop)
-    carries_retry_state = False  # see TransportHarness.carries_retry_state
+    retry_state_survives_restart = False  # see TransportHarness
 
     def __init__(self, admin: PubSubAdmin, unique: str) -> None:
         self.admin = admin
