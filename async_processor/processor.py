@@ -12,8 +12,8 @@ and handed back at once. A second signal hands back at once.
 from __future__ import annotations
 
 import signal
-from collections.abc import Sequence
-from contextlib import AsyncExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 
 import aiohttp
@@ -25,6 +25,7 @@ from async_processor import tracing
 from async_processor.admission import PoolGate
 from async_processor.config import AppConfig, PoolConfig
 from async_processor.dispatch import DispatchSettings, TransformChain, Worker, make_session
+from async_processor.errors import ConfigError
 from async_processor.gates.base import Gate, GateContext, GateOwner, build_gate
 from async_processor.health import serve_health, serve_metrics
 from async_processor.merge import build_merge_policy
@@ -221,16 +222,20 @@ class Processor:
 
     def _queue_gate(self, queue: QueueSpec) -> Gate:
         owner = GateOwner(queue.id, queue.name, queue.pool)
-        return build_gate(queue.gate_type, dict(queue.gate_params), self.gate_ctx.for_owner(owner))
+        with _naming(f"queue {queue.name!r}"):
+            return build_gate(
+                queue.gate_type, dict(queue.gate_params), self.gate_ctx.for_owner(owner)
+            )
 
     def _pool(self, config: PoolConfig, queues: Sequence[QueueSpec]) -> _Pool:
         self.metrics.pool_worker_limit.labels(config.id).set(config.workers)
         gate = None
         if config.gate_type:
             owner = GateOwner(pool=config.id)
-            built = build_gate(
-                config.gate_type, dict(config.gate_params), self.gate_ctx.for_owner(owner)
-            )
+            with _naming(f"pool {config.id!r}"):
+                built = build_gate(
+                    config.gate_type, dict(config.gate_params), self.gate_ctx.for_owner(owner)
+                )
             gate = PoolGate(
                 built, self.metrics.pool(config.id), self.config.runtime.effective_gate_wait_timeout
             )
@@ -269,6 +274,15 @@ async def _serve_metrics(
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     await serve_metrics(host, port, metrics.registry, bearer_token=token, task_status=task_status)
+
+
+@contextmanager
+def _naming(owner: str) -> Iterator[None]:
+    """Say which queue or pool a plugin config error belongs to."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(f"{owner}: {exc}") from exc
 
 
 def validate_plugins(config: AppConfig) -> None:

@@ -69,7 +69,11 @@ class Registry(Generic[T, C]):
 
 
 def describe_validation(exc: ValidationError) -> str:
-    """One line naming the first bad field and the problem (for startup errors)."""
-    first = exc.errors()[0]
+    """One line naming the first bad field and the problem (for startup errors).
+
+    A misspelled key is named before the "Field required" it causes: the typo is the news.
+    """
+    errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
     where = ".".join(str(part) for part in first["loc"]) or "value"
-    return f"{where}: {first['msg']}"
+    return f"{where}: {first['msg'].removeprefix('Value error, ')}"

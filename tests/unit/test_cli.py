@@ -193,3 +193,20 @@ def test_python_dash_m_entry_point() -> None:
     assert done.returncode == 2
     assert done.stderr.startswith("async-processor: config error: ")
     assert len(done.stderr.splitlines()) == 1
+
+
+def test_gate_config_error_names_the_queue_and_the_misspelled_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "t.json"
+    config.write_text(json.dumps({"url": "redis://127.0.0.1:1", "queues": [{
+        "queue_name": "q1", "igw_base_url": "http://gw", "gate_type": "redis-quota",
+        "gate_params": {"adress": "h:1", "limit": 3}}]}))  # fmt: skip
+    code = cli.main(["check-config", "--transport", "redis-sortedset",
+                 "--transport-config-file", str(config)], env={})  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == (
+        "async-processor: config error: queue 'q1': gate 'redis-quota': adress: "
+        "Extra inputs are not permitted"
+    )
