@@ -246,7 +246,8 @@ class RuntimeConfig(Strict):
     concurrency: Annotated[int, Field(gt=0)] = 64
     request_timeout: Annotated[Duration, Field(gt=0)] = 300.0
     drain_timeout: Annotated[Duration, Field(ge=0)] = 120.0
-    gate_wait_timeout: Annotated[Duration, Field(ge=0)] | None = None  # None = request_timeout
+    # None = request_timeout. Not 0: a Wait would hand back at once, to be re-claimed at once.
+    gate_wait_timeout: Annotated[Duration, Field(gt=0)] | None = None
     prometheus_url: str = ""
     prometheus_cache_ttl: Annotated[Duration, Field(ge=0)] = 5.0  # 0 disables the cache
     metrics_backlog_poll_interval: Annotated[Duration, Field(ge=0)] = 15.0  # 0 disables

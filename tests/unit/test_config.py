@@ -172,6 +172,8 @@ def test_bearer_token_file(tmp_path: Path) -> None:
         ([], {"ASYNC_PROCESSOR_DRAIN_TIMEOUT": "2 minutes"}, "ASYNC_PROCESSOR_DRAIN_TIMEOUT="),
         (["--request-timeout", "10"], {}, "invalid duration '10'"),
         (["--request-timeout=-5s"], {}, "--request-timeout='-5s': Input should be greater than 0"),
+        # 0 handed a Wait-ed message back at once, to be re-claimed at once: a hot loop.
+        (["--gate-wait-timeout=0s"], {}, "--gate-wait-timeout='0s': Input should be greater"),
         (["--prometheus-url", "prom:9090"], {}, "--prometheus-url"),
         (["--deadline-header", "bad header"], {}, "not a legal HTTP header name"),
         (["--tls-cert", "/etc/hosts"], {}, "--tls-cert and --tls-key must be given together"),
