@@ -15,7 +15,8 @@ producers and result consumers do, in that transport's own wire format:
   from a subscription on the result topic, dead letters from ``<subscription>-dead-letter``.
 
 Where a transport legitimately differs, the harness says so in an attribute
-(``keeps_unfetched``) instead of the suite skipping a contract case.
+(``keeps_messages_sent_while_down``, ``retry_state_survives_restart``) instead of the suite
+skipping a contract case.
 """
 
 from __future__ import annotations
@@ -72,10 +73,9 @@ class Submission:
 class TransportHarness(Protocol):
     name: str
     queue_name: str  # the ``queue_name`` metric label: sorted-set key, channel, subscription
-    # Whether messages the daemon had not fetched yet are still on the broker after it
-    # stops. False only for redis-pubsub: a channel keeps nothing, so what a stopping
-    # daemon had buffered is gone (its documented limit; the retry set is kept).
-    keeps_unfetched: bool
+    # Whether a message sent while no daemon runs waits for one. False only for
+    # redis-pubsub: a channel keeps nothing for absent subscribers (its documented limit).
+    keeps_messages_sent_while_down: bool
     # Whether a retry's state (count, last HTTP answer) survives a restart of the daemon.
     # The Redis envelopes carry it on the broker; a Pub/Sub message is redelivered as it
     # was published, and the transport remembers the state only in the deferring process.
@@ -85,7 +85,9 @@ class TransportHarness(Protocol):
         """The daemon's config: one queue to ``gateway``, ``runtime`` as RuntimeConfig fields."""
         ...
 
-    async def submit(self, submissions: Sequence[Submission]) -> None: ...
+    async def submit(self, submissions: Sequence[Submission], *, offline: bool = False) -> None:
+        """Send requests; ``offline``: no daemon is running (redis-pubsub then reaches nobody)."""
+        ...
 
     async def inject_raw(self, raw: bytes) -> None:
         """Put bytes on the request queue as they are (bad input)."""
@@ -131,7 +133,7 @@ class _RedisHarness:
     """What both Redis transports share: a client, the retry set, the dead-letter list."""
 
     name = ""
-    keeps_unfetched = True
+    keeps_messages_sent_while_down = True
     retry_state_survives_restart = True
 
     def __init__(self, url: str, unique: str) -> None:
@@ -180,7 +182,7 @@ class SortedSetHarness(_RedisHarness):
             transport=self.name, transport_config=transport, runtime=runtime_config(**runtime)
         )
 
-    async def submit(self, submissions: Sequence[Submission]) -> None:
+    async def submit(self, submissions: Sequence[Submission], *, offline: bool = False) -> None:
         """As the producer client does, but written here so expired deadlines can be sent."""
         members: dict[bytes, float] = {}
         for s in submissions:
@@ -214,7 +216,7 @@ class SortedSetHarness(_RedisHarness):
 
 class RedisPubSubHarness(_RedisHarness):
     name = "redis-pubsub"
-    keeps_unfetched = False  # see TransportHarness.keeps_unfetched
+    keeps_messages_sent_while_down = False  # see TransportHarness
 
     def __init__(self, url: str, unique: str) -> None:
         super().__init__(url, unique)
@@ -229,17 +231,18 @@ class RedisPubSubHarness(_RedisHarness):
             transport=self.name, transport_config=transport, runtime=runtime_config(**runtime)
         )
 
-    async def submit(self, submissions: Sequence[Submission]) -> None:
+    async def submit(self, submissions: Sequence[Submission], *, offline: bool = False) -> None:
         for s in submissions:
-            await self._publish(Envelope(s.request(), Routing(), kind="redis").encode())
+            envelope = Envelope(s.request(), Routing(), kind="redis").encode()
+            await self._publish(envelope, listeners=0 if offline else 1)
 
     async def inject_raw(self, raw: bytes) -> None:
         await self._publish(raw)
 
-    async def _publish(self, data: bytes) -> None:
+    async def _publish(self, data: bytes, listeners: int = 1) -> None:
         # Nobody subscribed means the message is simply gone: fail here, not by a timeout.
         receivers = await self.redis.publish(self.queue_name, data)
-        assert receivers >= 1, f"nobody subscribes to {self.queue_name}"
+        assert receivers == listeners, f"{receivers} subscribers on {self.queue_name}"
 
     async def results(self, n: int, timeout: float) -> list[Result]:
         out: list[Result] = []
@@ -263,7 +266,7 @@ class RedisPubSubHarness(_RedisHarness):
 
 class GcpPubSubHarness:
     name = "gcp-pubsub"
-    keeps_unfetched = True  # unacked messages stay in the subscription (nacked on stop)
+    keeps_messages_sent_while_down = True  # the subscription keeps them
     retry_state_survives_restart = False  # see TransportHarness
 
     def __init__(self, admin: PubSubAdmin, unique: str) -> None:
@@ -299,7 +302,7 @@ class GcpPubSubHarness:
             transport=self.name, transport_config=transport, runtime=runtime_config(**runtime)
         )
 
-    async def submit(self, submissions: Sequence[Submission]) -> None:
+    async def submit(self, submissions: Sequence[Submission], *, offline: bool = False) -> None:
         """Bare request JSON; its metadata travels as attributes, as Pub/Sub producers do."""
         messages = [
             PubsubMessage(data=s.request(with_metadata=False).encode(), attributes=dict(s.metadata))
