@@ -24,10 +24,10 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from google.pubsub_v1.types import PubsubMessage
@@ -45,6 +45,7 @@ from async_processor.processor import Processor
 from async_processor.transports import redis_keys as keys
 from tests.fixtures.pubsub import PubSubAdmin, pubsub_admin
 
+T = TypeVar("T")
 DEFAULT_PAYLOAD = b'{"prompt":"hi","max_tokens":4}'
 Result = dict[str, Any]  # a result as the consumer sees it: the decoded JSON object
 
@@ -118,9 +119,11 @@ def runtime_config(**overrides: Any) -> RuntimeConfig:
     return RuntimeConfig.model_validate(settings)
 
 
-async def poll(fetch: Callable[[], Any], n: int, timeout: float, step: float = 0.05) -> list[Any]:
-    """Call async ``fetch`` (returning a list) until ``n`` items or ``timeout`` s."""
-    out: list[Any] = []
+async def poll(
+    fetch: Callable[[], Awaitable[list[T]]], n: int, timeout: float, step: float = 0.05
+) -> list[T]:
+    """Call ``fetch`` until it returned ``n`` items in all, or ``timeout`` s passed."""
+    out: list[T] = []
     give_up = time.monotonic() + timeout
     while True:
         out += await fetch()
