@@ -5,19 +5,16 @@ those cases are skipped with the reason when it is not installed, and carry the
 ``xdist_group("pubsub")`` mark so that one worker's emulator serves them). Each case drives
 the ``Processor`` against the simulator (in-process, over real HTTP) through a
 ``TransportHarness`` (tests/contract/harness.py), which speaks the transport's wire
-format. Cases: dispatch, headers, retries, deadlines, results, metrics, drain, bad input;
-and ``check-config`` on each transport's example config.
+format. Cases: dispatch, headers, retries, deadlines, results, metrics, drain, bad input
+(``check-config`` on each transport's example config: test_check_config.py).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -32,12 +29,10 @@ from tests.contract.harness import (
     open_harness,
     running,
 )
-from tests.fixtures.servers import env_without
 from tests.fixtures.simulator import LocalSimulator
 
 pytestmark = pytest.mark.anyio
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 M = "llm_d_async_async_"
 
 TRANSPORTS = [
@@ -410,49 +405,3 @@ async def test_bad_input_is_answered_or_dead_lettered_and_the_queue_flows(
     assert dead == 3
     assert metric(processor, M + "failed_requests_total", **q(harness)) == 2
     assert sim.stats()["total"] == 2  # only the good ones were sent
-
-
-# ------------------------------------------------------------------------------ check-config
-
-EXAMPLES = [
-    pytest.param("redis-sortedset", "sortedset.json", [], id="sortedset"),
-    pytest.param("redis-pubsub", "redis-pubsub.json", [], id="redis-pubsub"),
-    # The example's queue gate is prometheus-saturation, which needs a Prometheus URL.
-    pytest.param(
-        "gcp-pubsub",
-        "gcp-pubsub.json",
-        ["--prometheus-url", "http://prometheus:9090"],
-        id="gcp-pubsub",
-    ),
-]
-
-
-def check_config(*args: str) -> subprocess.CompletedProcess[str]:
-    """``async-processor check-config`` as a user runs it, with no broker reachable."""
-    env = env_without("PUBSUB_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "REDIS_URL")
-    command = [sys.executable, "-m", "async_processor", "check-config", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60, check=False)
-
-
-@pytest.mark.parametrize(("transport", "example", "extra"), EXAMPLES)
-def test_check_config_builds_each_example_transport_offline(
-    transport: str, example: str, extra: list[str]
-) -> None:
-    path = CONFIG_DIR / example
-    done = check_config("--transport", transport, "--transport-config-file", str(path), *extra)
-    assert done.returncode == 0, done.stderr
-    printed = json.loads(done.stdout)  # stdout is the JSON alone: logs go to stderr
-    assert printed["transport"] == transport
-    shown = printed["transport_config"]
-    for key, value in json.loads(path.read_text()).items():
-        if isinstance(value, list):
-            assert len(shown[key]) == len(value)
-        else:
-            assert shown[key] == value
-
-
-def test_check_config_names_the_missing_prometheus_url_for_the_gcp_example() -> None:
-    path = str(CONFIG_DIR / "gcp-pubsub.json")
-    done = check_config("--transport", "gcp-pubsub", "--transport-config-file", path)
-    assert done.returncode == 2
-    assert "--prometheus-url" in done.stderr
