@@ -544,3 +544,26 @@ async def test_heartbeat_never_extends_a_lease_another_replica_reclaimed(make_co
     assert [x.payload for x in await results_of(r, config.result_queue_name)] == ["a"]
     assert await r.zcard(q) == 0
     assert await r.zcard(redis_keys.inflight_key(q)) == 0
+
+
+async def test_a_retried_claim_answers_with_the_batch_it_already_claimed(make_config, r) -> None:
+    # redis-py retries a command whose reply was lost (Redis restarting) with the same
+    # arguments: the claim ran twice under one claim-id prefix, the second batch's meta
+    # overwrote the first's, and the first batch vanished (seen in the AOF restart e2e).
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    first, second = member("c1", deadline), member("c2", deadline + 1)
+    await r.zadd(q, {first: deadline, second: deadline + 1})
+    async with opened(config) as transport:
+        claim = transport._scripts["claim"]
+        args = [1, config.lease_seconds, "owner:7"]
+        script_keys = [q, redis_keys.inflight_key(q), redis_keys.inflight_meta_key(q)]
+        once = await claim(keys=script_keys, args=args)
+        again = await claim(keys=script_keys, args=args)
+    assert once == again
+    assert once[1] == first
+    assert await r.zrange(q, 0, -1) == [second]
+    assert await r.hgetall(redis_keys.inflight_meta_key(q)) == {
+        b"owner:7:1": f"{deadline}|".encode() + first
+    }

@@ -4,13 +4,30 @@
 -- KEYS[3] in-flight hash (claim id -> "<original score>|<member>")
 -- ARGV[1] max count, ARGV[2] lease seconds, ARGV[3] claim id prefix (unique per process and fetch)
 -- Returns {claim id, member, score, ...}; {} when the queue is empty.
-local popped = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[1]))
+local limit = tonumber(ARGV[1])
+-- The same prefix again means the client retried a claim whose reply it never got (e.g.
+-- Redis restarting): answer with that batch. Claiming anew would overwrite its claim ids
+-- in the hash, and the members claimed the first time would be lost.
+local out = {}
+for i = 1, limit do
+  local claim = ARGV[3] .. ':' .. i
+  local entry = redis.call('HGET', KEYS[3], claim)
+  if entry then  -- no early exit: the reaper may have taken back some of that batch
+    local sep = string.find(entry, '|', 1, true)
+    out[#out + 1] = claim
+    out[#out + 1] = string.sub(entry, sep + 1)
+    out[#out + 1] = string.sub(entry, 1, sep - 1)
+  end
+end
+if #out > 0 then
+  return out
+end
+local popped = redis.call('ZPOPMIN', KEYS[1], limit)
 if #popped == 0 then
   return popped
 end
 local t = redis.call('TIME')
 local expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2])
-local out = {}
 for i = 1, #popped, 2 do
   local claim = ARGV[3] .. ':' .. ((i + 1) / 2)
   redis.call('ZADD', KEYS[2], expiry, claim)
