@@ -11,10 +11,12 @@ from __future__ import annotations
 import posixpath
 import ssl
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
-from urllib.parse import SplitResult, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import anyio
@@ -93,9 +95,10 @@ def build_request(work: Work, settings: DispatchSettings) -> Outgoing:
     )
 
 
+@lru_cache(maxsize=1024)
 def join_url(base: str, path: str) -> str:
     """``base`` + ``path`` like Go's url.JoinPath; ``path`` must not change the host."""
-    parts = _split_base(base)
+    parts = urlsplit(base)
     if "://" in path or path.startswith("//") or "?" in path or "#" in path:
         raise InvalidMessage(f"endpoint {path!r} must be a path, not a URL", reason="bad_endpoint")
     segments = "/".join(s for s in (parts.path.strip("/"), path.strip("/")) if s)
@@ -103,11 +106,6 @@ def join_url(base: str, path: str) -> str:
     if path.endswith("/") and not joined.endswith("/"):
         joined += "/"
     return urlunsplit((parts.scheme, parts.netloc, joined, parts.query, ""))
-
-
-@lru_cache(maxsize=256)
-def _split_base(base: str) -> SplitResult:
-    return urlsplit(base)
 
 
 async def send(session: aiohttp.ClientSession, out: Outgoing, *, timeout: float) -> Attempt:
@@ -124,7 +122,7 @@ async def send(session: aiohttp.ClientSession, out: Outgoing, *, timeout: float)
             timeout=aiohttp.ClientTimeout(total=max(0.001, timeout)),
             allow_redirects=True,
         ) as response:
-            body = await response.read()
+            body = await _read_capped(response, MAX_RESPONSE_BYTES)
             return Attempt(
                 status=response.status,
                 body=body,
@@ -133,10 +131,31 @@ async def send(session: aiohttp.ClientSession, out: Outgoing, *, timeout: float)
             )
     except TimeoutError:
         return Attempt(error=f"attempt timed out after {timeout:.3g}s")
+    except ResponseTooLarge as exc:
+        return Attempt(error=str(exc), fatal=True)
     except aiohttp.InvalidURL as exc:
         return Attempt(error=f"invalid URL {exc}", fatal=True)
     except (aiohttp.ClientError, OSError) as exc:
         return Attempt(error=f"{type(exc).__name__}: {exc}")
+
+
+class ResponseTooLarge(Exception):
+    pass
+
+
+async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body, refusing one larger than ``limit`` (the reference read without a bound)."""
+    length = response.content_length
+    if length is not None and length <= limit:
+        return await response.read()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise ResponseTooLarge(f"response body larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def attempt_timeout(deadline: float, request_timeout: float) -> float:
@@ -185,6 +204,37 @@ class TransformChain(Protocol):
 
 
 Outcome = Final | Retry | HandBack
+CANCEL_RECHECK = 1.0  # s since fetch after which the worker asks the broker again
+SETTLE_TIMEOUT = 10.0
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+
+
+class Aborter:
+    """The in-flight work of every worker, so the drain timeout can cut exactly that."""
+
+    def __init__(self) -> None:
+        self._scopes: set[anyio.CancelScope] = set()
+        self.aborted = False
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        scope = anyio.CancelScope()
+        if self.aborted:
+            scope.cancel()
+        self._scopes.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self._scopes.discard(scope)
+
+    def abort(self) -> None:
+        self.aborted = True
+        for scope in list(self._scopes):
+            scope.cancel()
+
+    def __len__(self) -> int:
+        return len(self._scopes)
 
 
 @dataclass(slots=True)
@@ -199,6 +249,7 @@ class Worker:
     capacity: PoolCapacity
     transforms: TransformChain
     stopping: anyio.Event
+    aborter: Aborter
     pool_gate: PoolGate | None = None
 
     async def run(self, stream: ObjectReceiveStream[Work]) -> None:
@@ -212,15 +263,23 @@ class Worker:
         metrics.queue_residence.observe(max(0.0, time.time() - work.delivery.received_at) * 1000)
         if work.envelope.routing.retry_count == 0:
             metrics.request_total.inc()
-        outcome: Outcome = HandBack(0.0)
+        outcome: Outcome = HandBack(0.0)  # what a cut (drain timeout) leaves: back at once
         try:
             if not self.stopping.is_set():
-                with tracing.process_request(work) as span:
+                with self.aborter.scope(), tracing.process_request(work) as span:
                     outcome = await self._process(work)
                     span.settled(outcome)
+        except Exception as exc:  # a bug here must not take every worker down with it
+            log.exception("worker_error", request_id=work.envelope.id)
+            outcome = _failure(
+                work.envelope.id,
+                ErrorCode.INFERENCE_ERROR,
+                f"internal error: {type(exc).__name__}: {exc}",
+                Counter.FAILED,
+            )
         finally:
-            # Settle even when cancelled at the drain timeout: the message goes back at once.
-            with anyio.CancelScope(shield=True):
+            # Shielded, but bounded: if the broker is gone the lease brings the message back.
+            with anyio.move_on_after(SETTLE_TIMEOUT, shield=True):
                 await self._settle(work, outcome)
 
     async def _process(self, work: Work) -> Outcome:
@@ -238,7 +297,7 @@ class Worker:
                 return _failure(request.id, ErrorCode.CANCELLED, CANCELLED_TEXT, None)
             out = build_request(work, self.settings)
             await self.transforms.apply(envelope, out)
-        except InvalidMessage as exc:
+        except (InvalidMessage, ValueError) as exc:
             return _failure(request.id, ErrorCode.INVALID_REQUEST, str(exc), Counter.FAILED)
         except PayloadUnavailable as exc:
             return _failure(request.id, ErrorCode.PAYLOAD_UNAVAILABLE, str(exc), Counter.FAILED)
@@ -274,7 +333,7 @@ class Worker:
             envelope.routing.retry_count += 1
             remember_answer(envelope.routing, attempt)
             work.metrics.retries_total.inc()
-            log.info(
+            log.debug(
                 "request_retry",
                 request_id=request.id,
                 queue=work.queue.name,
@@ -316,9 +375,6 @@ class Worker:
         finally:
             self.capacity.release()
             await work.releases.release_all()
-
-
-CANCEL_RECHECK = 1.0
 
 
 def _failure(request_id: str, code: ErrorCode, text: str, counter: Counter | None) -> Final:

@@ -24,7 +24,13 @@ from anyio.abc import TaskGroup, TaskStatus
 from async_processor import tracing
 from async_processor.admission import PoolGate
 from async_processor.config import AppConfig, PoolConfig
-from async_processor.dispatch import DispatchSettings, TransformChain, Worker, make_session
+from async_processor.dispatch import (
+    Aborter,
+    DispatchSettings,
+    TransformChain,
+    Worker,
+    make_session,
+)
 from async_processor.errors import ConfigError
 from async_processor.gates.base import Gate, GateContext, GateOwner, build_gate
 from async_processor.health import serve_health, serve_metrics
@@ -85,7 +91,8 @@ class Processor:
         self.health_port = 0
         self.metrics_port = 0
         self._stop_requested = anyio.Event()
-        self._drain_scope: anyio.CancelScope | None = None
+        self._force = anyio.Event()
+        self._aborter = Aborter()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -113,10 +120,8 @@ class Processor:
         self.ready = False
         self.stopping.set()
         self._stop_requested.set()
-        if self._drain_scope is not None:
-            limit = 0.0 if force else self.config.runtime.drain_timeout
-            deadline = anyio.current_time() + limit
-            self._drain_scope.deadline = min(self._drain_scope.deadline, deadline)
+        if force:
+            self._force.set()
 
     async def readiness(self) -> str | None:
         if not self.ready:
@@ -154,26 +159,38 @@ class Processor:
         writer = ResultWriter(self.transport)
         async with anyio.create_task_group() as pipeline:
             pipeline.start_soon(writer.run)
-            with anyio.CancelScope() as drain:
-                self._drain_scope = drain
-                async with anyio.create_task_group() as work:
-                    pollers = self._start_pools(work, writer, session, transforms)
-                    async with anyio.create_task_group() as polling:
-                        for poller in pollers:
-                            polling.start_soon(poller.run)
-                        self.ready = True
-                        log.info(
-                            "processor_ready",
-                            queues=[q.name for q in self.config.queue_specs()],
-                            pools=[p.config.id for p in self.pools],
-                            health_port=self.health_port,
-                            metrics_port=self.metrics_port,
-                        )
-                        task_status.started()
-                        await self._stop_requested.wait()
-                        polling.cancel_scope.cancel()
+            timer = anyio.CancelScope()
+            pipeline.start_soon(self._drain_timer, timer)
+            # Merge lanes and workers are never cancelled as a whole: at the drain timeout
+            # only in-flight calls are cut, so everything buffered is still handed back.
+            async with anyio.create_task_group() as work:
+                pollers = self._start_pools(work, writer, session, transforms)
+                async with anyio.create_task_group() as polling:
+                    for poller in pollers:
+                        polling.start_soon(poller.run)
+                    self.ready = True
+                    log.info(
+                        "processor_ready",
+                        queues=[q.name for q in self.config.queue_specs()],
+                        pools=[p.config.id for p in self.pools],
+                        health_port=self.health_port,
+                        metrics_port=self.metrics_port,
+                    )
+                    task_status.started()
+                    await self._stop_requested.wait()
+                    polling.cancel_scope.cancel()
+            timer.cancel()
             writer.close()
             pipeline.cancel_scope.deadline = anyio.current_time() + WRITER_FLUSH_TIMEOUT
+
+    async def _drain_timer(self, scope: anyio.CancelScope) -> None:
+        """Past ``--drain-timeout`` (or at a second signal) cut what is still in flight."""
+        with scope:
+            await self._stop_requested.wait()
+            with anyio.move_on_after(self.config.runtime.drain_timeout):
+                await self._force.wait()
+            log.info("drain_timeout_reached", in_flight=len(self._aborter))
+            self._aborter.abort()
 
     def _start_pools(
         self,
@@ -214,6 +231,7 @@ class Processor:
                     pool.capacity,
                     transforms,
                     self.stopping,
+                    self._aborter,
                     pool.gate,
                 )
                 tg.start_soon(worker.run, merged.clone())

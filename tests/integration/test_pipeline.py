@@ -374,3 +374,59 @@ async def test_urgent_queue_served_promptly_behind_a_deep_batch_backlog(
     # queues take turns at them, it comes out within a few (the reference buffers up to
     # 1000 per lane ahead of it).
     assert order.index("urgent") < 80, order.index("urgent")
+
+
+async def test_drain_timeout_cuts_in_flight_and_hands_everything_back_at_once(
+    redis_url: str, unique: str, simulator: SimulatorProcess
+) -> None:
+    from async_processor.config import MergePolicyConfig
+
+    simulator.configure(hang_rate=1.0)
+    config = _config(redis_url, simulator.url, unique, concurrency=4, drain_timeout="500ms")
+    config = config.model_copy(update={"merge_policy": MergePolicyConfig(type="tier-priority")})
+    client = await _submit(redis_url, unique, *[_req(f"d{i}") for i in range(20)])
+    processor = Processor(config)
+    async with anyio.create_task_group() as tg:
+        await tg.start(processor.run)
+        while simulator.stats()["running"] < 4:
+            await anyio.sleep(0.05)
+        started = time.monotonic()
+        processor.request_stop()
+    took = time.monotonic() - started
+    r = aioredis.Redis.from_url(redis_url)
+    queued = await r.zcard(unique)
+    inflight = await r.zcard(f"{unique}:inflight")
+    assert took < 5, took  # 0.5 s drain timeout, not a 30 s lease
+    assert (queued, inflight) == (20, 0)  # in flight and buffered: all back on the queue
+    assert await client.result_depth() == 0
+
+
+async def test_an_unexpected_error_ends_the_request_instead_of_the_daemon(
+    redis_url: str, unique: str, simulator: SimulatorProcess
+) -> None:
+    from async_processor.config import TransformConfig
+    from async_processor.transforms.base import TRANSFORMS
+
+    class Broken:
+        name = "broken"
+
+        def validate(self, envelope: Envelope) -> None:
+            return None
+
+        async def apply(self, envelope: Envelope, out: object) -> None:
+            if envelope.id == "boom":
+                raise RuntimeError("bug in a plugin")
+
+    TRANSFORMS.register("test-broken", GateParams)(lambda params, ctx: Broken())  # type: ignore[arg-type,return-value]
+    try:
+        config = _config(redis_url, simulator.url, unique).model_copy(update={
+            "transforms": TransformConfig.model_validate(
+                {"requestTransforms": [{"name": "b", "type": "test-broken"}]})})  # fmt: skip
+        async with running(config):
+            client = await _submit(redis_url, unique, _req("boom"), _req("fine"))
+            results = {r.id: r for r in await client.drain_results(2, 15)}
+    finally:
+        TRANSFORMS._entries.pop("test-broken")
+    assert results["boom"].error_code == "INFERENCE_ERROR"
+    assert "bug in a plugin" in results["boom"].error_message
+    assert results["fine"].status_code == 200

@@ -53,10 +53,7 @@ def test_body_is_the_payload_bytes_verbatim() -> None:
 
 
 def test_header_order_and_deadline_header() -> None:
-    raw = (
-        b'{"id":"r1","deadline":1900000000,"payload":{},'
-        b'"headers":{"X-Tenant":"t"}}'
-    )
+    raw = b'{"id":"r1","deadline":1900000000,"payload":{},"headers":{"X-Tenant":"t"}}'
     work = _work(raw, inference_objective="batch-obj")
     work.stamped_headers = [("x-llm-d-inference-fairness-id", "u1")]
     out = build_request(work, DispatchSettings(deadline_header="x-request-deadline"))
@@ -100,3 +97,50 @@ def test_caller_content_type_overrides_in_any_case() -> None:
     out = build_request(_work(raw), DispatchSettings())
     assert [k for k in out.headers if k.lower() == "content-type"] == ["content-type"]
     assert out.content_type == "application/vnd.x+json"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_response_body_over_the_cap_is_a_fatal_attempt(
+    chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiohttp
+    from aiohttp import web
+
+    from async_processor import dispatch
+    from async_processor.transforms.base import Outgoing
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        if not chunked:
+            return web.Response(body=b"x" * 5000)
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for _ in range(5):
+            await response.write(b"x" * 1000)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", big)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    monkeypatch.setattr(dispatch, "MAX_RESPONSE_BYTES", 4096)
+    try:
+        async with aiohttp.ClientSession() as session:
+            out = Outgoing(url=f"http://127.0.0.1:{port}/v1/completions", body=b"{}")
+            attempt = await dispatch.send(session, out, timeout=5)
+            monkeypatch.setattr(dispatch, "MAX_RESPONSE_BYTES", 8192)
+            fine = await dispatch.send(session, out, timeout=5)
+    finally:
+        await runner.cleanup()
+    assert attempt.fatal and attempt.status == 0
+    assert "larger than 4096" in attempt.error
+    assert (fine.status, len(fine.body)) == (200, 5000)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

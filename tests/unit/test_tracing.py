@@ -26,7 +26,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from async_processor import tracing
 from async_processor.config import TransformConfig
-from async_processor.dispatch import DispatchSettings, Worker
+from async_processor.dispatch import Aborter, DispatchSettings, Worker
 from async_processor.messages import decode_envelope
 from async_processor.metrics import Metrics
 from async_processor.results import Completion, Op
@@ -80,6 +80,7 @@ def _worker(session: aiohttp.ClientSession, writer: MemoryObjectSendStream[Op]) 
         PoolCapacity(1),
         build_transform_chain(TransformConfig(), TransformContext()),
         anyio.Event(),
+        Aborter(),
     )
 
 
