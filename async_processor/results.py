@@ -4,19 +4,22 @@ Input: completions (delivery + result) and deferrals (delivery + delay) from pol
 workers, through one bounded stream. Output: ``transport.complete`` / ``transport.defer``
 calls, one per batch. A failed write is retried with backoff until it lands: the
 message stays leased on the broker meanwhile, so a crash loses nothing (DESIGN.md §5.1).
+A batch that keeps failing while the broker answers is split, and the one item to blame
+is left to its lease rather than stalling every result behind it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 import anyio
 import structlog
 from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from async_processor.errors import TransportError
 from async_processor.messages import Result
 from async_processor.transports.base import Deferral, Delivery, Transport
 
@@ -24,6 +27,9 @@ log = structlog.get_logger(__name__)
 
 BATCH = 64
 BUFFER = 1024
+SPLIT_AFTER = 3  # failures of a whole batch (broker up) before items are tried one by one
+ABANDON_AFTER = 5  # failures of one item (broker up) before it is left to its lease
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +70,48 @@ class ResultWriter:
         completions = [(op.delivery, op.result) for op in batch if isinstance(op, Completion)]
         deferrals = [op for op in batch if isinstance(op, Deferral)]
         if completions:
-            await _with_retries("complete", lambda: self._transport.complete(completions))
+            await self._land("complete", completions, self._transport.complete)
         if deferrals:
-            await _with_retries("defer", lambda: self._transport.defer(deferrals))
+            await self._land("defer", deferrals, self._transport.defer)
+
+    async def _land(
+        self, what: str, items: Sequence[T], write: Callable[[Sequence[T]], Awaitable[None]]
+    ) -> None:
+        """Write a batch; if it keeps failing while the broker is up, one item is to blame.
+
+        Then each item is written on its own, and one that still fails is left to its lease
+        (the broker hands it out again later) instead of stalling every result behind it.
+        """
+        if len(items) > 1 and await self._attempt(what, partial(write, items), SPLIT_AFTER):
+            return
+        for item in items:
+            if not await self._attempt(what, partial(write, [item]), ABANDON_AFTER):
+                log.error("result_write_abandoned", op=what, item=_describe(item))
+
+    async def _attempt(self, what: str, call: Callable[[], Awaitable[None]], limit: int) -> bool:
+        """Retry until it lands (True), or until ``limit`` failures with the broker up (False).
+
+        While the broker itself is down, retries go on: that is an outage, not a bad item.
+        """
+        delay, failures = 0.1, 0
+        while True:
+            try:
+                await call()
+                return True
+            except Exception as exc:  # any failure is retried; a crash here would stop all
+                failures += 1
+                log.warning("result_write_failed", op=what, attempt=failures, error=str(exc))
+                if failures >= limit and await self._broker_up():
+                    return False
+            await anyio.sleep(delay)
+            delay = min(5.0, delay * 2)
+
+    async def _broker_up(self) -> bool:
+        try:
+            await self._transport.health()
+        except Exception:
+            return False
+        return True
 
 
 def _take_ready(stream: MemoryObjectReceiveStream[Op], limit: int) -> list[Op]:
@@ -79,15 +124,7 @@ def _take_ready(stream: MemoryObjectReceiveStream[Op], limit: int) -> list[Op]:
     return out
 
 
-async def _with_retries(what: str, write: Callable[[], Awaitable[None]]) -> None:
-    """Retry a broker write until it lands (the lease keeps the message safe meanwhile)."""
-    delay, attempt = 0.1, 0
-    while True:
-        attempt += 1
-        try:
-            await write()
-            return
-        except TransportError as exc:
-            log.warning("result_write_failed", op=what, attempt=attempt, error=str(exc))
-            await anyio.sleep(delay)
-            delay = min(5.0, delay * 2)
+def _describe(item: object) -> str:
+    delivery = item.delivery if isinstance(item, Deferral) else item[0]  # type: ignore[index]
+    envelope = delivery.envelope
+    return envelope.id if envelope is not None else f"<undecoded message on {delivery.queue.name}>"

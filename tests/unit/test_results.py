@@ -1,0 +1,89 @@
+"""Result writer: batching, retries through an outage, and isolating one bad item."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import pytest
+
+from async_processor import results as results_mod
+from async_processor.errors import TransportError
+from async_processor.messages import Result, decode_envelope
+from async_processor.results import Completion, ResultWriter
+from async_processor.transports.base import Deferral, Delivery, QueueSpec
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def fast_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_sleep = anyio.sleep
+    monkeypatch.setattr(results_mod.anyio, "sleep", lambda s: real_sleep(0))
+
+
+def _delivery(request_id: str) -> Delivery:
+    raw = f'{{"id":"{request_id}","deadline":1900000000,"payload":{{}}}}'.encode()
+    return Delivery(queue=QueueSpec(id="q", name="q"), raw=raw, envelope=decode_envelope(raw))
+
+
+class FlakyTransport:
+    """Fails every write containing ``poison``; fails everything while ``down``."""
+
+    def __init__(self, poison: str = "", down_for: int = 0) -> None:
+        self.poison = poison
+        self.down_for = down_for
+        self.written: list[str] = []
+        self.calls = 0
+
+    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+        self.calls += 1
+        if self.down_for > 0:
+            self.down_for -= 1
+            raise TransportError("connection refused")
+        if any(r.id == self.poison for _, r in items):
+            raise TransportError("ERR wrong kind of value")
+        self.written += [r.id for _, r in items]
+
+    async def defer(self, items: Sequence[Deferral]) -> None:
+        self.written += [f"defer:{d.delivery.envelope.id}" for d in items]  # type: ignore[union-attr]
+
+    async def health(self) -> None:
+        if self.down_for > 0:
+            raise TransportError("down")
+
+
+async def _run(transport: FlakyTransport, ids: list[str]) -> None:
+    writer = ResultWriter(transport)  # type: ignore[arg-type]
+    sender = writer.sender()
+    writer.close()
+    async with sender:
+        for request_id in ids:  # all queued before the writer runs: one batch
+            await sender.send(Completion(_delivery(request_id), Result.http(request_id, 200, b"")))
+        await sender.send(Deferral(_delivery("later"), 1.0))
+    with anyio.fail_after(10):
+        await writer.run()
+
+
+async def test_one_batch_per_ready_group() -> None:
+    transport = FlakyTransport()
+    await _run(transport, [f"r{i}" for i in range(10)])
+    assert transport.written == [*(f"r{i}" for i in range(10)), "defer:later"]
+    assert transport.calls == 1
+
+
+async def test_an_outage_is_waited_out_not_abandoned() -> None:
+    transport = FlakyTransport(down_for=30)  # far more failures than ABANDON_AFTER
+    await _run(transport, ["a", "b"])
+    assert transport.written == ["a", "b", "defer:later"]
+
+
+async def test_one_bad_item_is_left_to_its_lease_and_the_rest_land() -> None:
+    transport = FlakyTransport(poison="bad")
+    await _run(transport, ["a", "bad", "c"])
+    assert transport.written == ["a", "c", "defer:later"]
