@@ -319,10 +319,10 @@ class SortedSetTransport:
                         keys=[keys.inflight_key(name)],
                         args=[self.config.lease_seconds, *claim_ids[start : start + CHUNK]],
                     )
-                for claim_id in lost:
-                    held.pop(claim_id.decode(), None)
-                if lost:
-                    log.warning("leases_lost", queue=name, count=len(lost))
+                # A claim completed while the extend was on its way is not lost, only done.
+                really_lost = [c for c in lost if held.pop(c.decode(), None) is not None]
+                if really_lost:
+                    log.warning("leases_lost", queue=name, count=len(really_lost))
 
     def _live_claims(self, held: dict[str, Delivery]) -> list[str]:
         """Held claim ids, dropping those long past their deadline (a leak, see above)."""
