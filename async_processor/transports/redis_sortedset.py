@@ -25,7 +25,8 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import anyio
@@ -87,6 +88,8 @@ class SortedSetTransport:
         self._fetches = itertools.count()
         # Claims this process holds, per queue name: the heartbeat extends them.
         self._held: dict[str, dict[str, Delivery]] = {q.name: {} for q in self.queues}
+        # Claims whose ack is on its way: a heartbeat that misses them is not a lost lease.
+        self._settling: set[str] = set()
 
     # ------------------------------------------------------------------ fetch and decode
 
@@ -163,7 +166,7 @@ class SortedSetTransport:
         """Per item, one script: result + dedup marker + ack + cancellation cleanup."""
         if not items:
             return
-        with redis_errors("complete"):
+        with self._acking(d for d, _ in items), redis_errors("complete"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 for delivery, result in items:
                     await self._scripts["complete"](
@@ -228,7 +231,7 @@ class SortedSetTransport:
         """Hand back: delay <= 0 to the queue at its deadline, else to the retry set."""
         if not items:
             return
-        with redis_errors("defer"):
+        with self._acking(i.delivery for i in items), redis_errors("defer"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 for item in items:
                     await self._scripts["defer"](
@@ -255,7 +258,7 @@ class SortedSetTransport:
             "queue": delivery.queue.name,
         }
         target = keys.dead_letter_key(delivery.queue.name)
-        with redis_errors("dead_letter"):
+        with self._acking([delivery]), redis_errors("dead_letter"):
             parked = await self._scripts["dead_letter"](
                 keys=self._ack_keys(delivery, target),
                 args=[_claim(delivery).id, json.dumps(entry, ensure_ascii=False)],
@@ -267,6 +270,15 @@ class SortedSetTransport:
     def _ack_keys(self, delivery: Delivery, target: str) -> list[str]:
         name = delivery.queue.name
         return [keys.inflight_key(name), keys.inflight_meta_key(name), target]
+
+    @contextmanager
+    def _acking(self, deliveries: Iterable[Delivery]) -> Iterator[None]:
+        ids = {_claim(d).id for d in deliveries}
+        self._settling |= ids
+        try:
+            yield
+        finally:
+            self._settling -= ids
 
     def _release(self, delivery: Delivery) -> None:
         self._held.get(delivery.queue.name, {}).pop(_claim(delivery).id, None)
@@ -319,8 +331,12 @@ class SortedSetTransport:
                         keys=[keys.inflight_key(name)],
                         args=[self.config.lease_seconds, *claim_ids[start : start + CHUNK]],
                     )
-                # A claim completed while the extend was on its way is not lost, only done.
-                really_lost = [c for c in lost if held.pop(c.decode(), None) is not None]
+                # A claim acked while the extend was on its way is not lost, only done.
+                really_lost = [
+                    claim
+                    for claim in (c.decode() for c in lost)
+                    if claim not in self._settling and held.pop(claim, None) is not None
+                ]
                 if really_lost:
                     log.warning("leases_lost", queue=name, count=len(really_lost))
 
