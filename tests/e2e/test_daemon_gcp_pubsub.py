@@ -170,9 +170,11 @@ async def test_429_storm_backoff_honoured_through_the_ack_deadline(
         assert {r.status_code for r in got} == {200}
         gaps = [b - a for times in attempts.values() for a, b in itertools.pairwise(times)]
     assert all(len(attempts[i]) == 3 for i in ids)
-    # Retry-After: 1 reached the broker: no redelivery came back sooner (nor 10 s late).
+    # Retry-After: 1 reached the broker: no redelivery came back sooner. The second
+    # retry's backoff is in [4, 8) s, rounded up to whole ack-deadline seconds, plus one
+    # pull interval: never the subscription's 10 s default or later.
     assert min(gaps) >= 0.95, min(gaps)
-    assert max(gaps) < 8.0, max(gaps)
+    assert max(gaps) < 9.5, max(gaps)
 
 
 async def test_kill9_mid_run_every_message_still_gets_a_result(
