@@ -1,53 +1,49 @@
 """Demo: the whole pipeline on one machine, with a live progress bar and a summary table.
 
-Stage: outside the daemon (``async-processor demo``, ``make demo``). Input: options (how
-many requests, simulated latency and error rate; optionally a real Redis and gateway).
-Output: requests submitted over two queues with ``SortedSetClient``, processed by an
-in-process ``Processor`` against the simulator, progress on stdout, then throughput,
-end-to-end latency percentiles, results by status / error code and retries. Exit 0 when
-every request got its result. With no ``--redis-url`` it runs a private ``redis-server``
-(or, when none is installed, a fakeredis TCP server with Lua) on a free port.
+Stage: outside the daemon (``async-processor demo``, ``make demo``). Input: options (the
+transport, how many requests, simulated latency and error rate; optionally a real Redis
+and gateway). Output: requests submitted over two queues in the transport's wire format
+(``demo_feeds``), processed by an in-process ``Processor`` against the simulator, progress
+on stdout, then throughput, end-to-end latency percentiles, results by status / error code
+and retries. Exit 0 when every request got its result, 1 when some did not, 2 when the
+transport's local server is missing. The Redis transports use ``--redis-url`` or a private
+``redis-server`` (or, when none is installed, a fakeredis TCP server with Lua) on a free
+port; gcp-pubsub runs the Pub/Sub emulator on a free port.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import fakeredis
 from prometheus_client import CollectorRegistry
 
-from async_processor.client import SortedSetClient
-from async_processor.config import AppConfig, RuntimeConfig, SortedSetConfig, SortedSetQueue
+from async_processor.config import AppConfig, RuntimeConfig
+from async_processor.demo_feeds import QUEUES, TRANSPORTS, Feed, open_feed
+from async_processor.local_servers import EmulatorMissing, embedded_redis, pubsub_emulator
 from async_processor.logs import configure_logging
-from async_processor.messages import Result
+from async_processor.messages import Request, Result
 from async_processor.metrics import PREFIX, Metrics
 from async_processor.processor import Processor
 from async_processor.simulator import SimConfig, Simulator
-from async_processor.transports import redis_keys as keys
 
-QUEUES = ("interactive", "batch")
 SUBMIT_CHUNK = 250
 DEADLINE_SECONDS = 300
-REDIS_START_TIMEOUT = 10.0
+PROJECT = "demo-project"  # any name does on the emulator
 
 
 @dataclass(frozen=True)
 class Options:
+    transport: str
     count: int
     redis_url: str
     gateway_url: str
@@ -88,80 +84,11 @@ def _outcome(result: Result) -> str:
     return f"HTTP {result.status_code}"
 
 
-# -- embedded Redis -------------------------------------------------------------------
-
-
-@contextmanager
-def embedded_redis() -> Iterator[str]:
-    """A private Redis for the demo: redis-server if installed, else fakeredis over TCP."""
-    binary = shutil.which("redis-server")
-    with _redis_server(binary) if binary else _fake_redis() as url:
-        yield url
-
-
-@contextmanager
-def _redis_server(binary: str) -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="async-processor-demo-") as data_dir:
-        port = _free_port()
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", data_dir, "--loglevel", "warning"]  # fmt: skip
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)  # noqa: S603 - a binary from PATH
-        try:
-            _wait_for_port(port, proc)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            proc.wait()
-
-
-@contextmanager
-def _fake_redis() -> Iterator[str]:
-    server = fakeredis.TcpFakeServer(("127.0.0.1", 0), server_type="redis")
-    thread = threading.Thread(target=server.serve_forever, name="fakeredis", daemon=True)
-    thread.start()
-    try:
-        yield f"redis://127.0.0.1:{server.server_address[1]}/0"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + REDIS_START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"redis-server did not listen on {port}")
-
-
 # -- the run --------------------------------------------------------------------------
 
 
-def _config(opts: Options, redis_url: str, gateway: str, run_id: str) -> AppConfig:
-    transport = SortedSetConfig(
-        url=redis_url,
-        retry_queue_name=f"demo-{run_id}-retry",
-        result_queue_name=f"demo-{run_id}-results",
-        poll_interval_ms=100,  # an idle queue is looked at 10×/s: the demo starts at once
-        dedup_ttl_seconds=600,  # leave little behind in a shared Redis
-        queues=[
-            SortedSetQueue(queue_name=f"demo-{run_id}-{name}", igw_base_url=gateway)
-            for name in QUEUES
-        ],
-    )
-    runtime = RuntimeConfig.model_validate(
+def _runtime(opts: Options) -> RuntimeConfig:
+    return RuntimeConfig.model_validate(
         {
             "concurrency": opts.workers,
             "health_port": 0,
@@ -170,7 +97,6 @@ def _config(opts: Options, redis_url: str, gateway: str, run_id: str) -> AppConf
             "drain_timeout": "10s",
         }
     )
-    return AppConfig(transport="redis-sortedset", transport_config=transport, runtime=runtime)
 
 
 async def run_demo(opts: Options, redis_url: str) -> tuple[Progress, dict[str, Any]]:
@@ -182,13 +108,18 @@ async def run_demo(opts: Options, redis_url: str) -> tuple[Progress, dict[str, A
         gateway = opts.gateway_url
         if not gateway:
             gateway = f"http://127.0.0.1:{await services.start(sim.serve, '127.0.0.1', 0)}"
-        config = _config(opts, redis_url, gateway, run_id)
-        processor = Processor(config, metrics=metrics)
-        async with anyio.create_task_group() as daemon:
-            await daemon.start(processor.run)
-            progress = await _drive(opts, config)
-            processor.request_stop()
-        await _tidy(config)  # after the drain, which may hand messages back
+        async with open_feed(opts.transport, run_id, redis_url=redis_url, project=PROJECT) as feed:
+            config = AppConfig(
+                transport=opts.transport,
+                transport_config=feed.transport_config(gateway),
+                runtime=_runtime(opts),
+            )
+            processor = Processor(config, metrics=metrics)
+            async with anyio.create_task_group() as daemon:
+                await daemon.start(processor.run)
+                progress = await _drive(opts, feed)
+                processor.request_stop()
+            await feed.tidy()  # after the drain, which may hand messages back
         services.cancel_scope.cancel()
     figures = {
         "retries": _counter_total(metrics, "request_retries_total"),
@@ -198,46 +129,40 @@ async def run_demo(opts: Options, redis_url: str) -> tuple[Progress, dict[str, A
     return progress, figures
 
 
-async def _drive(opts: Options, config: AppConfig) -> Progress:
+async def _drive(opts: Options, feed: Feed) -> Progress:
     """Submit, collect and show progress side by side; stop when all are in or at timeout."""
-    transport = config.transport_config
-    assert isinstance(transport, SortedSetConfig)
-    queues = [q.queue_name for q in transport.queues]
     progress = Progress(total=opts.count)
-    results = transport.result_queue_name
-    async with SortedSetClient(transport.url, result_queue=results) as client:
-        with anyio.move_on_after(opts.timeout):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_submit, client, queues, progress)
-                tg.start_soon(_show, progress)
-                await _collect(client, progress)
-                tg.cancel_scope.cancel()
-        _show_line(progress, final=True)
+    with anyio.move_on_after(opts.timeout):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_submit, feed, progress)
+            tg.start_soon(_show, progress)
+            await _collect(feed, progress)
+            tg.cancel_scope.cancel()
+    _show_line(progress, final=True)
     return progress
 
 
-async def _submit(client: SortedSetClient, queues: list[str], progress: Progress) -> None:
+async def _submit(feed: Feed, progress: Progress) -> None:
     deadline = int(time.time()) + DEADLINE_SECONDS
     prefix = secrets.token_hex(4)
     for start in range(0, progress.total, SUBMIT_CHUNK):
         numbers = range(start, min(start + SUBMIT_CHUNK, progress.total))
-        queue = queues[(start // SUBMIT_CHUNK) % len(queues)]
         batch = [_request(f"{prefix}-{i}", deadline, i) for i in numbers]
         now = time.monotonic()
         for request in batch:
-            progress.submit_times[request["id"]] = now
-        await client.submit_many(batch, queue=queue)
+            progress.submit_times[request.id] = now
+        await feed.submit(batch, (start // SUBMIT_CHUNK) % len(QUEUES))
         progress.submitted += len(batch)
 
 
-def _request(request_id: str, deadline: int, i: int) -> dict[str, Any]:
-    payload = {"model": "demo-model", "prompt": f"Request number {i}", "max_tokens": 16}
-    return {"id": request_id, "deadline": deadline, "payload": payload}
+def _request(request_id: str, deadline: int, i: int) -> Request:
+    payload = json.dumps({"model": "demo-model", "prompt": f"Request number {i}", "max_tokens": 16})
+    return Request(id=request_id, deadline=deadline, payload=payload.encode())
 
 
-async def _collect(client: SortedSetClient, progress: Progress) -> None:
+async def _collect(feed: Feed, progress: Progress) -> None:
     while progress.done < progress.total:
-        for result in await client.drain_results(progress.total - progress.done, 0.5):
+        for result in await feed.results(progress.total - progress.done, 0.5):
             progress.record(result)
 
 
@@ -259,18 +184,6 @@ def _show_line(progress: Progress, *, final: bool = False) -> None:
         print(f"\r{line}", end="\n" if final else "", flush=True)
     else:
         print(line, flush=True)
-
-
-async def _tidy(config: AppConfig) -> None:
-    """Delete the run's queues, so a shared Redis keeps nothing but expiring markers."""
-    transport = config.transport_config
-    assert isinstance(transport, SortedSetConfig)
-    names = [transport.result_queue_name, transport.retry_queue_name]
-    for queue in transport.queues:
-        name = queue.queue_name
-        names += [name, keys.inflight_key(name), keys.inflight_meta_key(name)]
-    async with SortedSetClient(transport.url) as client:
-        await client.clear(names)
 
 
 def _counter_total(metrics: Metrics, sample: str) -> float:
@@ -322,8 +235,9 @@ def print_summary(rows: list[tuple[str, str]]) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="async-processor demo", description=__doc__.splitlines()[0])
+    p.add_argument("--transport", choices=TRANSPORTS, default=TRANSPORTS[0], help="(%(default)s)")
     p.add_argument("--count", type=int, default=3000, help="requests to submit (3000)")
-    p.add_argument("--redis-url", default="", help="a real Redis (default: a private one)")
+    p.add_argument("--redis-url", default="", help="a real Redis for the Redis transports")
     p.add_argument("--gateway-url", default="", help="a real gateway (default: the simulator)")
     p.add_argument("--latency", type=float, default=0.05, help="simulated seconds (0.05)")
     p.add_argument("--error-rate", type=float, default=0.02, help="simulated 500s (0.02)")
@@ -337,12 +251,27 @@ def main(argv: list[str]) -> int:
     opts = Options(**vars(args))
     configure_logging("warning")
     with ExitStack() as stack:
-        redis_url = opts.redis_url or stack.enter_context(embedded_redis())
+        try:
+            redis_url = _broker(opts, stack)
+        except EmulatorMissing as exc:
+            print(f"demo: {exc}", file=sys.stderr)
+            return 2
         where = "the simulator" if not opts.gateway_url else opts.gateway_url
-        print(f"demo: {opts.count} requests over {len(QUEUES)} queues -> {where}", flush=True)
+        print(
+            f"demo: {opts.count} requests over {len(QUEUES)} {opts.transport} queues -> {where}",
+            flush=True,
+        )
         progress, figures = anyio.run(run_demo, opts, redis_url)
     print_summary(summary_rows(progress, figures))
     if progress.done < progress.total:
         print(f"demo: {progress.total - progress.done} requests got no result in time")
         return 1
     return 0
+
+
+def _broker(opts: Options, stack: ExitStack) -> str:
+    """The Redis URL to use ("" for gcp-pubsub, whose emulator runs until ``stack`` closes)."""
+    if opts.transport == "gcp-pubsub":
+        stack.enter_context(pubsub_emulator(PROJECT))
+        return ""
+    return opts.redis_url or stack.enter_context(embedded_redis())
