@@ -1,5 +1,6 @@
-"""The demo end to end: embedded Redis (redis-server or fakeredis), simulator and daemon
-in one process; every request gets a result and the summary's figures agree."""
+"""The demo end to end: embedded Redis (redis-server or fakeredis) or the Pub/Sub emulator,
+simulator and daemon in one process; every request gets a result over each transport and
+the summary's figures agree."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import shutil
 import pytest
 import redis
 
-from async_processor import demo
+from async_processor import demo, local_servers
 from tests.fixtures.servers import RedisServer
 
 
@@ -78,3 +79,43 @@ def test_demo_reports_failure_when_results_do_not_arrive(
     assert code == 1
     assert "5 requests got no result in time" in out
     assert demo_keys(private_redis.url) == []
+
+
+def test_demo_over_redis_pubsub_retries_through_the_retry_set_and_tidies_up(
+    capsys: pytest.CaptureFixture[str], redis_url: str
+) -> None:
+    code, out = run_demo(
+        capsys, "--transport", "redis-pubsub", "--count", "120", "--error-rate", "0.1",
+        "--redis-url", redis_url,
+    )  # fmt: skip
+    assert code == 0
+    assert "over 2 redis-pubsub queues" in out
+    assert "120 submitted, 120 results" in out
+    assert figure(out, r"HTTP 200\s+(\d+)") == 120
+    assert figure(out, r"retries \(metrics\)\s+(\d+)") == figure(out, r"'500': (\d+)")
+    assert demo_keys(redis_url) == []
+
+
+def emulator_installed() -> bool:
+    return local_servers.find_emulator() is not None and shutil.which("java") is not None
+
+
+@pytest.mark.skipif(not emulator_installed(), reason="the Pub/Sub emulator (or java) is missing")
+def test_demo_over_gcp_pubsub_runs_on_the_emulator(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_demo(capsys, "--transport", "gcp-pubsub", "--count", "100", "--error-rate", "0")
+    assert code == 0
+    assert "over 2 gcp-pubsub queues" in out
+    assert "100 submitted, 100 results" in out
+    assert figure(out, r"HTTP 200\s+(\d+)") == 100
+    assert figure(out, r"simulator\s+(\d+) calls") == 100
+
+
+def test_demo_without_the_emulator_says_how_to_install_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(local_servers, "find_emulator", lambda: None)
+    code = demo.main(["--transport", "gcp-pubsub", "--count", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1
+    assert "apt-get install google-cloud-cli-pubsub-emulator" in err
