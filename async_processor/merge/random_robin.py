@@ -74,6 +74,11 @@ class RandomRobin:
         self._rng = rng or random.Random()
 
     async def run(self, pool: str, sources: Sequence[Source], sink: ObjectSendStream[Work]) -> None:
+        if len(sources) == 1:  # nothing to choose between: skip the offer hand-off
+            async with sink, sources[0].stream as stream:
+                async for work in stream:
+                    await self._emit(work, sink)
+            return
         offers = _Offers(len(sources))
         async with sink, anyio.create_task_group() as tg:
             for source in sources:
