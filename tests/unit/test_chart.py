@@ -44,6 +44,8 @@ from async_processor.config import (
     load_config,
 )
 from async_processor.durations import parse_duration
+from async_processor.gates import load_all
+from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.health import serve_metrics
 from async_processor.metrics import Metrics
 from tests.fixtures.servers import free_port, stop_process
@@ -126,6 +128,11 @@ def populated_metrics() -> Metrics:
     queue.dead_letter("no_id")
     queue.gate_gauges("pool")
     m.pool_worker_limit.labels("default").set(1)
+    # Gate gauges register when their gate is built: build one of each kind that has them.
+    load_all()
+    ctx = GateContext(owner=GateOwner("", "", "default"), metrics=m)
+    build_gate("adaptive-concurrency", None, ctx)
+    build_gate("redis-leased-rate", {"address": "127.0.0.1:1", "control_key": "k"}, ctx)
     return m
 
 
