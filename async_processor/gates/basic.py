@@ -13,7 +13,7 @@ from typing import Literal
 import anyio
 from pydantic import Field
 
-from async_processor.errors import ConfigError, GateError
+from async_processor.errors import ConfigError
 from async_processor.gates.base import (
     CONTINUE,
     GATES,
@@ -27,7 +27,7 @@ from async_processor.gates.base import (
     build_gate,
 )
 from async_processor.gates.params import GateSpec, GateSpecObject, GateSpecs, Int, Params
-from async_processor.gates.shared import ChangeSignal, observe_all, wait_any_changed
+from async_processor.gates.shared import ChangeSignal, InnerGate, observe_all, wait_any_changed
 from async_processor.messages import Envelope
 
 
@@ -141,29 +141,12 @@ class WaitOnRefuseParams(Params):
     gate: GateSpecObject
 
 
-class WaitOnRefuseGate:
+class WaitOnRefuseGate(InnerGate):
     """The inner gate, with REFUSE turned into WAIT (park the worker, pool level)."""
 
-    def __init__(self, inner: Gate) -> None:
-        self.inner = inner
-
-    async def budget(self) -> float:
-        return await self.inner.budget()
-
     async def apply(self, message: Envelope, releases: Releases) -> Verdict:
-        try:
-            verdict = await self.inner.apply(message, releases)
-        except GateError as exc:
-            raise GateError(f"inner gate apply failed: {exc}") from exc
+        verdict = await self.apply_inner(message, releases)
         return WAIT if verdict.action is Action.REFUSE else verdict
-
-    def observe(
-        self, message: Envelope, status: int | None, latency: float, dropped_reason: str
-    ) -> None:
-        observe_all([self.inner], message, status, latency, dropped_reason)
-
-    async def wait_changed(self, timeout: float) -> None:
-        await wait_any_changed([self.inner], timeout)
 
 
 @GATES.register("wait-on-refuse", WaitOnRefuseParams)

@@ -1,8 +1,9 @@
 """Helpers shared by gate modules: process-wide gauges, shielded releases, forwarding.
 
 Input: a ``GateContext`` (metrics registry, ``shared`` cache) or inner gates. Output:
-gauges bound to the gate's owner, release callables that survive cancellation, and the
-optional ``observe`` / ``wait_changed`` hooks forwarded through wrapper gates.
+gauges bound to the gate's owner, release callables that survive cancellation, the
+optional ``observe`` / ``wait_changed`` hooks forwarded through wrapper gates, and
+``InnerGate``, the base of a gate that wraps one inner gate.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import anyio
 import structlog
 from prometheus_client import Gauge
 
+from async_processor.errors import GateError
 from async_processor.gates.base import (
     WAIT_POLL_INTERVAL,
     Gate,
     GateContext,
     Observes,
     Release,
+    Releases,
+    Verdict,
     WaitsForChange,
 )
 from async_processor.messages import Envelope
@@ -120,6 +124,36 @@ async def wait_any_changed(gates: Sequence[Gate], timeout: float) -> None:
 
         for gate in waiters:
             tg.start_soon(one, gate)
+
+
+class InnerGate:
+    """Base of a gate wrapping one inner gate: budget and the hooks forward to it.
+
+    Subclasses write ``apply`` on top of ``apply_inner``, which names the wrapper's
+    role (``failed``) in the inner gate's error.
+    """
+
+    failed = "inner gate apply failed"
+
+    def __init__(self, inner: Gate) -> None:
+        self.inner = inner
+
+    async def budget(self) -> float:
+        return await self.inner.budget()
+
+    async def apply_inner(self, message: Envelope, releases: Releases) -> Verdict:
+        try:
+            return await self.inner.apply(message, releases)
+        except GateError as exc:
+            raise GateError(f"{self.failed}: {exc}") from exc
+
+    def observe(
+        self, message: Envelope, status: int | None, latency: float, dropped_reason: str
+    ) -> None:
+        observe_all([self.inner], message, status, latency, dropped_reason)
+
+    async def wait_changed(self, timeout: float) -> None:
+        await wait_any_changed([self.inner], timeout)
 
 
 class ChangeSignal:

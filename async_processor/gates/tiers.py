@@ -12,7 +12,6 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
 
-from async_processor.errors import GateError
 from async_processor.gates.base import (
     CONTINUE,
     GATES,
@@ -26,7 +25,7 @@ from async_processor.gates.base import (
 )
 from async_processor.gates.basic import build_inner
 from async_processor.gates.params import GateSpec, Params, Str, json_object
-from async_processor.gates.shared import observe_all, wait_any_changed
+from async_processor.gates.shared import InnerGate
 from async_processor.messages import Envelope, Result
 
 # Exactly the reference's payload, spaces included.
@@ -41,19 +40,15 @@ class TierParams(Params):
     tier_label: Str = "tier"
 
 
-class TierPriorityAdmissionGate:
+class TierPriorityAdmissionGate(InnerGate):
+    failed = "saturation gate failed"
+
     def __init__(self, inner: Gate, tier_label: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.tier_label = tier_label
 
-    async def budget(self) -> float:
-        return await self.inner.budget()
-
     async def apply(self, message: Envelope, releases: Releases) -> Verdict:
-        try:
-            verdict = await self.inner.apply(message, releases)
-        except GateError as exc:
-            raise GateError(f"saturation gate failed: {exc}") from exc
+        verdict = await self.apply_inner(message, releases)
         if verdict.action is not Action.REFUSE:
             return CONTINUE  # an inner WAIT or DROP does not mean saturated
         labels = message.routing.labels
@@ -63,14 +58,6 @@ class TierPriorityAdmissionGate:
         if labels.get(self.tier_label) == "interactive" and classification == "overflow":
             return Verdict(Action.DROP, Result(id=message.id, payload=TOO_MANY_REQUESTS))
         return REFUSE
-
-    def observe(
-        self, message: Envelope, status: int | None, latency: float, dropped_reason: str
-    ) -> None:
-        observe_all([self.inner], message, status, latency, dropped_reason)
-
-    async def wait_changed(self, timeout: float) -> None:
-        await wait_any_changed([self.inner], timeout)
 
 
 @GATES.register("tier-priority-admission", TierParams)
