@@ -20,7 +20,7 @@ from typing import Protocol
 import anyio
 from google.api_core import exceptions as gexc
 from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
-from google.pubsub_v1.types import PubsubMessage
+from google.pubsub_v1.types import PubsubMessage, ReceivedMessage
 
 from async_processor.client import SortedSetClient
 from async_processor.config import (
@@ -39,11 +39,10 @@ from async_processor.transports.gcp_pubsub import resource_path
 TRANSPORTS = ("redis-sortedset", "redis-pubsub", "gcp-pubsub")
 QUEUES = ("interactive", "batch")
 PULL_TIMEOUT = 1.0
+IDLE_PAUSE = 0.05
 
 
 class Feed(Protocol):
-    name: str
-
     def transport_config(self, gateway: str) -> TransportConfig: ...
 
     async def submit(self, requests: Sequence[Request], queue: int) -> None:
@@ -77,8 +76,6 @@ class _RedisFeed:
 
 
 class SortedSetFeed(_RedisFeed):
-    name = "redis-sortedset"
-
     def __init__(self, url: str, run_id: str) -> None:
         super().__init__(url, run_id)
         # The client writes its result list into each envelope: the daemon answers there.
@@ -111,8 +108,6 @@ class SortedSetFeed(_RedisFeed):
 
 
 class RedisPubSubFeed(_RedisFeed):
-    name = "redis-pubsub"
-
     def __init__(self, url: str, run_id: str) -> None:
         super().__init__(url, run_id)
         self.redis = keys.connect(url, socket_timeout=None)
@@ -162,8 +157,6 @@ class RedisPubSubFeed(_RedisFeed):
 class GcpPubSubFeed:
     """Topics ``demo-<run>-<queue>`` with subscriptions ``...-sub``; results likewise."""
 
-    name = "gcp-pubsub"
-
     def __init__(self, project: str, run_id: str) -> None:
         self.project = project
         self.topics = [f"demo-{run_id}-{name}" for name in QUEUES]
@@ -198,18 +191,21 @@ class GcpPubSubFeed:
         )
 
     async def results(self, n: int, wait: float) -> list[Result]:
+        """One pull; after an empty one (the emulator answers at once) pause, do not spin."""
         subscription = self._path("subscriptions", f"{self.result_topic}-sub")
-        with anyio.move_on_after(wait), suppress(gexc.DeadlineExceeded):
+        received: list[ReceivedMessage] = []
+        with suppress(gexc.DeadlineExceeded):
             response = await self.subscriber.pull(
                 subscription=subscription, max_messages=min(n, 1000), timeout=PULL_TIMEOUT
             )
             received = list(response.received_messages)
-            if received:
-                await self.subscriber.acknowledge(
-                    subscription=subscription, ack_ids=[m.ack_id for m in received]
-                )
-            return [Result.decode(m.message.data) for m in received]
-        return []
+        if not received:
+            await anyio.sleep(min(wait, IDLE_PAUSE))
+            return []
+        await self.subscriber.acknowledge(
+            subscription=subscription, ack_ids=[m.ack_id for m in received]
+        )
+        return [Result.decode(m.message.data) for m in received]
 
     async def tidy(self) -> None:
         return None  # the emulator, and all it holds, stops with the demo
