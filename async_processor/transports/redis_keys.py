@@ -1,8 +1,10 @@
 """Redis key names and Lua scripts shared by the Redis transports and the client library.
 
-Input: queue names and request ids. Output: the key names both sides agree on, the
-Lua sources in ``transports/lua/`` registered on a ``redis.asyncio`` client, and the
-client itself (``connect``) with its errors mapped to ``TransportError``.
+Input: queue names, request ids and deliveries. Output: the key names both sides agree
+on, a submission's dedup ``fingerprint``, a delivery's envelope with its routing filled
+from its queue (``decode_delivery``), the Lua sources in ``transports/lua/`` registered
+on a ``redis.asyncio`` client, and the client itself (``connect``) with its errors
+mapped to ``TransportError``.
 
 Keys (the reference's names where it has them, DESIGN.md §4):
 
@@ -22,6 +24,7 @@ reads from each envelope; like the reference, this targets a standalone Redis.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
@@ -33,6 +36,8 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from async_processor.errors import TransportError
+from async_processor.messages import Envelope, decode_envelope
+from async_processor.transports.base import Delivery
 
 DEFAULT_URL = "redis://localhost:6379/0"
 DEFAULT_REQUEST_QUEUE = "request-sortedset"
@@ -65,6 +70,34 @@ def done_key(request_id: str, fingerprint: str = "") -> str:
     return (
         f"request-done:{request_id}:{fingerprint}" if fingerprint else f"request-done:{request_id}"
     )
+
+
+def fingerprint(delivery: Delivery) -> str:
+    """What tells this submission apart from a later one with the same id: its request
+    token, else a digest of the request, else (undecodable) nothing."""
+    envelope = delivery.envelope
+    if envelope is None:
+        return ""
+    if envelope.routing.request_token:
+        return envelope.routing.request_token
+    return "sha-" + hashlib.blake2b(envelope.request.encode(), digest_size=8).hexdigest()
+
+
+def decode_delivery(delivery: Delivery, max_bytes: int, *, own_queue_name: bool) -> Envelope:
+    """The delivery's envelope, kept on it, with routing filled from its queue.
+
+    Queue labels win over the message's; the queue id fills in when the message has
+    none. ``own_queue_name`` keeps a request queue name the message names itself.
+    """
+    envelope = decode_envelope(delivery.raw, max_bytes=max_bytes)
+    routing = envelope.routing
+    queue = delivery.queue
+    kept = routing.request_queue_name if own_queue_name else ""
+    routing.request_queue_name = kept or queue.name
+    routing.queue_id = routing.queue_id or queue.id
+    routing.labels = {**routing.labels, **queue.labels}
+    delivery.envelope = envelope
+    return envelope
 
 
 def inflight_key(queue: str) -> str:

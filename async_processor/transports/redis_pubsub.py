@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 
 from async_processor.config import RedisPubSubConfig
 from async_processor.errors import InvalidMessage, TransportError
-from async_processor.messages import Envelope, Result, decode_envelope
+from async_processor.messages import Envelope, Result
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
     TRANSPORTS,
@@ -46,7 +46,6 @@ from async_processor.transports.base import (
     TransportContext,
 )
 from async_processor.transports.redis_keys import connect, redis_errors
-from async_processor.transports.redis_sortedset import _fingerprint
 
 log = structlog.get_logger(__name__)
 
@@ -153,13 +152,7 @@ class RedisPubSubTransport:
 
     def decode(self, delivery: Delivery) -> Envelope:
         """The envelope; its channel is where it came from (and where retries return)."""
-        envelope = decode_envelope(delivery.raw, max_bytes=self._ctx.max_message_bytes)
-        routing = envelope.routing
-        routing.request_queue_name = delivery.queue.name
-        routing.queue_id = routing.queue_id or delivery.queue.id
-        routing.labels = {**routing.labels, **delivery.queue.labels}
-        delivery.envelope = envelope
-        return envelope
+        return keys.decode_delivery(delivery, self._ctx.max_message_bytes, own_queue_name=False)
 
     # ------------------------------------------------------------------ writes
 
@@ -172,7 +165,7 @@ class RedisPubSubTransport:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for delivery, result in items:
                     await self._publish_result(
-                        keys=[keys.done_key(result.id, _fingerprint(delivery))],
+                        keys=[keys.done_key(result.id, keys.fingerprint(delivery))],
                         args=[channel, result.encode(), DEDUP_TTL_SECONDS],
                         client=pipe,
                     )

@@ -20,7 +20,6 @@ else (undecodable message) the id alone for the TTL.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import time
@@ -37,7 +36,7 @@ from redis.commands.core import AsyncScript
 
 from async_processor.config import SortedSetConfig
 from async_processor.errors import InvalidMessage, TransportError
-from async_processor.messages import Envelope, Result, decode_envelope
+from async_processor.messages import Envelope, Result
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
     TRANSPORTS,
@@ -152,13 +151,7 @@ class SortedSetTransport:
         """The member's envelope with routing filled from the queue (queue labels win)."""
         if delivery.envelope is not None:  # decoded at fetch time already
             return delivery.envelope
-        envelope = decode_envelope(delivery.raw, max_bytes=self._ctx.max_message_bytes)
-        routing = envelope.routing
-        routing.request_queue_name = routing.request_queue_name or delivery.queue.name
-        routing.queue_id = routing.queue_id or delivery.queue.id
-        routing.labels = {**routing.labels, **delivery.queue.labels}
-        delivery.envelope = envelope
-        return envelope
+        return keys.decode_delivery(delivery, self._ctx.max_message_bytes, own_queue_name=True)
 
     # ------------------------------------------------------------------ acknowledgements
 
@@ -201,7 +194,7 @@ class SortedSetTransport:
     def _complete_keys(self, delivery: Delivery, result: Result) -> list[str]:
         name = delivery.queue.name
         return [
-            keys.done_key(result.id, _fingerprint(delivery)),
+            keys.done_key(result.id, keys.fingerprint(delivery)),
             self._result_list(delivery),
             keys.inflight_key(name),
             keys.inflight_meta_key(name),
@@ -401,16 +394,6 @@ def _token(delivery: Delivery) -> str:
 
 def _cancel_key(delivery: Delivery) -> str:
     return keys.cancel_key(delivery.envelope.id if delivery.envelope else "")
-
-
-def _fingerprint(delivery: Delivery) -> str:
-    """What tells this submission apart from a later one with the same id (module docstring)."""
-    envelope = delivery.envelope
-    if envelope is None:
-        return ""
-    if envelope.routing.request_token:
-        return envelope.routing.request_token
-    return "sha-" + hashlib.blake2b(envelope.request.encode(), digest_size=8).hexdigest()
 
 
 def _deadline(delivery: Delivery) -> float:

@@ -19,7 +19,6 @@ from async_processor.transports.redis_sortedset import (
     STALE_CLAIM_GRACE,
     SortedSetTransport,
     _every,
-    _fingerprint,
 )
 
 pytestmark = pytest.mark.anyio
@@ -158,10 +157,10 @@ def test_fingerprint_prefers_the_token_then_the_request() -> None:
         def __init__(self, envelope: Envelope | None) -> None:
             self.envelope = envelope
 
-    assert _fingerprint(D(with_token)) == "tok"  # type: ignore[arg-type]
-    assert _fingerprint(D(bare)).startswith("sha-")  # type: ignore[arg-type]
-    assert _fingerprint(D(bare)) != _fingerprint(D(later))  # type: ignore[arg-type]
-    assert _fingerprint(D(None)) == ""  # type: ignore[arg-type]
+    assert redis_keys.fingerprint(D(with_token)) == "tok"  # type: ignore[arg-type]
+    assert redis_keys.fingerprint(D(bare)).startswith("sha-")  # type: ignore[arg-type]
+    assert redis_keys.fingerprint(D(bare)) != redis_keys.fingerprint(D(later))  # type: ignore[arg-type]
+    assert redis_keys.fingerprint(D(None)) == ""  # type: ignore[arg-type]
 
 
 def test_keys_and_scripts() -> None:
