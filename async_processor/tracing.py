@@ -28,6 +28,7 @@ from async_processor.messages import ErrorCode
 from async_processor.retry import Attempt, Final, Retry
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.propagators.textmap import TextMapPropagator
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -154,7 +155,10 @@ class NoSpan:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        return None
+        self._close(exc)
+
+    def _close(self, exc: BaseException | None) -> None:
+        """End the span (a live one); ``exc`` is what the body raised, if anything."""
 
     def settled(self, outcome: Final | Retry | HandBack) -> None:
         """The message's outcome (process-request)."""
@@ -166,16 +170,45 @@ class NoSpan:
 NO_SPAN = NoSpan()
 
 
-class _ProcessSpan(NoSpan):
-    __slots__ = ("_span", "_state", "_token", "_work")
+class _LiveSpan(NoSpan):
+    """A started span made current until ``__exit__``, which records what the body raised."""
+
+    __slots__ = ("_span", "_state", "_token")
+
+    def __init__(self, state: _Tracing) -> None:
+        self._state = state
+
+    def _activate(self, span: Span, parent: Context | None = None) -> Context:
+        """Make ``span`` (a child of ``parent``) current; the context it runs in."""
+        from opentelemetry import context, trace
+
+        self._span = span
+        ctx = trace.set_span_in_context(span, parent)
+        self._token = context.attach(ctx)
+        return ctx
+
+    def _close(self, exc: BaseException | None) -> None:
+        from opentelemetry import context
+
+        context.detach(self._token)
+        if isinstance(exc, Exception):
+            self._span.record_exception(exc)
+        if exc is not None:
+            self._failed(exc)
+        self._span.end()
+
+    def _failed(self, exc: BaseException) -> None:
+        """The body raised (the exception is recorded; the span is not ended yet)."""
+
+
+class _ProcessSpan(_LiveSpan):
+    __slots__ = ("_work",)
 
     def __init__(self, state: _Tracing, work: Work) -> None:
-        self._state = state
+        super().__init__(state)
         self._work = work
 
     def __enter__(self) -> NoSpan:
-        from opentelemetry import context, trace
-
         request = self._work.envelope.request
         carrier = {k: request.metadata[k] for k in CARRIER_KEYS if request.metadata.get(k)}
         parent = self._state.propagator.extract(carrier) if carrier else None
@@ -188,28 +221,16 @@ class _ProcessSpan(NoSpan):
             attributes["queue.id"] = queue.id
         if queue.name:
             attributes["queue.name"] = queue.name
-        self._span: Span = self._state.tracer.start_span(
+        span = self._state.tracer.start_span(
             "process-request", context=parent, attributes=attributes
         )
-        self._token = context.attach(trace.set_span_in_context(self._span, parent))
+        self._activate(span, parent)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        from opentelemetry import context
-
-        context.detach(self._token)
-        if exc is not None:
-            # The worker hands the message back whenever processing raises (the drain
-            # timeout cancelling an in-flight call included).
-            if isinstance(exc, Exception):
-                self._span.record_exception(exc)
-            self._reenqueue()
-        self._span.end()
+    def _failed(self, exc: BaseException) -> None:
+        # The worker hands the message back whenever processing raises (the drain
+        # timeout cancelling an in-flight call included).
+        self._reenqueue()
 
     def settled(self, outcome: Final | Retry | HandBack) -> None:
         if isinstance(outcome, HandBack):
@@ -237,44 +258,33 @@ class _ProcessSpan(NoSpan):
         span.end()
 
 
-class _HttpSpan(NoSpan):
-    __slots__ = ("_out", "_parent", "_span", "_state", "_token")
+class _HttpSpan(_LiveSpan):
+    __slots__ = ("_out", "_parent")
 
     def __init__(self, state: _Tracing, out: Outgoing) -> None:
-        self._state = state
+        super().__init__(state)
         self._out = out
 
     def __enter__(self) -> NoSpan:
-        from opentelemetry import context, trace
+        from opentelemetry import trace
         from opentelemetry.trace import SpanKind
 
         self._parent = trace.get_current_span()
-        self._span: Span = self._state.tracer.start_span(
+        span = self._state.tracer.start_span(
             "http-request",
             kind=SpanKind.CLIENT,
             attributes={"http.request.method": "POST", "url.full": mask_url(self._out.url)},
         )
-        ctx = trace.set_span_in_context(self._span)
-        self._token = context.attach(ctx)
+        ctx = self._activate(span)
         # A copy: the caller's headers stay as built (retries rebuild them anyway).
         headers = dict(self._out.headers)
         self._state.propagator.inject(headers, context=ctx)
         self._out.headers = headers
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        from opentelemetry import context
-
-        context.detach(self._token)
+    def _failed(self, exc: BaseException) -> None:
         if isinstance(exc, Exception):
-            self._span.record_exception(exc)
             _fail(self._span, "UNKNOWN", type(exc).__name__)
-        self._span.end()
 
     def answered(self, attempt: Attempt) -> None:
         if attempt.status:
