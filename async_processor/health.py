@@ -4,13 +4,16 @@ Input: a readiness callback (None = ready, else the reason) and a Prometheus reg
 Output: two aiohttp servers, each run inside the caller's task group: ``task_status``
 receives the bound port once listening, and cancelling the task stops the server.
 A port already taken is a ``ConfigError`` naming it (fail fast at startup).
+``listening`` (an aiohttp app served for the length of a block) is shared with the
+inference simulator.
 """
 
 from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import anyio
 import structlog
@@ -97,23 +100,42 @@ def _authorized(request: web.Request, expected: bytes) -> bool:
 async def _serve(
     app: web.Application, host: str, port: int, name: str, task_status: TaskStatus[int]
 ) -> None:
+    try:
+        async with listening(app, host, port, shutdown_timeout=SHUTDOWN_TIMEOUT) as bound:
+            log.info("server_listening", server=name, host=host, port=bound)
+            task_status.started(bound)
+            await anyio.sleep_forever()
+    except OSError as exc:  # only listening raises it: the body just logs and sleeps
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ConfigError(
+            f"cannot listen on {host}:{port} for the {name} server: {reason}"
+        ) from None
+
+
+@asynccontextmanager
+async def listening(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    backlog: int = 128,
+    handler_cancellation: bool = False,
+    shutdown_timeout: float = 60.0,
+) -> AsyncIterator[int]:
+    """``app`` served on ``host:port`` for the block; yields the bound port (``port=0``
+    picks one). ``OSError`` when it cannot listen; the runner is cleaned up even when
+    the block is cancelled."""
     runner = web.AppRunner(
-        app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT
+        app,
+        access_log=None,
+        handle_signals=False,
+        handler_cancellation=handler_cancellation,
+        shutdown_timeout=shutdown_timeout,
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
-        try:
-            await site.start()
-        except OSError as exc:
-            reason = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise ConfigError(
-                f"cannot listen on {host}:{port} for the {name} server: {reason}"
-            ) from None
-        bound = _bound_port(runner)
-        log.info("server_listening", server=name, host=host, port=bound)
-        task_status.started(bound)
-        await anyio.sleep_forever()
+        await web.TCPSite(runner, host, port, backlog=backlog).start()
+        yield _bound_port(runner)
     finally:
         with anyio.CancelScope(shield=True):
             await runner.cleanup()

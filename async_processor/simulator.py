@@ -29,6 +29,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
+from async_processor.health import listening
+
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 RECORDED_REQUESTS = 1000
@@ -278,21 +280,11 @@ class Simulator:
     ) -> None:
         """Listen until cancelled; reports the bound port (useful with ``port=0``)."""
         # handler_cancellation: a hung or queued request ends when its client goes away.
-        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, host, port, backlog=4096)
-            await site.start()
-            task_status.started(_bound_port(runner))
+        async with listening(
+            self.app(), host, port, backlog=4096, handler_cancellation=True
+        ) as bound:
+            task_status.started(bound)
             await anyio.sleep_forever()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await runner.cleanup()
-
-
-def _bound_port(runner: web.AppRunner) -> int:
-    address = runner.addresses[0]
-    return int(address[1])
 
 
 def _completion_body(request: dict[str, Any], chat: bool, max_tokens: int) -> bytes:
