@@ -37,12 +37,11 @@ from async_processor.config import (
     AppConfig,
     GcpPubSubConfig,
     RedisPubSubConfig,
-    RuntimeConfig,
     SortedSetConfig,
 )
 from async_processor.messages import Envelope, Request, Routing
-from async_processor.processor import Processor
 from async_processor.transports import redis_keys as keys
+from tests.fixtures.inprocess import runtime_config
 from tests.fixtures.pubsub import PubSubAdmin, pubsub_admin
 
 T = TypeVar("T")
@@ -105,18 +104,6 @@ class TransportHarness(Protocol):
     async def parked(self) -> int | None:
         """Messages handed back and waiting on the broker's side (None: not observable)."""
         ...
-
-
-def runtime_config(**overrides: Any) -> RuntimeConfig:
-    """Ephemeral ports on loopback, no backlog polling; ``overrides`` win."""
-    settings: dict[str, Any] = {
-        "health_port": 0,
-        "metrics_port": 0,
-        "bind_address": "127.0.0.1",
-        "metrics_backlog_poll_interval": "0s",
-        **overrides,
-    }
-    return RuntimeConfig.model_validate(settings)
 
 
 async def poll(
@@ -353,23 +340,3 @@ async def open_harness(
         yield harness
     finally:
         await harness.aclose()
-
-
-@asynccontextmanager
-async def running(config: AppConfig) -> AsyncIterator[Processor]:
-    """The daemon in-process; leaving the block drains it (``request_stop``) and waits."""
-    processor = Processor(config)
-    async with anyio.create_task_group() as tg:
-        await tg.start(processor.run)
-        yield processor
-        processor.request_stop()
-
-
-def metric(processor: Processor, name: str, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for family in processor.metrics.registry.collect():
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total

@@ -21,14 +21,8 @@ import anyio
 import pytest
 
 from async_processor.messages import DEADLINE_EXCEEDED_TEXT
-from tests.contract.harness import (
-    Result,
-    Submission,
-    TransportHarness,
-    metric,
-    open_harness,
-    running,
-)
+from tests.contract.harness import Result, Submission, TransportHarness, open_harness
+from tests.fixtures.inprocess import metric, running
 from tests.fixtures.simulator import LocalSimulator
 
 pytestmark = pytest.mark.anyio

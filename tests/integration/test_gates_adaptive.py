@@ -20,8 +20,9 @@ from async_processor.gates.adaptive import AdaptiveConcurrencyGate
 from async_processor.gates.base import Action, GateContext, GateOwner, Releases, build_gate
 from async_processor.messages import Envelope, Request
 from async_processor.simulator import DROPPED_REASON_HEADER
+from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.fixtures.simulator import SimulatorProcess
-from tests.integration.test_pipeline import _config, _req, _submit, running
+from tests.integration.test_pipeline import _req
 
 CALLERS = 128
 CAPACITY = 32
@@ -124,14 +125,14 @@ async def pipeline_run(
 ) -> tuple[dict[str, Any], list[int], float | None]:
     """Run the daemon with a 128-worker pool; simulator stats, in-flight samples, limit."""
     pools = [PoolConfig(id="p", workers=CALLERS, **gate)]
-    config = _config(redis_url, simulator.url, queue, pools=pools)
+    config = sortedset_config(redis_url, simulator.url, queue, pools=pools)
     # Fetch in large batches so that feeding 128 workers is not what limits the run.
     transport = config.transport_config.model_copy(update={"batch_size": CALLERS})
     config = config.model_copy(update={"transport_config": transport})
     simulator.reset()
     samples: list[int] = []
     async with running(config) as processor:
-        await _submit(redis_url, queue, *[_req(f"{queue}-{i}", ttl=120) for i in range(3000)])
+        await submit(redis_url, queue, *[_req(f"{queue}-{i}", ttl=120) for i in range(3000)])
         await anyio.sleep(DAEMON_SECONDS / 2)
         end = time.monotonic() + DAEMON_SECONDS / 2
         while time.monotonic() < end:  # admitted past the pool gate, as the daemon counts

@@ -13,11 +13,10 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from async_processor.config import AppConfig, PoolConfig, RuntimeConfig, SortedSetConfig
+from async_processor.config import AppConfig, PoolConfig
 from async_processor.gates.tiers import TOO_MANY_REQUESTS
-from tests.fixtures.servers import free_port
+from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.fixtures.simulator import SimulatorProcess
-from tests.integration.test_pipeline import _submit, running
 
 
 @pytest.fixture
@@ -36,32 +35,13 @@ def config(
     pools: list[PoolConfig],
     gate_wait_timeout: str = "500ms",
 ) -> AppConfig:
-    transport = SortedSetConfig.model_validate(
-        {
-            "url": redis_url,
-            "result_queue_name": f"{queue}:results",
-            "retry_queue_name": f"{queue}:retry",
-            "poll_interval_ms": 50,
-            "queues": [
-                {
-                    "queue_name": queue,
-                    "igw_base_url": gateway,
-                    "worker_pool_id": pools[0].id if pools else "default",
-                    "labels": {"tier": "interactive"},
-                    **gate,
-                }
-            ],
-        }
-    )
-    runtime = RuntimeConfig(
-        health_port=free_port(),
-        metrics_port=free_port(),
-        bind_address="127.0.0.1",
-        metrics_backlog_poll_interval="0s",
+    return sortedset_config(
+        redis_url,
+        gateway,
+        queue,
+        pools=pools,
+        queue_extra={"labels": {"tier": "interactive"}, **gate},
         gate_wait_timeout=gate_wait_timeout,
-    )
-    return AppConfig(
-        transport="redis-sortedset", transport_config=transport, runtime=runtime, pools=pools
     )
 
 
@@ -102,7 +82,7 @@ async def test_quota_slot_comes_back_on_the_retry_path(
     cfg = config(redis_url, simulator.url, unique, quota_gate(redis_url, unique, 1, "blocking"), [])
     r = aioredis.Redis.from_url(redis_url, decode_responses=True)
     async with running(cfg):
-        client = await _submit(redis_url, unique, request("a", "ann"), request("b", "ann"))
+        client = await submit(redis_url, unique, request("a", "ann"), request("b", "ann"))
         await anyio.sleep(1.0)  # the first attempt failed with 503 and went to retry
         simulator.configure(error_rate=0.0)
         results = await client.drain_results(2, 20)
@@ -124,7 +104,7 @@ async def test_classifying_quota_drives_tier_admission(
     cfg = config(redis_url, simulator.url, unique, gate, pools)
     r = aioredis.Redis.from_url(redis_url, decode_responses=True)
     async with running(cfg):
-        client = await _submit(redis_url, unique, request("held", "bo"))
+        client = await submit(redis_url, unique, request("held", "bo"))
         await anyio.sleep(0.3)  # "held" takes bo's only slot: reserved, parked at the pool
         await client.submit_many([request("extra", "bo")])
         [dropped] = await client.drain_results(1, 10)
@@ -175,7 +155,7 @@ async def test_queue_quota_slot_comes_back_when_the_pool_gate_ends_the_request(
     cfg = config(redis_url, simulator.url, unique, gate, pools, gate_wait_timeout="1m")
     r = aioredis.Redis.from_url(redis_url, decode_responses=True)
     async with running(cfg):
-        client = await _submit(redis_url, unique, request("x", "cy", ttl=ttl))
+        client = await submit(redis_url, unique, request("x", "cy", ttl=ttl))
         [result] = await client.drain_results(1, 10)
         key_after = await count_when_settled(r, f"{unique}:userid:cy")
     await r.aclose()
@@ -194,7 +174,7 @@ async def test_local_limit_at_pool_level_parks_workers_and_holds_the_cap(
     ]
     cfg = config(redis_url, simulator.url, unique, {}, pools, gate_wait_timeout="1m")
     async with running(cfg):
-        client = await _submit(redis_url, unique, *[request(f"l{i}", "x") for i in range(20)])
+        client = await submit(redis_url, unique, *[request(f"l{i}", "x") for i in range(20)])
         results = await client.drain_results(20, 15)
     assert sorted(r.status_code for r in results) == [200] * 20
     assert simulator.stats()["max_concurrent_seen"] == 2
@@ -221,7 +201,7 @@ async def test_leased_rate_ceiling_paces_the_pool(
     cfg = config(redis_url, simulator.url, unique, {}, pools, gate_wait_timeout="1m")
     async with running(cfg):
         start = time.monotonic()
-        client = await _submit(redis_url, unique, *[request(f"z{i}", "x") for i in range(15)])
+        client = await submit(redis_url, unique, *[request(f"z{i}", "x") for i in range(15)])
         results = await client.drain_results(15, 15)
         took = time.monotonic() - start
     await r.aclose()

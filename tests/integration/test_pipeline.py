@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 import resource
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -32,6 +31,7 @@ from async_processor.gates.base import (
 )
 from async_processor.messages import Envelope, Result
 from async_processor.processor import Processor
+from tests.fixtures.inprocess import metric, running, sortedset_config, submit
 from tests.fixtures.servers import free_port
 from tests.fixtures.simulator import SimulatorProcess
 
@@ -44,79 +44,20 @@ def anyio_backend() -> str:
 pytestmark = pytest.mark.anyio
 
 
-def _config(
-    redis_url: str,
-    gateway: str,
-    queue: str,
-    *,
-    pools: list[PoolConfig] | None = None,
-    queue_extra: dict[str, Any] | None = None,
-    **runtime: Any,
-) -> AppConfig:
-    transport = SortedSetConfig.model_validate(
-        {
-            "url": redis_url,
-            "result_queue_name": f"{queue}:results",
-            "retry_queue_name": f"{queue}:retry",
-            "poll_interval_ms": 50,
-            "queues": [
-                {
-                    "queue_name": queue,
-                    "igw_base_url": gateway,
-                    "worker_pool_id": pools[0].id if pools else "default",
-                    **(queue_extra or {}),
-                }
-            ],
-        }
-    )
-    rt = RuntimeConfig(
-        health_port=free_port(),
-        metrics_port=free_port(),
-        bind_address="127.0.0.1",
-        metrics_backlog_poll_interval="0s",
-        **runtime,
-    )
-    return AppConfig(
-        transport="redis-sortedset", transport_config=transport, runtime=rt, pools=pools or []
-    )
-
-
-@asynccontextmanager
-async def running(config: AppConfig) -> AsyncIterator[Processor]:
-    processor = Processor(config)
-    async with anyio.create_task_group() as tg:
-        await tg.start(processor.run)
-        yield processor
-        processor.request_stop()
-
-
-async def _submit(url: str, queue: str, *requests: dict[str, Any]) -> SortedSetClient:
-    client = SortedSetClient(url, request_queue=queue, result_queue=f"{queue}:results")
-    await client.submit_many(list(requests))
-    return client
-
-
 def _req(request_id: str, ttl: float = 600, **extra: Any) -> dict[str, Any]:
     return {"id": request_id, "deadline": int(time.time() + ttl), "payload": {"p": 1}, **extra}
-
-
-def _value(processor: Processor, name: str, **labels: str) -> float:
-    total = 0.0
-    for metric in processor.metrics.registry.collect():
-        for sample in metric.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 async def test_headers_and_deadline_reach_the_gateway(
     redis_url: str, unique: str, simulator: SimulatorProcess
 ) -> None:
-    config = _config(redis_url, simulator.url, unique, queue_extra={"inference_objective": "obj-a"})
+    config = sortedset_config(
+        redis_url, simulator.url, unique, queue_extra={"inference_objective": "obj-a"}
+    )
     request = _req("h1", headers={"X-Tenant": "t1"}, metadata={"userid": "u7"})
     raw_payload = '{"z":1,"a":12345678901234567890123}'
     async with running(config):
-        client = await _submit(redis_url, unique)
+        client = await submit(redis_url, unique)
         # A hand-made member keeps the payload's exact text (key order, 23-digit integer).
         envelope = json.dumps(
             {
@@ -149,12 +90,12 @@ async def test_server_errors_are_retried_until_success(
     redis_url: str, unique: str, simulator: SimulatorProcess
 ) -> None:
     simulator.configure(error_rate=1.0, error_status=503)
-    async with running(_config(redis_url, simulator.url, unique)) as processor:
-        client = await _submit(redis_url, unique, _req("e1"))
+    async with running(sortedset_config(redis_url, simulator.url, unique)) as processor:
+        client = await submit(redis_url, unique, _req("e1"))
         await anyio.sleep(2.5)  # first attempt fails; the retry waits 2–4 s (equal jitter)
         simulator.configure(error_rate=0.0)
         [result] = await client.drain_results(1, 15)
-        retries = _value(processor, "llm_d_async_async_request_retries_total", queue_name=unique)
+        retries = metric(processor, "llm_d_async_async_request_retries_total", queue_name=unique)
     assert result.status_code == 200
     assert retries >= 1
     assert simulator.stats()["by_status"].get("503", 0) == retries
@@ -164,11 +105,11 @@ async def test_429_counts_shed_and_honours_retry_after(
     redis_url: str, unique: str, simulator: SimulatorProcess
 ) -> None:
     simulator.configure(error_rate=1.0, error_status=429)
-    async with running(_config(redis_url, simulator.url, unique)) as processor:
-        client = await _submit(redis_url, unique, _req("s1", ttl=3))
+    async with running(sortedset_config(redis_url, simulator.url, unique)) as processor:
+        client = await submit(redis_url, unique, _req("s1", ttl=3))
         [result] = await client.drain_results(1, 15)
-        shed = _value(processor, "llm_d_async_async_shedded_requests_total", queue_name=unique)
-        exceeded = _value(
+        shed = metric(processor, "llm_d_async_async_shedded_requests_total", queue_name=unique)
+        exceeded = metric(
             processor, "llm_d_async_async_exceeded_deadline_requests_total", queue_name=unique
         )
     assert shed >= 1
@@ -179,10 +120,10 @@ async def test_429_counts_shed_and_honours_retry_after(
 
 async def test_connection_refused_retries_until_deadline(redis_url: str, unique: str) -> None:
     dead_gateway = f"http://127.0.0.1:{free_port()}"
-    async with running(_config(redis_url, dead_gateway, unique)) as processor:
-        client = await _submit(redis_url, unique, _req("c1", ttl=3))
+    async with running(sortedset_config(redis_url, dead_gateway, unique)) as processor:
+        client = await submit(redis_url, unique, _req("c1", ttl=3))
         [result] = await client.drain_results(1, 15)
-        retries = _value(processor, "llm_d_async_async_request_retries_total", queue_name=unique)
+        retries = metric(processor, "llm_d_async_async_request_retries_total", queue_name=unique)
     assert result.error_code == "DEADLINE_EXCEEDED"  # not a fatal INFERENCE_ERROR
     assert retries >= 1
 
@@ -191,13 +132,13 @@ async def test_attempt_cut_at_request_timeout_then_retried(
     redis_url: str, unique: str, simulator: SimulatorProcess
 ) -> None:
     simulator.configure(hang_rate=1.0)
-    config = _config(redis_url, simulator.url, unique, request_timeout="300ms")
+    config = sortedset_config(redis_url, simulator.url, unique, request_timeout="300ms")
     async with running(config) as processor:
-        client = await _submit(redis_url, unique, _req("t1"))
+        client = await submit(redis_url, unique, _req("t1"))
         await anyio.sleep(1.0)
         simulator.configure(hang_rate=0.0)
         [result] = await client.drain_results(1, 15)
-        retries = _value(processor, "llm_d_async_async_request_retries_total", queue_name=unique)
+        retries = metric(processor, "llm_d_async_async_request_retries_total", queue_name=unique)
     assert result.status_code == 200
     assert retries >= 1
 
@@ -205,8 +146,8 @@ async def test_attempt_cut_at_request_timeout_then_retried(
 async def test_invalid_endpoint_and_header_are_invalid_request(
     redis_url: str, unique: str, simulator: SimulatorProcess
 ) -> None:
-    async with running(_config(redis_url, simulator.url, unique)):
-        client = await _submit(
+    async with running(sortedset_config(redis_url, simulator.url, unique)):
+        client = await submit(
             redis_url,
             unique,
             _req("bad-endpoint", endpoint="http://elsewhere/v1/completions"),
@@ -255,7 +196,7 @@ async def test_queue_gate_refusal_defers_without_hot_loop_or_blocking_others(
     redis_url: str, unique: str, simulator: SimulatorProcess
 ) -> None:
     SCRIPTS[unique] = lambda m: REFUSE if m.id == "blocked" else CONTINUE
-    config = _config(
+    config = sortedset_config(
         redis_url,
         simulator.url,
         unique,
@@ -263,7 +204,7 @@ async def test_queue_gate_refusal_defers_without_hot_loop_or_blocking_others(
     )
     async with running(config) as processor:
         # "blocked" has the earliest deadline: it sits at the head of the queue.
-        client = await _submit(
+        client = await submit(
             redis_url,
             unique,
             _req("blocked", ttl=100),
@@ -271,7 +212,7 @@ async def test_queue_gate_refusal_defers_without_hot_loop_or_blocking_others(
         )
         results = await client.drain_results(20, 15)
         await anyio.sleep(1.5)
-        refused = _value(
+        refused = metric(
             processor,
             "llm_d_async_async_gate_decisions_total",
             queue_name=unique,
@@ -291,8 +232,10 @@ async def test_pool_gate_wait_parks_workers_without_spinning(
     pools = [
         PoolConfig(id="p", workers=64, gate_type="test-scripted", gate_params={"name": unique})
     ]
-    async with running(_config(redis_url, simulator.url, unique, pools=pools)) as processor:
-        client = await _submit(redis_url, unique, *[_req(f"w{i}") for i in range(64)])
+    async with running(
+        sortedset_config(redis_url, simulator.url, unique, pools=pools)
+    ) as processor:
+        client = await submit(redis_url, unique, *[_req(f"w{i}") for i in range(64)])
         await anyio.sleep(0.5)
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         await anyio.sleep(2.0)
@@ -300,7 +243,7 @@ async def test_pool_gate_wait_parks_workers_without_spinning(
         assert simulator.stats()["total"] == 0  # nothing dispatched while closed
         gate_open.set()
         results = await client.drain_results(64, 20)
-        waits = _value(
+        waits = metric(
             processor,
             "llm_d_async_async_gate_decisions_total",
             pool_name="p",
@@ -319,9 +262,11 @@ async def test_pool_gate_wait_limit_hands_back_instead_of_failing(
 ) -> None:
     SCRIPTS[unique] = lambda m: WAIT
     pools = [PoolConfig(id="p", workers=2, gate_type="test-scripted", gate_params={"name": unique})]
-    config = _config(redis_url, simulator.url, unique, pools=pools, gate_wait_timeout="300ms")
+    config = sortedset_config(
+        redis_url, simulator.url, unique, pools=pools, gate_wait_timeout="300ms"
+    )
     async with running(config):
-        client = await _submit(redis_url, unique, _req("w1"))
+        client = await submit(redis_url, unique, _req("w1"))
         await anyio.sleep(1.0)
         assert await client.result_depth() == 0  # no terminal result
         r = aioredis.Redis.from_url(redis_url)
@@ -332,7 +277,7 @@ async def test_pool_gate_wait_limit_hands_back_instead_of_failing(
 async def test_result_routing_to_message_result_queue(
     redis_url: str, unique: str, simulator: SimulatorProcess
 ) -> None:
-    async with running(_config(redis_url, simulator.url, unique)):
+    async with running(sortedset_config(redis_url, simulator.url, unique)):
         client = SortedSetClient(redis_url, request_queue=unique, result_queue=f"{unique}:mine")
         await client.submit(_req("routed"))
         [result] = await client.drain_results(1, 10)
@@ -382,9 +327,11 @@ async def test_drain_timeout_cuts_in_flight_and_hands_everything_back_at_once(
     from async_processor.config import MergePolicyConfig
 
     simulator.configure(hang_rate=1.0)
-    config = _config(redis_url, simulator.url, unique, concurrency=4, drain_timeout="500ms")
+    config = sortedset_config(
+        redis_url, simulator.url, unique, concurrency=4, drain_timeout="500ms"
+    )
     config = config.model_copy(update={"merge_policy": MergePolicyConfig(type="tier-priority")})
-    client = await _submit(redis_url, unique, *[_req(f"d{i}") for i in range(20)])
+    client = await submit(redis_url, unique, *[_req(f"d{i}") for i in range(20)])
     processor = Processor(config)
     async with anyio.create_task_group() as tg:
         await tg.start(processor.run)
@@ -419,11 +366,11 @@ async def test_an_unexpected_error_ends_the_request_instead_of_the_daemon(
 
     TRANSFORMS.register("test-broken", GateParams)(lambda params, ctx: Broken())  # type: ignore[arg-type,return-value]
     try:
-        config = _config(redis_url, simulator.url, unique).model_copy(update={
+        config = sortedset_config(redis_url, simulator.url, unique).model_copy(update={
             "transforms": TransformConfig.model_validate(
                 {"requestTransforms": [{"name": "b", "type": "test-broken"}]})})  # fmt: skip
         async with running(config):
-            client = await _submit(redis_url, unique, _req("boom"), _req("fine"))
+            client = await submit(redis_url, unique, _req("boom"), _req("fine"))
             results = {r.id: r for r in await client.drain_results(2, 15)}
     finally:
         TRANSFORMS._entries.pop("test-broken")
