@@ -2,9 +2,9 @@
 
 Input: queue names, request ids and deliveries. Output: the key names both sides agree
 on, a submission's dedup ``fingerprint``, a delivery's envelope with its routing filled
-from its queue (``decode_delivery``), the Lua sources in ``transports/lua/`` registered
-on a ``redis.asyncio`` client, and the client itself (``connect``) with its errors
-mapped to ``TransportError``.
+from its queue (``decode_delivery``) and its ``dead_letter_entry``, the Lua sources in
+``transports/lua/`` registered on a ``redis.asyncio`` client, and the client itself
+(``connect``) with its errors mapped to ``TransportError``.
 
 Keys (the reference's names where it has them, DESIGN.md §4):
 
@@ -25,6 +25,8 @@ reads from each envelope; like the reference, this targets a standalone Redis.
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
@@ -98,6 +100,18 @@ def decode_delivery(delivery: Delivery, max_bytes: int, *, own_queue_name: bool)
     routing.labels = {**routing.labels, **queue.labels}
     delivery.envelope = envelope
     return envelope
+
+
+def dead_letter_entry(delivery: Delivery, reason: str, detail: str) -> str:
+    """The JSON parked on ``<queue>:dead-letter``: {reason, detail, raw, time, queue}."""
+    entry = {
+        "reason": reason,
+        "detail": detail,
+        "raw": delivery.raw.decode("utf-8", errors="replace"),
+        "time": time.time(),
+        "queue": delivery.queue.name,
+    }
+    return json.dumps(entry, ensure_ascii=False)
 
 
 def inflight_key(queue: str) -> str:

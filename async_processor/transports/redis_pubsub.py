@@ -22,8 +22,6 @@ a lost subscription is re-made within a second.
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Sequence
 
 import anyio
@@ -205,17 +203,9 @@ class RedisPubSubTransport:
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Park on ``<channel>:dead-letter`` as {reason, detail, raw, time, queue}."""
-        entry = {
-            "reason": reason,
-            "detail": detail,
-            "raw": delivery.raw.decode("utf-8", errors="replace"),
-            "time": time.time(),
-            "queue": delivery.queue.name,
-        }
+        entry = keys.dead_letter_entry(delivery, reason, detail)
         with redis_errors("dead_letter"):
-            await self._redis.lpush(
-                keys.dead_letter_key(delivery.queue.name), json.dumps(entry, ensure_ascii=False)
-            )
+            await self._redis.lpush(keys.dead_letter_key(delivery.queue.name), entry)
 
     # ------------------------------------------------------------------ queries
 

@@ -21,7 +21,6 @@ else (undecodable message) the id alone for the TTL.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -243,18 +242,12 @@ class SortedSetTransport:
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Park on ``<queue>:dead-letter`` as {reason, detail, raw, time, queue}; ack it."""
-        entry = {
-            "reason": reason,
-            "detail": detail,
-            "raw": delivery.raw.decode("utf-8", errors="replace"),
-            "time": time.time(),
-            "queue": delivery.queue.name,
-        }
+        entry = keys.dead_letter_entry(delivery, reason, detail)
         target = keys.dead_letter_key(delivery.queue.name)
         with self._acking([delivery]), redis_errors("dead_letter"):
             parked = await self._scripts["dead_letter"](
                 keys=self._ack_keys(delivery, target),
-                args=[_claim(delivery).id, json.dumps(entry, ensure_ascii=False)],
+                args=[_claim(delivery).id, entry],
             )
         self._release(delivery)
         if not parked:
