@@ -49,7 +49,7 @@ from async_processor.retry import (
 )
 from async_processor.transforms.base import Outgoing
 from async_processor.transports.base import Deferral, Transport
-from async_processor.work import PoolCapacity, Work
+from async_processor.work import PoolCapacity, Work, put, take
 
 log = structlog.get_logger(__name__)
 
@@ -254,7 +254,11 @@ class Worker:
 
     async def run(self, stream: ObjectReceiveStream[Work]) -> None:
         async with stream, self.writer:
-            async for work in stream:
+            while True:
+                try:
+                    work = await take(stream)
+                except anyio.EndOfStream:
+                    return
                 await self.handle(work)
 
     async def handle(self, work: Work) -> None:
@@ -369,9 +373,9 @@ class Worker:
         try:
             if isinstance(outcome, Final):
                 _count(work, outcome)
-                await self.writer.send(Completion(work.delivery, outcome.result))
+                await put(self.writer, Completion(work.delivery, outcome.result))
             else:
-                await self.writer.send(Deferral(work.delivery, outcome.delay))
+                await put(self.writer, Deferral(work.delivery, outcome.delay))
         finally:
             self.capacity.release()
             await work.releases.release_all()

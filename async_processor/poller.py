@@ -34,7 +34,7 @@ from async_processor.metrics import QueueMetrics
 from async_processor.results import Completion, Op
 from async_processor.retry import REFUSE_DELAY, expired, last_answer
 from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport
-from async_processor.work import PoolCapacity, Work
+from async_processor.work import PoolCapacity, Work, put
 
 log = structlog.get_logger(__name__)
 
@@ -137,7 +137,7 @@ class Poller:
             verdict = await self._gate.apply(envelope, releases)
             if verdict.action in (Action.CONTINUE, Action.WAIT):
                 # Wait means nothing at queue level: the pool gate is where workers park.
-                await self._lane.send(Work(delivery, envelope, self._metrics, releases))
+                await put(self._lane, Work(delivery, envelope, self._metrics, releases))
                 forwarded = True
                 self._settled = delivery
             elif verdict.action is Action.REFUSE:
@@ -193,12 +193,12 @@ class Poller:
             return False
 
     async def _finish(self, delivery: Delivery, result: Result) -> None:
-        await self._writer.send(Completion(delivery, result))
+        await put(self._writer, Completion(delivery, result))
         self._settled = delivery
         self._capacity.release()
 
     async def _defer(self, delivery: Delivery, delay: float) -> None:
-        await self._writer.send(Deferral(delivery, delay))
+        await put(self._writer, Deferral(delivery, delay))
         self._settled = delivery
         self._capacity.release()
 

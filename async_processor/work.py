@@ -7,13 +7,18 @@ the pool admission gate, the transforms and the dispatch worker.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from async_processor.gates.base import Releases
 from async_processor.messages import Envelope
 from async_processor.metrics import QueueMetrics
 from async_processor.transports.base import Delivery, QueueSpec
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True, eq=False)
@@ -57,3 +62,29 @@ class PoolCapacity:
         self.free += count
         changed, self._changed = self._changed, anyio.Event()
         changed.set()
+
+
+async def put(stream: ObjectSendStream[T], item: T) -> None:
+    """Send; when the buffer has room, without a trip through the event loop.
+
+    anyio's ``send`` always yields to the loop first (a checkpoint). Each message crosses
+    three hand-offs, so on the hot path that was three extra loop iterations per message.
+    """
+    if isinstance(stream, MemoryObjectSendStream):
+        try:
+            stream.send_nowait(item)
+            return
+        except anyio.WouldBlock:
+            pass
+    await stream.send(item)
+
+
+async def take(stream: ObjectReceiveStream[T]) -> T:
+    """Receive; at once when something is buffered (see ``put``). EndOfStream when done."""
+    if isinstance(stream, MemoryObjectReceiveStream):
+        try:
+            item: T = stream.receive_nowait()
+            return item
+        except anyio.WouldBlock:
+            pass
+    return await stream.receive()

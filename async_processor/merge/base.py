@@ -15,7 +15,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from async_processor.registry import Registry
 from async_processor.transports.base import QueueSpec
-from async_processor.work import Work
+from async_processor.work import Work, put
 
 if TYPE_CHECKING:
     from async_processor.metrics import Metrics
@@ -49,7 +49,7 @@ async def emit(sink: ObjectSendStream[Work], work: Work) -> None:
     """
     work.metrics.queue_depth.inc()
     try:
-        await sink.send(work)
+        await put(sink, work)
     except BaseException:
         work.metrics.queue_depth.dec()
         raise

@@ -23,7 +23,7 @@ from anyio.abc import ObjectSendStream
 
 from async_processor.merge.base import MERGE_POLICIES, MergeContext, MergePolicy, Source, emit
 from async_processor.merge.headers import MergeParams
-from async_processor.work import Work
+from async_processor.work import Work, take
 
 
 class RandomRobinParams(MergeParams):
@@ -76,9 +76,12 @@ class RandomRobin:
     async def run(self, pool: str, sources: Sequence[Source], sink: ObjectSendStream[Work]) -> None:
         if len(sources) == 1:  # nothing to choose between: skip the offer hand-off
             async with sink, sources[0].stream as stream:
-                async for work in stream:
+                while True:
+                    try:
+                        work = await take(stream)
+                    except anyio.EndOfStream:
+                        return
                     await self._emit(work, sink)
-            return
         offers = _Offers(len(sources))
         async with sink, anyio.create_task_group() as tg:
             for source in sources:
