@@ -62,6 +62,7 @@ class Poller:
         self._metrics = metrics
         self._log = log.bind(queue=queue.name, pool=queue.pool)
         self._error_backoff = 0.0
+        self._idle = False
         # The last delivery handed on (to the lane or the writer): it is no longer ours.
         self._settled: Delivery | None = None
 
@@ -75,6 +76,8 @@ class Poller:
         budget = await self._budget()
         self._metrics.dispatch_budget.set(budget)
         wanted = min(self.queue.batch_size, math.floor(self.queue.batch_size * budget))
+        if self._idle:  # an empty queue waits for its next message holding one slot, not a batch
+            wanted = min(wanted, 1)
         if wanted <= 0:
             await self._note_gate_closed()
             await anyio.sleep(self.queue.poll_interval)
@@ -89,6 +92,7 @@ class Poller:
             await self._back_off(exc)
             return
         self._error_backoff = 0.0
+        self._idle = not deliveries
         self._capacity.release(reserved - len(deliveries))
         await self._admit_all(deliveries)
 

@@ -260,8 +260,9 @@ class Processor:
         # A little prefetch beyond the workers hides the fetch round trip. No more: every
         # message held here is leased away from the other replicas, and with fetching
         # driven by free slots, an urgent queue is served at the next free slot anyway.
-        slots = config.workers + max(1, config.workers // 4)
+        # Plus one slot per further queue: what an idle queue's poller holds while it waits.
         mine = [q for q in queues if q.pool == config.id]
+        slots = config.workers + max(1, config.workers // 4) + max(0, len(mine) - 1)
         return _Pool(config, mine, PoolCapacity(slots), gate)
 
     async def _backlog_loop(self, interval: float) -> None:

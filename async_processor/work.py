@@ -6,6 +6,7 @@ the pool admission gate, the transforms and the dispatch worker.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -41,27 +42,48 @@ class PoolCapacity:
 
     Slots = workers + a small prefetch, so fetching stops when workers are busy and memory
     is bounded by configuration, not by broker depth (DESIGN.md §6).
+
+    Pollers are served first come, first served: a poller that just gave slots back cannot
+    take them again ahead of one already waiting (an empty queue's poller, cycling fast,
+    starved a busy queue's poller of the same pool that way).
     """
 
     def __init__(self, slots: int) -> None:
         self.slots = slots
         self.free = slots
-        self._changed = anyio.Event()
+        self._waiters: deque[anyio.Event] = deque()
+        self._woken = 0  # waiters woken and not yet resumed: nobody may take slots first
 
     async def reserve(self, wanted: int) -> int:
-        """Wait for at least one free slot, then take up to ``wanted``."""
-        while self.free <= 0:
-            await self._changed.wait()
+        """Wait for a free slot in turn, then take up to ``wanted``."""
+        if self.free <= 0 or self._waiters or self._woken:
+            turn = anyio.Event()
+            self._waiters.append(turn)
+            try:
+                await turn.wait()
+            except BaseException:
+                if turn.is_set():  # woken but cancelled before taking: pass the turn on
+                    self._woken -= 1
+                    self._wake()
+                else:
+                    self._waiters.remove(turn)
+                raise
+            self._woken -= 1
         taken = min(wanted, self.free)
         self.free -= taken
+        self._wake()
         return taken
 
     def release(self, count: int = 1) -> None:
         if count <= 0:
             return
         self.free += count
-        changed, self._changed = self._changed, anyio.Event()
-        changed.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.free > 0 and self._waiters and not self._woken:
+            self._woken += 1
+            self._waiters.popleft().set()
 
 
 async def put(stream: ObjectSendStream[T], item: T) -> None:

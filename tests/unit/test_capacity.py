@@ -1,0 +1,73 @@
+"""Pool slots: first come, first served, and a cancelled waiter never strands a slot."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from anyio import wait_all_tasks_blocked
+from anyio.lowlevel import checkpoint
+
+from async_processor.work import PoolCapacity
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_a_releasing_poller_cannot_jump_the_queue() -> None:
+    capacity = PoolCapacity(2)
+    assert await capacity.reserve(2) == 2
+    order: list[tuple[str, int]] = []
+
+    async def waiting_poller() -> None:
+        taken = await capacity.reserve(2)
+        order.append(("waiting", taken))
+        capacity.release(taken)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiting_poller)
+            await wait_all_tasks_blocked()
+            # An empty queue's poller gives its slots back and asks again at once.
+            capacity.release(2)
+            order.append(("releasing", await capacity.reserve(2)))
+    assert order == [("waiting", 2), ("releasing", 2)]
+
+
+async def test_a_waiter_cancelled_as_it_is_woken_strands_no_slot() -> None:
+    """Cancelled while being woken, a waiter either passes its turn on or (if the wake-up
+    won the race) takes the slot and gives it back as a poller does: the next one gets it."""
+    capacity = PoolCapacity(1)
+    assert await capacity.reserve(1) == 1
+    got: list[int] = []
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            first = anyio.CancelScope()
+
+            async def cancelled_waiter() -> None:
+                with first:
+                    taken = await capacity.reserve(1)
+                    capacity.release(taken)  # what the poller does when cancelled after reserve
+
+            async def next_waiter() -> None:
+                got.append(await capacity.reserve(1))
+
+            tg.start_soon(cancelled_waiter)
+            await wait_all_tasks_blocked()
+            tg.start_soon(next_waiter)
+            await wait_all_tasks_blocked()
+            capacity.release(1)  # wakes the first waiter ...
+            first.cancel()  # ... which is cancelled as it wakes
+            await checkpoint()
+    assert got == [1]
+    assert capacity.free == 0
+
+
+async def test_takes_at_most_what_is_free() -> None:
+    capacity = PoolCapacity(3)
+    assert await capacity.reserve(10) == 3
+    capacity.release(1)
+    assert await capacity.reserve(10) == 1
