@@ -22,12 +22,12 @@ a lost subscription is re-made within a second.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
@@ -120,11 +120,9 @@ class RedisPubSubTransport:
         self._defer = self._redis.register_script(DEFER)
         self._pop_due = self._redis.register_script(POP_DUE)
         self._by_name = {q.name: q for q in self.queues}
-        self._send: dict[str, MemoryObjectSendStream[Delivery]] = {}
-        self._receive: dict[str, MemoryObjectReceiveStream[Delivery]] = {}
+        self._buffers: dict[str, _Buffer] = {}
         for queue in self.queues:
-            send, receive = anyio.create_memory_object_stream[Delivery](queue.batch_size)
-            self._send[queue.name], self._receive[queue.name] = send, receive
+            self._buffers[queue.name] = _Buffer(queue.batch_size)
         self._subscribed = {q.name: False for q in self.queues}
         log.warning("redis_pubsub_deprecated", message=DEPRECATION)
 
@@ -134,19 +132,10 @@ class RedisPubSubTransport:
         """Up to ``limit`` buffered messages, waiting up to ``wait`` s for the first."""
         if limit <= 0:
             return []
-        receive = self._receive[queue.name]
-        out: list[Delivery] = []
-        try:
-            out.append(receive.receive_nowait())
-        except anyio.WouldBlock:
-            with anyio.move_on_after(wait):
-                out.append(await receive.receive())
-        while out and len(out) < limit:
-            try:
-                out.append(receive.receive_nowait())
-            except anyio.WouldBlock:
-                break
-        return out
+        buffer = self._buffers[queue.name]
+        with anyio.move_on_after(wait):
+            await buffer.wait_for_items()
+        return buffer.take(limit)
 
     def decode(self, delivery: Delivery) -> Envelope:
         """The envelope; its channel is where it came from (and where retries return)."""
@@ -226,7 +215,7 @@ class RedisPubSubTransport:
     async def aclose(self) -> None:
         """Hand buffered, never fetched messages to the retry set (due now); close."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-            left = [d for receive in self._receive.values() for d in _drain(receive)]
+            left = [d for buffer in self._buffers.values() for d in buffer.take(buffer.size)]
             if left:
                 try:
                     await self.defer([Deferral(d, 0.0) for d in left])
@@ -277,13 +266,13 @@ class RedisPubSubTransport:
             backoff = min(RESUBSCRIBE_MAX_BACKOFF, backoff * 2)
 
     async def _pump(self, pubsub: PubSub, queue: QueueSpec) -> None:
-        send = self._send[queue.name]
+        buffer = self._buffers[queue.name]
         while True:
             message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=READ_TIMEOUT)
             if message is None or message.get("type") != "message":
                 continue
             # Blocks while the buffer is full: backpressure onto the socket, never a drop.
-            await send.send(Delivery(queue=queue, raw=bytes(message["data"])))
+            await buffer.put(Delivery(queue=queue, raw=bytes(message["data"])))
 
     async def _retry_mover(self) -> None:
         failures = 0
@@ -300,16 +289,15 @@ class RedisPubSubTransport:
 
     async def move_due(self) -> int:
         """Pop due retries of our channels (as many as our buffers can take) into them."""
-        room = [
-            (name, send.statistics().max_buffer_size - send.statistics().current_buffer_used)
-            for name, send in self._send.items()
-        ]
+        room = [(name, buffer.room()) for name, buffer in self._buffers.items()]
         args: list[str | int] = [RETRY_SCAN]
         for name, free in room:
             args += [name, int(free)]
         if not any(free for _, free in room):
             return 0
-        with redis_errors("retry move"):
+        # Shielded: cancelled between Redis popping and the reply arriving (the transport
+        # stopping), the popped retries would be gone.
+        with anyio.CancelScope(shield=True), redis_errors("retry move"):
             flat = await self._pop_due(keys=[self.config.retry_queue_name], args=args)
         popped = [(flat[i].decode(), bytes(flat[i + 1])) for i in range(0, len(flat), 2)]
         await self._hand_over(popped)
@@ -320,7 +308,7 @@ class RedisPubSubTransport:
         sent = 0
         try:
             for name, member in popped:
-                await self._send[name].send(Delivery(queue=self._by_name[name], raw=member))
+                await self._buffers[name].put(Delivery(queue=self._by_name[name], raw=member))
                 sent += 1
         finally:
             rest = popped[sent:]
@@ -331,13 +319,42 @@ class RedisPubSubTransport:
                     )  # score 0: due at once
 
 
-def _drain(receive: MemoryObjectReceiveStream[Delivery]) -> list[Delivery]:
-    out: list[Delivery] = []
-    while True:
-        try:
-            out.append(receive.receive_nowait())
-        except (anyio.WouldBlock, anyio.EndOfStream):
-            return out
+class _Buffer:
+    """Bounded FIFO between a channel's reader and ``fetch``.
+
+    Not a memory object stream: there, a receive cancelled just as an item is handed to
+    it (a fetch timing out, or stopped at shutdown) takes that item down with it. Here
+    waiting never consumes anything; ``take`` is synchronous.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: deque[Delivery] = deque()
+        self._changed = anyio.Event()
+
+    async def put(self, item: Delivery) -> None:
+        """Append; waits while full (backpressure onto the socket)."""
+        while len(self._items) >= self.size:
+            await self._changed.wait()
+        self._items.append(item)
+        self._notify()
+
+    async def wait_for_items(self) -> None:
+        while not self._items:
+            await self._changed.wait()
+
+    def take(self, limit: int) -> list[Delivery]:
+        out = [self._items.popleft() for _ in range(min(limit, len(self._items)))]
+        if out:
+            self._notify()
+        return out
+
+    def room(self) -> int:
+        return self.size - len(self._items)
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()
 
 
 @TRANSPORTS.register("redis-pubsub", RedisPubSubConfig)
