@@ -54,6 +54,15 @@ def _wait_results(r: redis.Redis, result_list: str, at_least: int, timeout: floa
         time.sleep(0.02)
 
 
+def _seed(url: str, unique: str, prefix: str, n: int) -> tuple[redis.Redis, str, str, list[str]]:
+    """A client, this test's queue and result list, and ``n`` requests due in 10 minutes."""
+    r = _sync(url)
+    queue, results = f"{unique}:q", f"{unique}:results"
+    ids = [f"{prefix}{i}" for i in range(n)]
+    _submit(r, queue, results, ids, int(time.time()) + 600)
+    return r, queue, results, ids
+
+
 def _sync(url: str) -> redis.Redis:
     return redis.Redis.from_url(url)
 
@@ -62,10 +71,7 @@ def test_thousand_messages_thousand_results(
     redis_url: str, unique: str, simulator: SimulatorProcess, daemon_factory: DaemonFactory
 ) -> None:
     simulator.configure(latency=0.01)
-    r = _sync(redis_url)
-    queue, results = f"{unique}:q", f"{unique}:results"
-    ids = [f"m{i}" for i in range(1000)]
-    _submit(r, queue, results, ids, int(time.time()) + 600)
+    r, queue, results, ids = _seed(redis_url, unique, "m", 1000)
     daemon = daemon_factory.start(
         sortedset_config(redis_url, simulator.url, [queue], result_list=results),
         "--concurrency",
@@ -82,10 +88,7 @@ def test_kill9_twice_then_restart_every_id_exactly_one_result(
     redis_url: str, unique: str, simulator: SimulatorProcess, daemon_factory: DaemonFactory
 ) -> None:
     simulator.configure(latency=0.05)
-    r = _sync(redis_url)
-    queue, results = f"{unique}:q", f"{unique}:results"
-    ids = [f"k{i}" for i in range(1500)]
-    _submit(r, queue, results, ids, int(time.time()) + 600)
+    r, queue, results, ids = _seed(redis_url, unique, "k", 1500)
     config = sortedset_config(
         redis_url, simulator.url, [queue], result_list=results, lease_seconds=2
     )
@@ -109,10 +112,7 @@ def test_redis_restart_with_aof_loses_nothing(
     daemon_factory: DaemonFactory,
 ) -> None:
     simulator.configure(latency=0.02)
-    r = _sync(private_redis.url)
-    queue, results = f"{unique}:q", f"{unique}:results"
-    ids = [f"a{i}" for i in range(800)]
-    _submit(r, queue, results, ids, int(time.time()) + 600)
+    r, queue, results, ids = _seed(private_redis.url, unique, "a", 800)
     daemon_factory.start(
         sortedset_config(
             private_redis.url, simulator.url, [queue], result_list=results, lease_seconds=3
@@ -133,10 +133,7 @@ def test_sigterm_finishes_in_flight_and_hands_back_the_rest(
     redis_url: str, unique: str, simulator: SimulatorProcess, daemon_factory: DaemonFactory
 ) -> None:
     simulator.configure(latency=1.5)
-    r = _sync(redis_url)
-    queue, results = f"{unique}:q", f"{unique}:results"
-    ids = [f"s{i}" for i in range(200)]
-    _submit(r, queue, results, ids, int(time.time()) + 600)
+    r, queue, results, ids = _seed(redis_url, unique, "s", 200)
     config = sortedset_config(redis_url, simulator.url, [queue], result_list=results)
     daemon = daemon_factory.start(config, "--concurrency", "8", "--drain-timeout", "10s")
     end = time.monotonic() + 10
