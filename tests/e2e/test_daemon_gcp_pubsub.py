@@ -77,11 +77,14 @@ async def collect(
     return [Result.decode(m.message.data) for m in messages]
 
 
-def start(
+async def start(
     factory: DaemonFactory, emulator: PubSubEmulator, config: dict[str, Any], *args: str
 ) -> Daemon:
+    """The daemon on the emulator, started (and awaited ready) off the event loop."""
     env = {"PUBSUB_EMULATOR_HOST": emulator.host}
-    return factory.start(config, *args, transport="gcp-pubsub", env=env)
+    return await anyio.to_thread.run_sync(
+        lambda: factory.start(config, *args, transport="gcp-pubsub", env=env)
+    )
 
 
 async def test_thousand_messages_thousand_results_with_many_in_flight(
@@ -97,9 +100,7 @@ async def test_thousand_messages_thousand_results_with_many_in_flight(
     ids = [f"m{i}" for i in range(1000)]
     await publish(admin, names["req"], ids)
     config = gcp_config(names, simulator.url)
-    daemon = await anyio.to_thread.run_sync(
-        lambda: start(daemon_factory, pubsub_env, config, "--concurrency", "64")
-    )
+    daemon = await start(daemon_factory, pubsub_env, config, "--concurrency", "64")
     got = await collect(admin, names["results_sub"], 1000, 90)
     assert sorted(r.id for r in got) == sorted(ids)
     assert {r.status_code for r in got} == {200}
@@ -162,9 +163,7 @@ async def test_429_storm_backoff_honoured_through_the_ack_deadline(
     ids = [f"s{i}" for i in range(60)]
     with storm_gateway() as (url, attempts):
         await publish(admin, names["req"], ids)
-        await anyio.to_thread.run_sync(
-            lambda: start(daemon_factory, pubsub_env, gcp_config(names, url), "--concurrency", "32")
-        )
+        await start(daemon_factory, pubsub_env, gcp_config(names, url), "--concurrency", "32")
         got = await collect(admin, names["results_sub"], len(ids), 60)
         assert sorted(r.id for r in got) == sorted(ids)
         assert {r.status_code for r in got} == {200}
@@ -189,15 +188,11 @@ async def test_kill9_mid_run_every_message_still_gets_a_result(
     ids = [f"k{i}" for i in range(300)]
     await publish(admin, names["req"], ids)
     config = gcp_config(names, simulator.url)
-    daemon = await anyio.to_thread.run_sync(
-        lambda: start(daemon_factory, pubsub_env, config, "--concurrency", "16")
-    )
+    daemon = await start(daemon_factory, pubsub_env, config, "--concurrency", "16")
     got = await collect(admin, names["results_sub"], 40, 30)
     await anyio.to_thread.run_sync(daemon.kill9)  # messages held, leases not yet extended
     simulator.configure(latency=0.01)
-    await anyio.to_thread.run_sync(
-        lambda: start(daemon_factory, pubsub_env, config, "--concurrency", "64")
-    )
+    await start(daemon_factory, pubsub_env, config, "--concurrency", "64")
     seen = Counter(r.id for r in got)
     deadline = time.monotonic() + 60
     while set(seen) != set(ids) and time.monotonic() < deadline:
@@ -227,7 +222,7 @@ async def test_closed_gate_dispatches_nothing_and_loses_nothing(
     ids = [f"g{i}" for i in range(50)]
     await publish(admin, names["req"], ids)
     before = simulator.stats()["total"]
-    await anyio.to_thread.run_sync(lambda: start(daemon_factory, pubsub_env, config))
+    await start(daemon_factory, pubsub_env, config)
     assert await collect(admin, names["results_sub"], 1, 3) == []
     assert simulator.stats()["total"] == before
     r.set(budget_key, "1")
@@ -247,10 +242,8 @@ async def test_sigterm_within_drain_timeout_nacks_what_is_left(
     ids = [f"d{i}" for i in range(20)]
     await publish(admin, names["req"], ids)
     config = gcp_config(names, simulator.url)
-    daemon = await anyio.to_thread.run_sync(
-        lambda: start(
-            daemon_factory, pubsub_env, config, "--concurrency", "8", "--drain-timeout", "2s"
-        )
+    daemon = await start(
+        daemon_factory, pubsub_env, config, "--concurrency", "8", "--drain-timeout", "2s"
     )
     with anyio.fail_after(15):
         while simulator.stats()["running"] < 8:
