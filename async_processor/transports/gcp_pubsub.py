@@ -72,6 +72,8 @@ HEALTH_WINDOW = 30.0  # a pull/publish outcome newer than this decides readiness
 PUBLISH_CHUNK_COUNT = 1000  # Pub/Sub's per-request limits: 1000 messages, 10 MB
 PUBLISH_CHUNK_BYTES = 9 * 1024 * 1024
 DEDUP_MEMORY = 65536  # message ids whose result this process published
+DEAD_LETTER_RETRY = 5.0  # an uncopied dead letter comes back after this, not in a hot loop
+ATTRIBUTE_BYTES = 1024  # Pub/Sub's limit on an attribute value
 
 
 @dataclass(slots=True)
@@ -133,12 +135,11 @@ class GcpPubSubTransport:
 
     def _clients(self) -> tuple[SubscriberAsyncClient, PublisherAsyncClient]:
         """Created on first use, inside the event loop their gRPC channels belong to."""
-        if self._subscriber is None or self._publisher is None:
-            try:
-                self._subscriber = SubscriberAsyncClient()
-                self._publisher = PublisherAsyncClient()
-            except GoogleAuthError as exc:
-                raise TransportError(f"pubsub credentials: {exc}") from exc
+        try:
+            self._subscriber = self._subscriber or SubscriberAsyncClient()
+            self._publisher = self._publisher or PublisherAsyncClient()
+        except GoogleAuthError as exc:
+            raise TransportError(f"pubsub credentials: {exc}") from exc
         return self._subscriber, self._publisher
 
     @contextmanager
@@ -328,14 +329,21 @@ class GcpPubSubTransport:
             self._carried.popitem(last=False)
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
-        """Copy an unusable message to ``<subscription>-dead-letter`` if it exists; ack it."""
+        """Copy an unusable message to ``<subscription>-dead-letter``, then ack it.
+
+        Acked only once the copy is confirmed, or when that topic does not exist (it is
+        optional: then the message is only logged and counted). Any other publish failure
+        hands the message back for redelivery and raises: an unconfirmed copy is no copy.
+        """
         held = receipt(delivery)
         topic = dead_letter_topic(held.subscription)
-        attributes = {"reason": reason, "detail": detail[:1024], "message_id": held.message_id}
+        attributes = {"reason": reason, "detail": _attribute(detail), "message_id": held.message_id}
         try:
             await self._publish(topic, [PubsubMessage(data=delivery.raw, attributes=attributes)])
         except TransportError as exc:
-            # The topic is optional: without it the message is only logged (and counted).
+            if not isinstance(exc.__cause__, gexc.NotFound):
+                await self._redeliver_later(delivery, DEAD_LETTER_RETRY)
+                raise
             log.warning("dead_letter_not_copied", topic=topic, error=str(exc))
         log.warning(
             "message_dead_lettered",
@@ -345,6 +353,14 @@ class GcpPubSubTransport:
             detail=detail,
         )
         await self._acknowledge([delivery])
+
+    async def _redeliver_later(self, delivery: Delivery, seconds: float) -> None:
+        """Hand back after ``seconds``; if even that fails, stop extending its lease."""
+        try:
+            await self.defer([Deferral(delivery, seconds)])
+        except TransportError as exc:
+            log.warning("nack_failed", count=1, why="dead_letter_failed", error=str(exc))
+            self._leases.forget([delivery])  # its ack deadline brings it back
 
     async def _modify(
         self, groups: Sequence[tuple[str, list[str]]], seconds: int, action: str
@@ -449,6 +465,11 @@ def _publish_chunks(
 @TRANSPORTS.register("gcp-pubsub", GcpPubSubConfig)
 def build(config: GcpPubSubConfig, ctx: TransportContext) -> GcpPubSubTransport:
     return GcpPubSubTransport(config, ctx)
+
+
+def _attribute(text: str) -> str:
+    """``text`` cut to an attribute value's byte limit, on a character boundary."""
+    return text.encode()[:ATTRIBUTE_BYTES].decode(errors="ignore")
 
 
 def _key(held: Receipt) -> str:

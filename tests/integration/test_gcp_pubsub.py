@@ -9,17 +9,18 @@ from typing import Any
 
 import anyio
 import pytest
+from google.pubsub_v1 import PublisherAsyncClient
 
 from async_processor.config import GcpPubSubConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
-from async_processor.transports import build_transport
 from async_processor.transports.base import Deferral, Delivery, TransportContext
 from async_processor.transports.gcp_backlog import newest_point
 from async_processor.transports.gcp_leases import Receipt
-from async_processor.transports.gcp_pubsub import GcpPubSubTransport
+from async_processor.transports.gcp_pubsub import DEAD_LETTER_RETRY, GcpPubSubTransport
 from tests.fixtures.pubsub import PubSubAdmin, PubSubEmulator, pubsub_admin
+from tests.fixtures.servers import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.xdist_group("pubsub")]
 
@@ -35,7 +36,11 @@ def request(request_id: str, ttl: int = 300, **extra: Any) -> bytes:
 
 
 def transport_for(
-    names: dict[str, str], *, batch_size: int = 10, metrics: Metrics | None = None
+    names: dict[str, str],
+    *,
+    batch_size: int = 10,
+    metrics: Metrics | None = None,
+    publisher: PublisherAsyncClient | None = None,
 ) -> GcpPubSubTransport:
     config = GcpPubSubConfig.model_validate(
         {
@@ -51,9 +56,7 @@ def transport_for(
             ],
         }
     )
-    built = build_transport("gcp-pubsub", config, TransportContext(metrics=metrics))
-    assert isinstance(built, GcpPubSubTransport)
-    return built
+    return GcpPubSubTransport(config, TransportContext(metrics=metrics), publisher=publisher)
 
 
 @pytest.fixture
@@ -250,6 +253,32 @@ async def test_dead_letter_copies_and_acks(admin: PubSubAdmin, names: dict[str, 
         assert copy.message.data == b'{"no": "id"}'
         assert copy.message.attributes["reason"] == "missing_id"
         assert await t.fetch(t.queues[0], 5, 0.5) == []
+    finally:
+        await t.aclose()
+
+
+async def test_dead_letter_unconfirmed_is_redelivered_not_acked(
+    admin: PubSubAdmin,
+    names: dict[str, str],
+    pubsub_env: PubSubEmulator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dead-letter topic exists but the copy cannot be published: nothing is acked."""
+    await admin.create_topic(f"{names['sub']}-dead-letter")
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", f"127.0.0.1:{free_port()}")  # nobody listens
+    unreachable = PublisherAsyncClient()
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_env.host)
+    t = transport_for(names, publisher=unreachable)
+    try:
+        await admin.publish(names["requests"], [b'{"no": "id"}'])
+        [delivery] = await fetch_n(t, 1)
+        with pytest.raises(InvalidMessage) as info:
+            t.decode(delivery)
+        with pytest.raises(TransportError):
+            await t.dead_letter(delivery, info.value.reason, "bad")
+        # Handed back: another consumer gets it once the short retry delay has passed.
+        [again] = await admin.pull_until(names["sub"], 1, timeout=DEAD_LETTER_RETRY + 5)
+        assert again.message.data == b'{"no": "id"}'
     finally:
         await t.aclose()
 
