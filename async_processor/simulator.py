@@ -30,6 +30,16 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
 from async_processor.health import listening
+from async_processor.sim_pool import PoolConfig
+from async_processor.sim_serving import (
+    TIMING_HEADER,
+    Load,
+    PoolCollector,
+    PoolRuntime,
+    add_arguments,
+    config_from_args,
+    request_class,
+)
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
@@ -93,14 +103,18 @@ class SimStats:
 class Simulator:
     """The server; ``serve`` runs it until cancelled, ``set_config`` changes it live."""
 
-    def __init__(self, config: SimConfig | None = None) -> None:
+    def __init__(self, config: SimConfig | None = None, pool: PoolConfig | None = None) -> None:
         self.config = config or SimConfig()
+        # With a pool model, latency follows load (sim_pool.py) instead of the fixed delay.
+        self.pool = PoolRuntime(pool) if pool else None
         self._rng = random.Random(self.config.seed)
         self._stats = SimStats()
         self._queue: deque[_Waiter] = deque()
         self._recorded: deque[tuple[str, dict[str, str], bytes]] = deque(maxlen=RECORDED_REQUESTS)
         self.registry = CollectorRegistry()
         self.registry.register(_SimCollector(self))
+        if self.pool:
+            self.registry.register(PoolCollector(self.pool, self._vllm_labels))
 
     # -- run-time control -------------------------------------------------------------
 
@@ -116,6 +130,18 @@ class Simulator:
     def stats(self) -> dict[str, Any]:
         self._stats.waiting = len(self._queue)
         return self._stats.as_dict()
+
+    def load(self) -> Load:
+        """Running and waiting requests per pod, and the pool's saturation (0..1)."""
+        if self.pool:
+            return self.pool.load()
+        c, s = self.config, self.stats
+        saturation = min(1.0, s["running"] / c.max_concurrent) if c.max_concurrent else 0.0
+        return Load([("", s["running"], s["waiting"])], saturation)
+
+    def _vllm_labels(self) -> dict[str, str]:
+        c = self.config
+        return {"model_name": c.model, "inference_pool": c.pool, "namespace": c.namespace}
 
     def recorded(self) -> list[dict[str, Any]]:
         return [
@@ -177,6 +203,8 @@ class Simulator:
         body = await request.read()
         self._stats.total += 1
         self._recorded.append((request.path, dict(request.headers), body))
+        if self.pool:
+            return self._answer(await self._pooled(request, body, self.pool))
         if not await self._acquire():
             return self._answer(_capacity_response(self.config.retry_after))
         try:
@@ -201,18 +229,31 @@ class Simulator:
             await anyio.sleep_forever()  # cancelled when the client goes away
         if fault == "error":
             return _error_response(config.error_status, "simulated server error", "server_error")
-        try:
-            parsed = json.loads(body)
-            if not isinstance(parsed, dict):
-                raise ValueError("the body is not a JSON object")
-            max_tokens = int(parsed.get("max_tokens") or DEFAULT_MAX_TOKENS)
-        except (ValueError, TypeError) as exc:
-            return _error_response(400, f"invalid request body: {exc}", "invalid_request_error")
+        parsed = _parse(body)
+        if isinstance(parsed, web.Response):
+            return parsed
+        max_tokens = _max_tokens(parsed)
         delay = config.delay(max_tokens)
         if delay > 0:  # zero latency must not even enter the event loop's timer heap
             await anyio.sleep(delay)
         chat = request.path.endswith("/chat/completions")
         return web.Response(body=_completion_body(parsed, chat, max_tokens), content_type=JSON)
+
+    async def _pooled(self, request: web.Request, body: bytes, pool: PoolRuntime) -> web.Response:
+        """Through the load-dependent pool: shed (429) or answered when its job finishes."""
+        parsed = _parse(body)
+        if isinstance(parsed, web.Response):
+            return parsed
+        chat = request.path.endswith("/chat/completions")
+        max_tokens = _max_tokens(parsed)
+        job = await pool.run(
+            request_class(request.headers), _prompt_tokens(parsed, chat), max_tokens
+        )
+        if job is None:
+            return _capacity_response(self.config.retry_after, "pool-saturated")
+        response = web.Response(body=_completion_body(parsed, chat, max_tokens), content_type=JSON)
+        response.headers[TIMING_HEADER] = f"{job.ttft or 0.0:.6f}"
+        return response
 
     def _draw_fault(self, config: SimConfig) -> str:
         if not (config.reset_rate or config.hang_rate or config.error_rate):
@@ -269,6 +310,8 @@ class Simulator:
         app.router.add_get("/admin/stats", self._get_stats)
         app.router.add_get("/admin/requests", self._get_requests)
         app.router.add_post("/admin/reset", self._post_reset)
+        if self.pool:
+            self.pool.add_routes(app)
         return app
 
     async def serve(
@@ -284,18 +327,38 @@ class Simulator:
             self.app(), host, port, backlog=4096, handler_cancellation=True
         ) as bound:
             task_status.started(bound)
-            await anyio.sleep_forever()
+            await (self.pool.drive() if self.pool else anyio.sleep_forever())
+
+
+def _parse(body: bytes) -> dict[str, Any] | web.Response:
+    """The request object, or the 400 answer for a body that is not one."""
+    try:
+        parsed = json.loads(body)
+        if not isinstance(parsed, dict):
+            raise ValueError("the body is not a JSON object")
+        _max_tokens(parsed)
+    except (ValueError, TypeError) as exc:
+        return _error_response(400, f"invalid request body: {exc}", "invalid_request_error")
+    return parsed
+
+
+def _max_tokens(request: dict[str, Any]) -> int:
+    return int(request.get("max_tokens") or DEFAULT_MAX_TOKENS)
+
+
+def _prompt_tokens(request: dict[str, Any], chat: bool) -> int:
+    """Estimated as a quarter of the prompt's characters (no tokenizer)."""
+    prompt = json.dumps(request.get("messages", "")) if chat else str(request.get("prompt", ""))
+    return max(1, len(prompt) // 4)
 
 
 def _completion_body(request: dict[str, Any], chat: bool, max_tokens: int) -> bytes:
     text = " ".join(["tok"] * min(max_tokens, 4096))
     if chat:
-        prompt = json.dumps(request.get("messages", ""))
         choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
     else:
-        prompt = str(request.get("prompt", ""))
         choice = {"text": text}
-    prompt_tokens = max(1, len(prompt) // 4)
+    prompt_tokens = _prompt_tokens(request, chat)
     return json.dumps(
         {
             "id": f"cmpl-sim-{time.monotonic_ns():x}",
@@ -317,10 +380,10 @@ def _error_response(status: int, message: str, kind: str) -> web.Response:
     return web.Response(status=status, text=body, content_type=JSON)
 
 
-def _capacity_response(retry_after: float) -> web.Response:
+def _capacity_response(retry_after: float, reason: str = "capacity") -> web.Response:
     response = _error_response(429, "simulator capacity is full", "rate_limit_error")
     response.headers["Retry-After"] = f"{retry_after:g}"
-    response.headers[DROPPED_REASON_HEADER] = "capacity"
+    response.headers[DROPPED_REASON_HEADER] = reason
     return response
 
 
@@ -337,14 +400,20 @@ class _SimCollector(Collector):
         self._sim = sim
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        c, s = self._sim.config, self._sim.stats
-        running, waiting, pods = s["running"], s["waiting"], c.ready_pods
-        vllm = {"model_name": c.model, "inference_pool": c.pool, "namespace": c.namespace}
+        c, load = self._sim.config, self._sim.load()
+        waiting, saturation = load.waiting, load.saturation
+        vllm = self._sim._vllm_labels()
         pool = {"name": c.pool, "namespace": c.namespace}
         flow = {"inference_pool": c.pool, "model_name": c.model, "namespace": c.namespace}
-        saturation = min(1.0, running / c.max_concurrent) if c.max_concurrent else 0.0
-        yield _gauge("vllm:num_requests_running", "Requests running.", [(vllm, running)])
-        yield _gauge("vllm:num_requests_waiting", "Requests waiting.", [(vllm, waiting)])
+        # A pool model reports each pod (label ``pod``); the fixed model one pool-wide series.
+        pods_vllm = [({**vllm, "pod": pod} if pod else vllm, r, w) for pod, r, w in load.per_pod]
+        yield _gauge(
+            "vllm:num_requests_running", "Requests running.", [(v, r) for v, r, _ in pods_vllm]
+        )
+        yield _gauge(
+            "vllm:num_requests_waiting", "Requests waiting.", [(v, w) for v, _, w in pods_vllm]
+        )
+        pods = len(load.per_pod) if self._sim.pool else c.ready_pods
         yield _gauge("inference_pool_ready_pods", "Ready pods in the pool.", [(pool, pods)])
         per_pod = [({**pool, "model_server_pod": f"sim-{i}"}, waiting / pods) for i in range(pods)]
         yield _gauge("inference_pool_per_pod_queue_size", "Queued requests per pod.", per_pod)
@@ -375,6 +444,7 @@ def _gauge(
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="async-processor sim", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
+    add_arguments(p)
     p.add_argument("--port", type=int, default=8000)
     for name, kind in (
         ("latency", float), ("ttft", float), ("per-token", float), ("max-concurrent", int),
@@ -391,11 +461,12 @@ def main(argv: list[str]) -> int:
     args = vars(_parser().parse_args(argv))
     host, port = args.pop("host"), args.pop("port")
     try:
+        pool = config_from_args(args)
         config = SimConfig(**{k: v for k, v in args.items() if v is not None})
     except ValueError as exc:
         print(f"invalid simulator settings: {exc}")
         return 2
-    anyio.run(_serve_until_signal, Simulator(config), host, port)
+    anyio.run(_serve_until_signal, Simulator(config, pool), host, port)
     return 0
 
 
