@@ -207,6 +207,13 @@ class MergePolicyConfig(Strict):
     parameters: dict[str, Any] = Field(default_factory=dict)
 
 
+class MergePolicyFile(MergePolicyConfig):
+    """The file form: ``type`` is required there, as the reference requires it (no file
+    means random-robin; a file that forgot its type is a mistake, not a request for it)."""
+
+    type: str
+
+
 class TransformEntry(Strict):
     name: str = Field(min_length=1)
     type: str = Field(min_length=1)
@@ -501,7 +508,7 @@ def build_config(settings: Settings, env: Mapping[str, str]) -> AppConfig:
         transport_config=transport_config,
         runtime=_runtime(settings),
         pools=pools,
-        merge_policy=_from_file(MergePolicyConfig, "--request-merge-policy-config-file",
+        merge_policy=_from_file(MergePolicyFile, "--request-merge-policy-config-file",
                                 merge_path) if merge_path else MergePolicyConfig(),
         transforms=_from_file(TransformConfig, "--transform-config-file", transforms_path)
         if transforms_path else TransformConfig(),

@@ -67,13 +67,6 @@ class Metrics:
             buckets=RESIDENCE_BUCKETS,
             registry=r,
         )
-        self.message_latency = Histogram(
-            PREFIX + "message_latency_time_millis",
-            "Publish to ack (ms), Pub/Sub only.",
-            Q_LABELS,
-            buckets=MESSAGE_LATENCY_BUCKETS,
-            registry=r,
-        )
         self.queue_depth = gauge("queue_depth", "Messages waiting for a worker in-process.")
         self.inflight = gauge("inflight_requests", "Requests being dispatched.")
         self.broker_backlog = gauge("broker_backlog", "Messages waiting on the broker.")
@@ -87,6 +80,21 @@ class Metrics:
             "gate_metric_source_available", "1 when the gate's metric source answered.", G_LABELS
         )
         self._bound: dict[tuple[str, str, str], QueueMetrics] = {}
+        self._message_latency: Histogram | None = None
+
+    @property
+    def message_latency(self) -> Histogram:
+        """Registered on first use: only Pub/Sub acks observe it, and the reference
+        registers it only for the transports that support it (not on Redis)."""
+        if self._message_latency is None:
+            self._message_latency = Histogram(
+                PREFIX + "message_latency_time_millis",
+                "Publish to ack (ms), Pub/Sub only.",
+                Q_LABELS,
+                buckets=MESSAGE_LATENCY_BUCKETS,
+                registry=self.registry,
+            )
+        return self._message_latency
 
     def queue(self, queue_id: str, queue_name: str, pool: str) -> QueueMetrics:
         """Series bound to one (queue, pool); cached, so every stage shares them."""
@@ -114,7 +122,6 @@ class QueueMetrics:
     shedded_total: Counter
     inference_latency: Histogram
     queue_residence: Histogram
-    message_latency: Histogram
     queue_depth: Gauge
     inflight: Gauge
     broker_backlog: Gauge
@@ -134,7 +141,6 @@ class QueueMetrics:
             shedded_total=m.shedded_total.labels(*labels),
             inference_latency=m.inference_latency.labels(*labels),
             queue_residence=m.queue_residence.labels(*labels),
-            message_latency=m.message_latency.labels(*labels),
             queue_depth=m.queue_depth.labels(*labels),
             inflight=m.inflight.labels(*labels),
             broker_backlog=m.broker_backlog.labels(*labels),
@@ -142,6 +148,11 @@ class QueueMetrics:
             gate_decisions={r: m.gate_decisions_total.labels(*labels, r) for r in GATE_REASONS},
             _parent=m,
         )
+
+    @property
+    def message_latency(self) -> Histogram:
+        """Bound on first use, not with the rest (see ``Metrics.message_latency``)."""
+        return self._parent.message_latency.labels(*self.labels)
 
     def gate_decision(self, reason: str) -> None:
         self.gate_decisions[reason].inc()

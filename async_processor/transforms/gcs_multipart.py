@@ -5,11 +5,12 @@ Stage: transforms (body rewriter). Input: a message whose ``metadata.provider`` 
 the field ``url`` (the signed URL) first, then every other payload field in payload order
 (strings unquoted, other values as their exact JSON text), and the body claimed.
 
-``validate`` rejects before any gate or HTTP work: a payload that is not a JSON object, an
-inline ``file_base64`` next to ``gcs_uri``, and a signed URL that expires at or before
-the request deadline (V4 ``X-Goog-Date`` + ``X-Goog-Expires``, else V2 ``Expires``).
-``apply`` checks the same on the body it rewrites, which covers payloads fetched by
-``payload_url`` (a message without a payload passes ``validate``).
+``validate`` rejects before any gate or HTTP work: a payload that is not a JSON object and
+a signed URL that expires at or before the request deadline (V4 ``X-Goog-Date`` +
+``X-Goog-Expires``, else V2 ``Expires``). ``apply`` checks the same on the body it
+rewrites, which covers payloads fetched by ``payload_url`` (a message without a payload
+passes ``validate``), and rejects an inline ``file_base64`` next to ``gcs_uri`` (as the
+reference does, so the result reads ``Failed to transform request body: ...``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class GcsMultipart:
         uri = self._usable_uri(fields, envelope)
         if uri is None:
             return
+        # Here, not in validate: the reference's wording is "Failed to transform request
+        # body: ..." for it, which is what producers match on.
+        _reject_inline(fields, envelope)
         form = [(URL_FORM_FIELD, uri)]
         form += [(key, _form_value(fields, key)) for key in fields.spans if key != GCS_URI_FIELD]
         out.body, out.content_type = multipart_form(form)
@@ -74,7 +78,6 @@ class GcsMultipart:
         uri = _gcs_uri(fields)
         if uri is None:
             return None
-        _reject_inline(fields, envelope)
         expiry = signed_url_expiry(uri)
         deadline = envelope.request.deadline
         if expiry is not None and expiry <= deadline:

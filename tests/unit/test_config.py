@@ -309,3 +309,12 @@ def test_kubernetes_service_link_env_is_not_taken_for_a_flag() -> None:
     settings = parse_settings([], env)
     assert "metrics_port" not in settings.values  # left to the default, not the link
     assert settings.get("health_port") == "9999"
+
+
+@pytest.mark.parametrize("content", [{}, {"parameters": {"fairness_header": ""}}])
+def test_merge_policy_file_without_type_is_a_startup_error(tmp_path: Path, content: Any) -> None:
+    # The reference rejects it; taking it for random-robin would hide a forgotten type.
+    merge = write(tmp_path, "merge.json", content)
+    message = error_of([*sortedset_args(tmp_path), "--request-merge-policy-config-file", merge])
+    assert message.startswith("--request-merge-policy-config-file ")
+    assert "type: Field required" in message

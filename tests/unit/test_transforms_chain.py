@@ -128,3 +128,15 @@ def test_an_unparsable_payload_url_is_invalid_request_not_a_crash(url: str) -> N
     request = Request(id="r", deadline=2_000_000_000, metadata={"payload_url": url})
     with pytest.raises(InvalidMessage, match="is not an http"):
         chain(fetch).validate(Envelope(request=request))
+
+
+async def test_inline_file_is_a_transform_failure_in_the_reference_wording() -> None:
+    # Producers match on the reference's prefix; a validate-time rejection read
+    # "Failed to validate request for transform" instead.
+    payload = json.dumps({"gcs_uri": "https://h/o", "file_base64": "AAAA"}).encode()
+    with pytest.raises(InvalidMessage) as info:
+        await run(chain(GCS), payload)
+    assert str(info.value).startswith(
+        'Failed to transform request body: transform audio/gcs_uri_multipart: "file_base64"'
+    )
+    assert info.value.reason == "inline_file"

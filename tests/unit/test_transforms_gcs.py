@@ -131,9 +131,12 @@ async def test_expiry_is_checked_again_on_the_body_it_rewrites() -> None:
     assert not out.body_claimed
 
 
-def test_inline_file_with_gcs_uri_is_fatal() -> None:
+async def test_inline_file_with_gcs_uri_is_fatal_when_applied() -> None:
+    env = envelope({"gcs_uri": "https://h/o", "file_base64": "AAAA"})
+    out = Outgoing(url="u", body=env.request.payload)
     with pytest.raises(InvalidMessage, match='"file_base64" is not supported'):
-        plugin().validate(envelope({"gcs_uri": "https://h/o", "file_base64": "AAAA"}))
+        await plugin().apply(env, out)
+    assert not out.body_claimed
 
 
 # ----------------------------------------------------------------------------- body
