@@ -8,17 +8,32 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 4
 
-.PHONY: all venv sysdeps demo test test-fast lint typecheck bench clean
+.PHONY: all venv constraints sysdeps demo test test-fast lint typecheck bench clean
 
 all: test
 
-$(STAMP): pyproject.toml
+EXTRAS := dev,otel,demo
+
+# Versions come from constraints.txt (also used by the Dockerfile), so CI and a fresh clone
+# install what was tested.
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,otel]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Re-pin constraints.txt to the newest versions pyproject.toml allows: resolve in a
+# throwaway venv without constraints, keep the header, freeze.
+constraints:
+	rm -rf .venv-constraints
+	$(PY) -m venv .venv-constraints
+	.venv-constraints/bin/pip install -q -e '.[$(EXTRAS)]'
+	{ grep '^#' constraints.txt; .venv-constraints/bin/pip freeze --exclude-editable; } \
+		> constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf .venv-constraints
 
 # System services the integration tests start on free ports (never the shared 6379).
 sysdeps:

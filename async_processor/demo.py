@@ -7,8 +7,8 @@ and gateway). Output: requests submitted over two queues in the transport's wire
 on stdout, then throughput, end-to-end latency percentiles, results by status / error code
 and retries. Exit 0 when every request got its result, 1 when some did not, 2 when the
 transport's local server is missing. The Redis transports use ``--redis-url`` or a private
-``redis-server`` (or, when none is installed, a fakeredis TCP server with Lua) on a free
-port; gcp-pubsub runs the Pub/Sub emulator on a free port.
+``redis-server`` (or, when none is installed, a fakeredis TCP server with Lua from the
+``demo`` extra) on a free port; gcp-pubsub runs the Pub/Sub emulator on a free port.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from async_processor.config import AppConfig, RuntimeConfig
 from async_processor.demo_feeds import QUEUES, TRANSPORTS, Feed, open_feed
-from async_processor.local_servers import EmulatorMissing, embedded_redis, pubsub_emulator
+from async_processor.local_servers import ServerMissing, embedded_redis, pubsub_emulator
 from async_processor.logs import configure_logging
 from async_processor.messages import Request, Result
 from async_processor.metrics import PREFIX, Metrics
@@ -253,7 +253,7 @@ def main(argv: list[str]) -> int:
     with ExitStack() as stack:
         try:
             redis_url = _broker(opts, stack)
-        except EmulatorMissing as exc:
+        except ServerMissing as exc:
             print(f"demo: {exc}", file=sys.stderr)
             return 2
         where = "the simulator" if not opts.gateway_url else opts.gateway_url

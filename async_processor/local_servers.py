@@ -1,10 +1,10 @@
 """Local helper servers for the demo and the tests: a private Redis, the Pub/Sub emulator.
 
 Stage: outside the daemon (``async-processor demo``; tests/fixtures/pubsub.py reuses the
-emulator launcher). Input: what is installed (``redis-server``, the Debian package
-``google-cloud-cli-pubsub-emulator`` and java). Output: a server on a free 127.0.0.1 port,
-stopped again on exit. The emulator's launcher spawns java, so it runs in its own process
-group and is stopped by that group.
+emulator launcher). Input: what is installed (``redis-server`` or the ``demo`` extra's
+fakeredis, the Debian package ``google-cloud-cli-pubsub-emulator`` and java). Output: a
+server on a free 127.0.0.1 port, stopped again on exit. The emulator's launcher spawns
+java, so it runs in its own process group and is stopped by that group.
 """
 
 from __future__ import annotations
@@ -22,16 +22,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import fakeredis
-
 EMULATOR_PACKAGE = "google-cloud-cli-pubsub-emulator"
 EMULATOR_PATH = Path("/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator")
 EMULATOR_START_TIMEOUT = 60.0  # a cold JVM
 REDIS_START_TIMEOUT = 10.0
 
 
-class EmulatorMissing(RuntimeError):
-    """The emulator (or the java it needs) is not installed; the message says how to fix it."""
+class ServerMissing(RuntimeError):
+    """A local server the demo needs is not installed; the message says how to fix it."""
+
+
+class EmulatorMissing(ServerMissing):
+    """The emulator (or the java it needs) is not installed."""
+
+
+class RedisMissing(ServerMissing):
+    """Neither redis-server nor the ``demo`` extra's fakeredis is installed."""
 
 
 def free_port() -> int:
@@ -84,6 +90,14 @@ def _redis_server(binary: str) -> Iterator[str]:
 
 @contextmanager
 def _fake_redis() -> Iterator[str]:
+    # fakeredis is demo-only (the ``demo`` extra), so the daemon's image does not carry it.
+    try:
+        import fakeredis
+    except ImportError:
+        raise RedisMissing(
+            "no redis-server on PATH and fakeredis is not installed: install redis-server, "
+            "pass --redis-url, or pip install 'async-processor[demo]'"
+        ) from None
     server = fakeredis.TcpFakeServer(("127.0.0.1", 0), server_type="redis")
     thread = threading.Thread(target=server.serve_forever, name="fakeredis", daemon=True)
     thread.start()

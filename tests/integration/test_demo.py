@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 
 import pytest
 import redis
@@ -48,6 +49,18 @@ def test_demo_falls_back_to_fakeredis_without_redis_server(
     assert code == 0
     assert "60 submitted, 60 results" in out
     assert figure(out, r"simulator\s+(\d+) calls") == 60
+
+
+def test_demo_without_redis_or_fakeredis_says_how_to_get_one(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fakeredis is the demo extra's; without it (and without redis-server) the demo names both.
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setitem(sys.modules, "fakeredis", None)  # import fails as if not installed
+    code = demo.main(["--count", "1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "redis-server" in err and "async-processor[demo]" in err
 
 
 def demo_keys(redis_url: str) -> list[bytes | str]:

@@ -12,6 +12,7 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,10 +79,11 @@ def stages() -> list[Stage]:
     return parse(DOCKERFILE.read_text())
 
 
-def test_multi_stage_on_slim_python_311(stages: list[Stage]) -> None:
+def test_multi_stage_on_slim_python_311_pinned_by_digest(stages: list[Stage]) -> None:
     assert len(stages) >= 2
     for stage in stages:
-        assert re.fullmatch(r"python:3\.11-slim(-\w+)?", stage.base), stage.base
+        # A tag moves; the digest fixes the bytes (the tag stays for readers).
+        assert re.fullmatch(r"python:3\.11-slim(-\w+)?@sha256:[0-9a-f]{64}", stage.base), stage.base
 
 
 def test_final_stage_runs_as_the_charts_non_root_user(stages: list[Stage]) -> None:
@@ -124,7 +126,7 @@ def test_install_target_expands_for_any_extras(stages: list[Stage]) -> None:
     """The pip target is ``.[extras]``, or plain ``.`` when built with ``EXTRAS=``."""
     build = stages[0]
     default = next(r for r in build.all("ARG") if r.startswith("EXTRAS="))
-    install = next(r for r in build.all("RUN") if "pip install" in r)
+    install = next(r for r in build.all("RUN") if "pip install --no-compile --no-deps" in r)
     target = shlex.split(install.split("pip install", 1)[1].split("&&")[0])[-1]
     optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert set(default.removeprefix("EXTRAS=").split(",")) <= set(optional["optional-dependencies"])
@@ -141,6 +143,66 @@ def test_install_target_expands_for_any_extras(stages: list[Stage]) -> None:
 
     assert expand("") == "."
     assert expand("otel") == ".[otel]"
+
+
+def test_dependencies_install_in_a_layer_before_the_source(stages: list[Stage]) -> None:
+    """A source change must not invalidate the layer that installs grpcio & co."""
+    build = stages[0].instructions
+    deps = next(i for i, (kw, rest) in enumerate(build) if kw == "RUN" and "-r " in rest)
+    source = next(i for i, (kw, r) in enumerate(build) if kw == "COPY" and "async_processor" in r)
+    assert deps < source
+    copied_before = [rest for kw, rest in build[:deps] if kw == "COPY"]
+    assert copied_before == ["pyproject.toml constraints.txt ./"], copied_before
+    assert "-c constraints.txt" in build[deps][1]
+    package = next(rest for kw, rest in build[source:] if kw == "RUN" and "pip install" in rest)
+    assert "--no-deps" in package  # the package layer installs nothing else
+
+
+def image_requirements(stages: list[Stage], extras: str) -> list[str]:
+    """What the dependency layer's inline script lists for ``EXTRAS=extras``."""
+    run = next(r for r in stages[0].all("RUN") if "-r " in r)
+    script = shlex.split(run.split(">", 1)[0])[2]  # python -c '<script>'
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={"EXTRAS": extras},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.splitlines()
+
+
+def test_dependency_layer_lists_pyprojects_dependencies_and_extras(stages: list[Stage]) -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert image_requirements(stages, "") == project["dependencies"]
+    otel = project["optional-dependencies"]["otel"]
+    assert image_requirements(stages, "otel") == project["dependencies"] + otel
+
+
+def requirement_name(spec: str) -> str:
+    return re.split(r"[\[<>=!~; ]", spec, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_constraints_pin_every_declared_dependency() -> None:
+    """constraints.txt (Dockerfile, CI, make venv) pins each package pyproject names."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    pins = dict(line.split("==") for line in lines if line and not line.startswith("#"))
+    pinned = {requirement_name(name) for name in pins}
+    extras = project["optional-dependencies"].values()
+    declared = project["dependencies"] + [d for extra in extras for d in extra]
+    names = {requirement_name(d) for d in declared} - {project["name"]}
+    assert names <= pinned, names - pinned
+    assert all(re.fullmatch(r"[\w.+!]+", v) for v in pins.values())
+    assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
+
+
+def test_fakeredis_is_demo_only() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("fakeredis")]
+    assert any(d.startswith("fakeredis[lua]") for d in project["optional-dependencies"]["demo"])
+    assert "demo" in re.search(r"EXTRAS := (.*)", (ROOT / "Makefile").read_text()).group(1)
 
 
 def test_exposed_ports_match_the_daemon_defaults(stages: list[Stage]) -> None:
