@@ -1,20 +1,23 @@
-"""The ``async-processor`` command: run | check-config | sim | demo | submit | results | cancel.
+"""The ``async-processor`` command and its subcommands (``async-processor --help`` lists them).
 
 Input: argv and the environment. Output: an exit code. ``run`` (also the default when
 only flags are given, as with the Go binary) loads the config and hands it to
 ``processor.run``; ``check-config`` prints the effective config with secrets masked.
 The other subcommands live in their own modules, imported only when used, and get the
 rest of argv (``submit``/``results``/``cancel`` share ``producer_cli`` and get the
-subcommand name first). Any ``ConfigError`` at startup is one stderr line and exit 2.
+subcommand name first). Any ``ConfigError`` at startup is one stderr line and exit 2;
+an unknown subcommand is an argparse error naming the known ones (also exit 2).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
 from typing import Any
@@ -28,19 +31,28 @@ from async_processor.logs import configure_logging, redact
 
 PROG = "async-processor"
 CONFIG_ERROR_EXIT = 2
-# subcommand -> (module under async_processor, whether main() gets the subcommand name)
-DELEGATED: dict[str, tuple[str, bool]] = {
-    "sim": ("simulator", False),
-    "demo": ("demo", False),
-    "submit": ("producer_cli", True),
-    "results": ("producer_cli", True),
-    "cancel": ("producer_cli", True),
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A subcommand: its one-line help, and the module whose ``main`` runs it ("" = here)."""
+
+    help: str
+    module: str = ""
+    with_name: bool = False  # main() gets the subcommand name first (shared modules)
+
+
+COMMANDS: dict[str, Command] = {
+    "run": Command("run the daemon (the default when only flags are given)"),
+    "check-config": Command("validate the config and print it, secrets masked"),
+    "sim": Command("serve the OpenAI-compatible inference simulator", "simulator"),
+    "demo": Command("the whole pipeline on this machine, with a live summary", "demo"),
+    "submit": Command("put requests from a JSONL file on a sorted-set queue", "producer_cli", True),
+    "results": Command("read results from a result list as JSONL", "producer_cli", True),
+    "cancel": Command("cancel requests by id", "producer_cli", True),
 }
-USAGE = f"""usage: {PROG} [run] [flags...]       run the daemon (default when only flags are given)
-       {PROG} check-config [flags...]  validate the config and print it (secrets masked)
-       {PROG} sim|demo [args...]       inference simulator | local end-to-end demo
-       {PROG} submit|results|cancel [args...]   produce requests, read results, cancel
-Run '{PROG} run --help' for the flags."""
+# A first argument among these is the top-level parser's, not a flag of ``run``.
+TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
 
 log = structlog.get_logger(__name__)
 
@@ -49,13 +61,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     args = list(sys.argv[1:] if argv is None else argv)
     environ = os.environ if env is None else env
     command, rest = _split(args)
+    if command is None:
+        return _top_level(args[:1])
     try:
-        if command in ("-h", "--help"):
-            print(USAGE)
-            return 0
         if command == "check-config":
             return check_config(rest, environ)
-        if command in DELEGATED:
+        if COMMANDS[command].module:
             return _delegate(command, rest)
         return run(rest, environ)
     except (ConfigError, BaseExceptionGroup) as exc:  # a task group wraps what it raises
@@ -104,17 +115,45 @@ def _version() -> str:
         return "unknown"
 
 
-def _split(args: list[str]) -> tuple[str, list[str]]:
-    """(subcommand, rest); flags alone (or nothing) mean ``run``."""
-    if args and (args[0] in ("run", "check-config", "-h", "--help") or args[0] in DELEGATED):
+def _split(args: list[str]) -> tuple[str | None, list[str]]:
+    """(subcommand, rest); flags alone (or nothing) mean ``run``; None: not a subcommand."""
+    if not args or (args[0].startswith("-") and args[0] not in TOP_LEVEL_FLAGS):
+        return "run", args
+    if args[0] in COMMANDS:
         return args[0], args[1:]
-    return "run", args
+    return None, args
+
+
+def _top_level(args: list[str]) -> int:
+    """``--help``, ``--version`` or an unknown command: the top-level parser answers."""
+    try:
+        top_level_parser().parse_args(args)
+    except SystemExit as exc:  # argparse exits after printing; main returns the code
+        return int(exc.code or 0)
+    raise AssertionError(f"the top-level parser accepted {args!r} without exiting")
+
+
+def top_level_parser() -> argparse.ArgumentParser:
+    """One help page: the commands, what each does, where their flags are described."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=30),
+        description="Dispatches queued LLM inference requests to an llm-d gateway "
+        "under admission control.",
+        epilog=f"'{PROG} COMMAND --help' shows a command's flags. Flags without a command "
+        "mean run, as with the Go daemon.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        commands.add_parser(name, help=command.help)
+    return parser
 
 
 def _delegate(command: str, rest: list[str]) -> int:
-    module_name, with_name = DELEGATED[command]
-    module = _import(module_name, "main")
-    code = module.main([command, *rest] if with_name else rest)
+    entry = COMMANDS[command]
+    module = _import(entry.module, "main")
+    code = module.main([command, *rest] if entry.with_name else rest)
     return int(code or 0)
 
 

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, NoReturn, TypeVar, cast
+from typing import Annotated, Any, NoReturn, TypeVar, cast, get_args
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -426,14 +426,39 @@ def flag_parser(prog: str = "async-processor run") -> argparse.ArgumentParser:
     )
     for flag in FLAGS:
         default = flag.default or _field_default(flag.field)
-        help_text = f"{flag.help} (default: {default!s}; env {flag.env})"
+        # A default the help text already explains (or none at all) is not repeated.
+        shown = f"default: {default}; " if default and "(default" not in flag.help else ""
+        help_text = f"{flag.help} ({shown}env {flag.env})"
         if flag.boolean:
             parser.add_argument(
                 flag.option, dest=flag.dest, nargs="?", const="true", metavar="BOOL", help=help_text
             )
         else:
-            parser.add_argument(flag.option, dest=flag.dest, metavar="VALUE", help=help_text)
+            parser.add_argument(flag.option, dest=flag.dest, metavar=_metavar(flag), help=help_text)
     return parser  # fmt: skip
+
+
+def _metavar(flag: Flag) -> str:
+    """What kind of value a flag takes, for ``--help`` (FILE, PORT, DURATION, ...)."""
+    if flag.choices:
+        return "{" + ",".join(flag.choices) + "}"
+    if flag.name.endswith("-file") or flag.name.startswith("tls-"):
+        return "FILE"
+    if flag.name.endswith("-port"):
+        return "PORT"
+    if flag.name.endswith("-url"):
+        return "URL"
+    if flag.field:
+        group, _, name = flag.field.rpartition(".")
+        annotation = (TLSConfig if group else RuntimeConfig).model_fields[name].annotation
+        # Unwrap Optional and Annotated: ``Annotated[Duration, ...] | None`` counts as float.
+        args = get_args(annotation)
+        kinds = {annotation, *args, *(inner for arg in args for inner in get_args(arg))}
+        if float in kinds:  # the Duration fields (Go syntax)
+            return "DURATION"
+        if int in kinds:
+            return "N"
+    return "VALUE"
 
 
 @dataclass(frozen=True, slots=True)

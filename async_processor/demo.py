@@ -27,6 +27,7 @@ from typing import Any
 import anyio
 from prometheus_client import CollectorRegistry
 
+from async_processor.cliargs import duration, parse, subcommand_parser
 from async_processor.config import AppConfig, RuntimeConfig
 from async_processor.demo_feeds import QUEUES, TRANSPORTS, Feed, open_feed
 from async_processor.local_servers import ServerMissing, embedded_redis, pubsub_emulator
@@ -234,21 +235,41 @@ def print_summary(rows: list[tuple[str, str]]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="async-processor demo", description=__doc__.splitlines()[0])
-    p.add_argument("--transport", choices=TRANSPORTS, default=TRANSPORTS[0], help="(%(default)s)")
-    p.add_argument("--count", type=int, default=3000, help="requests to submit (3000)")
-    p.add_argument("--redis-url", default="", help="a real Redis for the Redis transports")
-    p.add_argument("--gateway-url", default="", help="a real gateway (default: the simulator)")
-    p.add_argument("--latency", type=float, default=0.05, help="simulated seconds (0.05)")
-    p.add_argument("--error-rate", type=float, default=0.02, help="simulated 500s (0.02)")
-    p.add_argument("--workers", type=int, default=64, help="dispatch workers (64)")
-    p.add_argument("--timeout", type=float, default=120.0, help="give up after (120 s)")
-    return p
+    p = subcommand_parser("async-processor demo", __doc__.splitlines()[0])
+    p.add_argument("--transport", choices=TRANSPORTS, default=TRANSPORTS[0], help="transport")
+    p.add_argument("--count", type=int, default=3000, metavar="N", help="requests to submit")
+    p.add_argument(
+        "--redis-url",
+        default="",
+        metavar="URL",
+        help="a real Redis for the Redis transports (default: a private one)",
+    )
+    p.add_argument(
+        "--gateway-url", default="", metavar="URL", help="a real gateway (default: the simulator)"
+    )
+    p.add_argument(
+        "--latency",
+        type=duration,
+        default="50ms",
+        metavar="DURATION",
+        help="simulated latency per request",
+    )
+    p.add_argument(
+        "--error-rate", type=float, default=0.02, metavar="FRACTION", help="share of simulated 500s"
+    )
+    p.add_argument("--workers", type=int, default=64, metavar="N", help="dispatch workers")
+    p.add_argument(
+        "--timeout",
+        type=duration,
+        default="2m",
+        metavar="DURATION",
+        help="give up waiting for results after",
+    )
+    return p  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-    opts = Options(**vars(args))
+    opts = Options(**vars(parse(_parser(), argv)))
     configure_logging("warning")
     with ExitStack() as stack:
         try:

@@ -19,11 +19,12 @@ from typing import IO, Any
 
 import anyio
 
+from async_processor.cliargs import duration, parse, subcommand_parser
 from async_processor.client import SortedSetClient
-from async_processor.durations import parse_duration
 from async_processor.errors import TransportError
 
 CHUNK = 1000
+LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 
 
 class Progress:
@@ -84,10 +85,10 @@ def _lines(path: str) -> Iterator[str]:
 
 
 async def _submit(args: argparse.Namespace) -> int:
-    deadline = int(time.time() + parse_duration(args.deadline_in))
+    deadline = int(time.time() + args.deadline_in)
     lines = list(_lines(args.file))
     progress = Progress("submitted", len(lines))
-    async with SortedSetClient(args.redis_url, args.queue, args.result_queue) as client:
+    async with SortedSetClient(_redis_url(args), args.queue, args.result_queue) as client:
         for start in range(0, len(lines), CHUNK):
             chunk = [
                 request_from_line(line, deadline=deadline, default_endpoint=args.endpoint)
@@ -102,9 +103,9 @@ async def _submit(args: argparse.Namespace) -> int:
 async def _results(args: argparse.Namespace) -> int:
     out: IO[str] = args.out
     progress = Progress("results", args.count or None)
-    timeout = None if args.follow else parse_duration(args.timeout)
+    timeout = None if args.follow else args.timeout
     try:
-        async with SortedSetClient(args.redis_url, result_queue=args.result_queue) as client:
+        async with SortedSetClient(_redis_url(args), result_queue=args.result_queue) as client:
             async for result in client.results(timeout=timeout):
                 out.write(json.dumps(result.to_obj(), ensure_ascii=False) + "\n")
                 out.flush()
@@ -117,30 +118,87 @@ async def _results(args: argparse.Namespace) -> int:
 
 
 async def _cancel(args: argparse.Namespace) -> int:
-    async with SortedSetClient(args.redis_url) as client:
+    async with SortedSetClient(_redis_url(args)) as client:
         marked = await client.cancel(args.ids)
     print(f"cancelled {marked} of {len(args.ids)} (others were finished or unknown)")
     return 0
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"async-processor {command}")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p = subcommand_parser(f"async-processor {command}", DESCRIPTIONS[command])
+    p.add_argument(
+        "--redis-url",
+        default="",
+        metavar="URL",
+        help=f"the sorted-set transport's Redis (default: REDIS_URL, else {LOCAL_REDIS})",
+    )
     if command == "submit":
-        p.add_argument("file", help="JSONL of requests or OpenAI batch-input lines ('-' = stdin)")
-        p.add_argument("--queue", default="request-sortedset")
-        p.add_argument("--result-queue", default="result-list")
-        p.add_argument("--deadline-in", default="1h", help="deadline for lines without one")
-        p.add_argument("--endpoint", default="", help="endpoint for lines without one")
+        p.add_argument(
+            "file",
+            metavar="FILE",
+            help="JSONL of requests or OpenAI batch-input lines ('-' = stdin)",
+        )
+        p.add_argument(
+            "--queue", default="request-sortedset", metavar="NAME", help="request sorted set"
+        )
+        p.add_argument(
+            "--result-queue",
+            default="result-list",
+            metavar="NAME",
+            help="result list named in each request's routing",
+        )
+        p.add_argument(
+            "--deadline-in",
+            type=duration,
+            default="1h",
+            metavar="DURATION",
+            help="deadline for lines without one, from now",
+        )
+        p.add_argument(
+            "--endpoint", default="", metavar="PATH", help="endpoint for lines without one"
+        )
     elif command == "results":
-        p.add_argument("--result-queue", default="result-list")
-        p.add_argument("--output", "-o", default="-", help="JSONL file to append to ('-' = stdout)")
+        p.add_argument(
+            "--result-queue", default="result-list", metavar="NAME", help="result list to read"
+        )
+        p.add_argument(
+            "--output",
+            "-o",
+            default="-",
+            metavar="FILE",
+            help="JSONL file to append to ('-' = stdout)",
+        )
         p.add_argument("--follow", "-f", action="store_true", help="keep waiting for results")
-        p.add_argument("--timeout", default="5s", help="stop after this long with no result")
-        p.add_argument("--count", "-n", type=int, default=0, help="stop after this many")
+        p.add_argument(
+            "--timeout",
+            type=duration,
+            default="5s",
+            metavar="DURATION",
+            help="stop after this long with no result",
+        )
+        p.add_argument(
+            "--count",
+            "-n",
+            type=int,
+            default=0,
+            metavar="N",
+            help="stop after this many (0: no limit)",
+        )
     else:
-        p.add_argument("ids", nargs="+")
-    return p
+        p.add_argument("ids", nargs="+", metavar="ID", help="request ids to cancel")
+    return p  # fmt: skip
+
+
+DESCRIPTIONS = {
+    "submit": "Put requests from a JSONL file on a Redis sorted-set queue.",
+    "results": "Read results from a result list as JSONL.",
+    "cancel": "Cancel requests by id (those not yet finished).",
+}
+
+
+def _redis_url(args: argparse.Namespace) -> str:
+    # Not the parser's default: --help would print a password from REDIS_URL.
+    return str(args.redis_url or os.environ.get("REDIS_URL") or LOCAL_REDIS)
 
 
 COMMANDS = {"submit": _submit, "results": _results, "cancel": _cancel}
@@ -149,7 +207,7 @@ COMMANDS = {"submit": _submit, "results": _results, "cancel": _cancel}
 def main(argv: list[str]) -> int:
     """``argv[0]`` names the command (submit, results or cancel), as the CLI passes it."""
     command, rest = argv[0], argv[1:]
-    args = _parser(command).parse_args(rest)
+    args = parse(_parser(command), rest)
     try:
         with contextlib.ExitStack() as stack:
             if command == "results":

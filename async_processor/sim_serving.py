@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from async_processor.cliargs import duration
 from async_processor.sim_pool import BATCH, CLASSES, INTERACTIVE, Job, Pool, PoolConfig
 
 PRIORITY_HEADER = "x-gateway-priority"
@@ -168,26 +169,26 @@ class PoolCollector(Collector):
 
 # -- command line ---------------------------------------------------------------------
 
-FLAGS: dict[str, type] = {
-    "pods": int,
-    "max-num-seqs": int,
-    "prefill-overhead": float,
-    "prefill-time-per-token": float,
-    "inter-token-latency": float,
-    "time-factor-under-load": float,
-    "scheduling-policy": str,
-    "shed-queue-depth": int,
-    "shed-kv-usage": float,
+# flag -> (type, metavar, help); durations take Go syntax or plain seconds.
+FLAGS: dict[str, tuple[Any, str, str]] = {
+    "pods": (int, "N", "pods in the pool"),
+    "max-num-seqs": (int, "N", "running requests per pod (turns the pool model on)"),
+    "prefill-overhead": (duration, "DURATION", "fixed prefill time per request"),
+    "prefill-time-per-token": (duration, "DURATION", "prefill time per prompt token"),
+    "inter-token-latency": (duration, "DURATION", "decode time per output token"),
+    "time-factor-under-load": (float, "FACTOR", "work slow-down of a pod running --max-num-seqs (>= 1)"),
+    "scheduling-policy": (str, "{fcfs,priority}", "priority: interactive requests jump batch ones"),
+    "shed-queue-depth": (int, "N", "router sheds batch when every pod has this many waiting"),
+    "shed-kv-usage": (float, "FRACTION", "... or this KV-cache use (share of slots in use)"),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "load-dependent pool (on when --max-num-seqs is given; latencies in seconds)"
-    )
-    for name, kind in FLAGS.items():
-        group.add_argument(f"--{name}", type=kind, default=None)
-    group.add_argument("--preemption", action="store_true", default=None)
+    group = parser.add_argument_group("load-dependent pool (on when --max-num-seqs is given)")
+    for name, (kind, metavar, help_text) in FLAGS.items():
+        group.add_argument(f"--{name}", type=kind, default=None, metavar=metavar, help=help_text)
+    group.add_argument("--preemption", action="store_true", default=None,
+                       help="interactive requests preempt running batch ones")  # fmt: skip
 
 
 def config_from_args(args: dict[str, Any]) -> PoolConfig | None:

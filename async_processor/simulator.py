@@ -29,6 +29,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
+from async_processor.cliargs import duration, parse, subcommand_parser
+from async_processor.durations import format_duration
 from async_processor.health import listening
 from async_processor.sim_pool import PoolConfig
 from async_processor.sim_serving import (
@@ -441,24 +443,42 @@ def _gauge(
 # -- command line ---------------------------------------------------------------------
 
 
+# (flag, type, metavar, help) of the SimConfig fields settable at start-up.
+_SIM_FLAGS: tuple[tuple[str, Any, str, str], ...] = (
+    ("latency", duration, "DURATION", "fixed latency per request"),
+    ("ttft", duration, "DURATION", "added time to first token"),
+    ("per-token", duration, "DURATION", "added time per requested token (max_tokens)"),
+    ("max-concurrent", int, "N", "running slots; beyond them requests wait (0: unlimited)"),
+    ("max-waiting", int, "N", "waiting requests beyond which a 429 is returned"),
+    ("retry-after", duration, "DURATION", "Retry-After of a capacity 429"),
+    ("error-rate", float, "FRACTION", "share of requests answered with --error-status"),
+    ("error-status", int, "STATUS", "HTTP status of an injected error"),
+    ("reset-rate", float, "FRACTION", "share of connections reset without an answer"),
+    ("hang-rate", float, "FRACTION", "share of requests never answered"),
+    ("seed", int, "N", "random seed for the injected faults"),
+    ("model", str, "NAME", "model_name label of the exported series"),
+    ("pool", str, "NAME", "inference_pool label of the exported series"),
+    ("namespace", str, "NAME", "namespace label of the exported series"),
+    ("ready-pods", int, "N", "ready pods the exported pool series report"),
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="async-processor sim", description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="127.0.0.1")
+    p = subcommand_parser("async-processor sim", __doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1", metavar="ADDRESS", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, metavar="PORT", help="port to listen on")
     add_arguments(p)
-    p.add_argument("--port", type=int, default=8000)
-    for name, kind in (
-        ("latency", float), ("ttft", float), ("per-token", float), ("max-concurrent", int),
-        ("max-waiting", int), ("retry-after", float), ("error-rate", float),
-        ("error-status", int), ("reset-rate", float), ("hang-rate", float), ("seed", int),
-        ("model", str), ("pool", str), ("namespace", str), ("ready-pods", int),
-    ):  # fmt: skip
-        p.add_argument(f"--{name}", type=kind, default=None)
+    for name, kind, metavar, help_text in _SIM_FLAGS:
+        default = SimConfig.model_fields[name.replace("-", "_")].get_default()
+        if kind is duration:
+            default = format_duration(default)  # --help shows "50ms", not 0.05
+        p.add_argument(f"--{name}", type=kind, default=default, metavar=metavar, help=help_text)
     return p
 
 
 def main(argv: list[str]) -> int:
     """``async-processor sim``: serve until SIGINT/SIGTERM."""
-    args = vars(_parser().parse_args(argv))
+    args = vars(parse(_parser(), argv))
     host, port = args.pop("host"), args.pop("port")
     try:
         pool = config_from_args(args)

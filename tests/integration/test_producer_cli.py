@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from async_processor.cli import main
@@ -80,3 +81,20 @@ def test_results_drains_to_jsonl(tmp_path: Path, redis_url: str, unique: str) ->
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [g["id"] for g in got] == ["id0", "id1", "id2"]
     assert r.llen(results) == 0
+
+
+def test_submit_reads_async_processor_env_like_run(
+    tmp_path: Path, redis_url: str, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ASYNC_PROCESSOR_<FLAG> sets a producer flag (plain seconds work too); flags win."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "e1", "payload": {}}) + "\n")
+    monkeypatch.setenv("ASYNC_PROCESSOR_REDIS_URL", redis_url)
+    monkeypatch.setenv("ASYNC_PROCESSOR_QUEUE", f"{unique}:env-q")
+    monkeypatch.setenv("ASYNC_PROCESSOR_DEADLINE_IN", "120")
+    assert main(["submit", str(src)]) == 0
+    r = redis.Redis.from_url(redis_url)
+    [(_, score)] = r.zrange(f"{unique}:env-q", 0, -1, withscores=True)
+    assert abs(score - (time.time() + 120)) < 30
+    assert main(["submit", str(src), "--queue", f"{unique}:flag-q"]) == 0
+    assert r.zcard(f"{unique}:flag-q") == 1

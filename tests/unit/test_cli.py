@@ -175,13 +175,67 @@ def test_missing_delegate_module_says_so(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--help"], {}) == 0
-    assert "check-config" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert all(name in out for name in cli.COMMANDS), out  # one page lists every command
     with pytest.raises(SystemExit) as exited:
         cli.main(["run", "--help"], {})
     assert exited.value.code == 0
     out = capsys.readouterr().out
-    assert "--request-timeout" in out and "ASYNC_PROCESSOR_REQUEST_TIMEOUT" in out
-    assert "default: 5m" in out
+    assert "--request-timeout DURATION" in out and "ASYNC_PROCESSOR_REQUEST_TIMEOUT" in out
+    assert "--metrics-port PORT" in out and "--transport-config-file FILE" in out
+    assert "--gate-wait-timeout DURATION" in out and "--concurrency N" in out
+    assert "default: 5m" in out and "default: 64" in out
+    assert "(default: ;" not in out and "(default: )" not in out
+    # Each default once: no option help carries two "default" notes.
+    assert not [line for line in out.split("\n  --") if line.count("(default") > 1]
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"], {}) == 0
+    assert capsys.readouterr().out.strip() == f"async-processor {cli._version()}"
+
+
+def test_unknown_command_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["stauts"], {}) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'stauts'" in err and "check-config" in err
+    assert "unrecognized arguments" not in err
+
+
+@pytest.mark.parametrize("command", ["sim", "demo", "submit", "results", "cancel"])
+def test_every_delegated_flag_has_help_and_a_typed_metavar(command: str) -> None:
+    from async_processor import demo, producer_cli, simulator
+
+    parser = {"sim": simulator._parser, "demo": demo._parser}.get(
+        command, lambda: producer_cli._parser(command)
+    )()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"{command} {action.option_strings} has no help"
+            typed = action.nargs == 0 or action.metavar or action.choices
+            assert typed, f"{command} {action.option_strings}"
+
+
+def test_sim_and_demo_take_go_durations_and_plain_seconds() -> None:
+    from async_processor import cliargs, demo, simulator
+
+    for text in ("50ms", "0.05"):
+        sim = cliargs.parse(simulator._parser(), ["--latency", text, "--retry-after", "2s"], {})
+        assert (sim.latency, sim.retry_after) == (0.05, 2.0)
+    defaults = cliargs.parse(demo._parser(), [], {})
+    assert (defaults.latency, defaults.timeout) == (0.05, 120.0)
+    assert cliargs.parse(demo._parser(), ["--timeout", "1m30s"], {}).timeout == 90.0
+    with pytest.raises(SystemExit):
+        cliargs.parse(demo._parser(), ["--timeout", "soon"], {})
+
+
+def test_delegated_flags_read_async_processor_env_and_flags_win() -> None:
+    from async_processor import cliargs, demo
+
+    env = {"ASYNC_PROCESSOR_COUNT": "7", "ASYNC_PROCESSOR_TIMEOUT": "5s"}
+    env["ASYNC_PROCESSOR_WORKERS"] = ""  # empty means unset, as for run
+    args = cliargs.parse(demo._parser(), ["--count", "9"], env)
+    assert (args.count, args.timeout, args.workers) == (9, 5.0, 64)
 
 
 def test_python_dash_m_entry_point() -> None:

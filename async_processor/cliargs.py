@@ -1,0 +1,82 @@
+"""Argument helpers shared by every ``async-processor`` subcommand's parser.
+
+Stage: outside the daemon (the command line). Input: an ``argparse`` parser and the
+environment. Output: parsers that take durations in one syntax (Go durations; a plain
+number still means seconds) and read ``ASYNC_PROCESSOR_<FLAG>`` for any flag not given,
+as ``run`` does, with each default shown once in ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+from async_processor.durations import parse_duration
+
+ENV_PREFIX = "ASYNC_PROCESSOR_"
+
+
+def duration(text: str) -> float:
+    """Seconds from ``90s``/``1h30m`` (Go syntax) or a plain number of seconds.
+
+    Named ``duration`` so that argparse reports "invalid duration value: 'x'".
+    """
+    try:
+        return float(text)
+    except ValueError:
+        return parse_duration(text)
+
+
+def env_name(dest: str) -> str:
+    return ENV_PREFIX + dest.upper()
+
+
+def read_env(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Defaults of ``parser``'s options from ``ASYNC_PROCESSOR_<DEST>`` where set (flags win).
+
+    The value goes through the option's ``type`` as a flag's would (argparse converts
+    string defaults), so a bad variable is reported like a bad flag. Empty means unset.
+    """
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "version"):
+            continue
+        value = env.get(env_name(action.dest), "")
+        if not value:
+            continue
+        if action.const is not None and action.nargs == 0:  # store_true / store_false
+            action.default = value.lower() in ("1", "true", "yes", "on")
+        else:
+            action.default = value
+
+
+def describe(parser: argparse.ArgumentParser) -> None:
+    """Append "(default: X; env NAME)" to each option's help, once, where it applies."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "version") or not action.help:
+            continue
+        notes = []
+        default = action.default
+        if default not in (None, "", False, argparse.SUPPRESS) and "(default" not in action.help:
+            notes.append(f"default: {default}")
+        notes.append(f"env {env_name(action.dest)}")
+        action.help = f"{action.help} ({'; '.join(notes)})"
+
+
+def subcommand_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The parser every delegated subcommand starts from (one formatter, no abbreviations)."""
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        allow_abbrev=False,
+        epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG_IN_UPPER_SNAKE>; flags win.",
+    )
+
+
+def parse(
+    parser: argparse.ArgumentParser, argv: list[str], env: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """Describe the options, take env defaults (``os.environ`` by default), parse ``argv``."""
+    describe(parser)
+    read_env(parser, os.environ if env is None else env)
+    return parser.parse_args(argv)
