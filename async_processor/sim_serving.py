@@ -176,7 +176,7 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     "prefill-overhead": (duration, "DURATION", "fixed prefill time per request"),
     "prefill-time-per-token": (duration, "DURATION", "prefill time per prompt token"),
     "inter-token-latency": (duration, "DURATION", "decode time per output token"),
-    "time-factor-under-load": (float, "FACTOR", "work slow-down of a pod running --max-num-seqs (>= 1)"),
+    "time-factor-under-load": (float, "FACTOR", "slow-down of a pod running --max-num-seqs (>= 1)"),
     "scheduling-policy": (str, "{fcfs,priority}", "priority: interactive requests jump batch ones"),
     "shed-queue-depth": (int, "N", "router sheds batch when every pod has this many waiting"),
     "shed-kv-usage": (float, "FRACTION", "... or this KV-cache use (share of slots in use)"),
