@@ -127,6 +127,9 @@ class SortedSetConfig(RedisTransportBase):
     # Ours: in-flight lease (kill -9 safety) and how long a request id's result is remembered.
     lease_seconds: Annotated[float, Field(gt=0)] = 30.0
     dedup_ttl_seconds: Annotated[int, Field(gt=0)] = 86400
+    # Ours: a glob a message's own result_queue_name must match ("" = any name that is not
+    # one of the daemon's keys); otherwise its result goes to the configured list.
+    result_queue_pattern: str = ""
     queues: list[SortedSetQueue] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -50,6 +50,12 @@ class Metrics:
             "Messages with no usable id parked on the dead-letter list.",
             (*Q_LABELS, "reason"),
         )
+        self.result_route_rejected_total = Counter(
+            PREFIX + "result_route_rejected",
+            "Results whose message-named list was refused; written to the configured list.",
+            ("queue_name", "reason"),
+            registry=r,
+        )
         self.gate_decisions_total = counter(
             "gate_decisions", "Gate decisions other than continue.", (*Q_LABELS, "reason")
         )

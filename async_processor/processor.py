@@ -72,7 +72,11 @@ class Processor:
         self.transport = transport or build_transport(
             config.transport,
             config.transport_config,
-            TransportContext(max_message_bytes=rt.max_message_bytes, metrics=self.metrics),
+            TransportContext(
+                max_message_bytes=rt.max_message_bytes,
+                metrics=self.metrics,
+                gate_params=[pool.gate_params for pool in config.pools],
+            ),
         )
         self.gate_ctx = GateContext(
             owner=GateOwner(),

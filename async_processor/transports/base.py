@@ -115,6 +115,8 @@ class TransportContext:
 
     max_message_bytes: int = 4 * 1024 * 1024
     metrics: Metrics | None = None
+    # The pools' gate parameters: their Redis keys are the daemon's own (never a result list).
+    gate_params: Sequence[Mapping[str, Any]] = ()
 
 
 TRANSPORTS: Registry[Transport, TransportContext] = Registry("transport")

@@ -16,10 +16,16 @@ Keys (the reference's names where it has them, DESIGN.md §4):
     result-list               list of result JSON (LPUSH by us, BRPOP by the producer)
     request-active:<id>       the live submission's token, TTL until its deadline
     request-cancel:<id>       the token being cancelled, TTL 7 days
-    request-done:<id>:<fp>    dedup marker: a terminal result was written for this submission
+    request-done:<id>:<digest>  dedup marker: a terminal result was written for this
+                              submission; digest = hash of (id, fingerprint), so two
+                              different (id, token) pairs never share a marker
 
-Every script's keys sit in its KEYS array except the retry mover's origin queues, which it
-reads from each envelope; like the reference, this targets a standalone Redis.
+Every script's keys sit in its KEYS array, and every script checks their types before its
+first write (``lua/lib.lua``). Like the reference, this targets a standalone Redis.
+
+A message is untrusted input (DESIGN.md §5.14): the result list it names is used only if
+``result_route_rejection`` finds no reason against it (not a key the daemon owns or reads,
+and inside the optional ``result_queue_pattern``).
 """
 
 from __future__ import annotations
@@ -27,9 +33,12 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from importlib import resources
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -68,10 +77,14 @@ def cancel_key(request_id: str) -> str:
 
 
 def done_key(request_id: str, fingerprint: str = "") -> str:
-    """Dedup marker of one submission: by request token (or another fingerprint) when known."""
-    return (
-        f"request-done:{request_id}:{fingerprint}" if fingerprint else f"request-done:{request_id}"
-    )
+    """Dedup marker of one submission: by request token (or another fingerprint) when known.
+
+    Both parts come from the message and may contain ``:``; the suffix is a digest of the
+    pair (length-prefixed), so ("a:b", "c") and ("a", "b:c") get different markers. The id
+    stays readable in front for operators.
+    """
+    pair = f"{len(request_id)}:{request_id}{fingerprint}".encode()
+    return f"request-done:{request_id}:{hashlib.blake2b(pair, digest_size=16).hexdigest()}"
 
 
 def fingerprint(delivery: Delivery) -> str:
@@ -85,17 +98,17 @@ def fingerprint(delivery: Delivery) -> str:
     return "sha-" + hashlib.blake2b(envelope.request.encode(), digest_size=8).hexdigest()
 
 
-def decode_delivery(delivery: Delivery, max_bytes: int, *, own_queue_name: bool) -> Envelope:
+def decode_delivery(delivery: Delivery, max_bytes: int) -> Envelope:
     """The delivery's envelope, kept on it, with routing filled from its queue.
 
     Queue labels win over the message's; the queue id fills in when the message has
-    none. ``own_queue_name`` keeps a request queue name the message names itself.
+    none. ``request_queue_name`` is always the queue it was claimed from: the message's
+    own value is informational only, so a retry can only ever go back to that queue.
     """
     envelope = decode_envelope(delivery.raw, max_bytes=max_bytes)
     routing = envelope.routing
     queue = delivery.queue
-    kept = routing.request_queue_name if own_queue_name else ""
-    routing.request_queue_name = kept or queue.name
+    routing.request_queue_name = queue.name
     routing.queue_id = routing.queue_id or queue.id
     routing.labels = {**routing.labels, **queue.labels}
     delivery.envelope = envelope
@@ -114,6 +127,51 @@ def dead_letter_entry(delivery: Delivery, reason: str, detail: str) -> str:
     return json.dumps(entry, ensure_ascii=False)
 
 
+OWN_PREFIXES = ("request-active:", "request-cancel:", "request-done:")
+
+
+@dataclass(frozen=True, slots=True)
+class OwnKeys:
+    """The keys a daemon owns or reads, which no message may name as its result list."""
+
+    exact: frozenset[str]
+    prefixes: tuple[str, ...]
+    pattern: str = ""  # ``result_queue_pattern``: a glob a routed name must match ("" = any)
+
+    def rejection(self, name: str) -> str | None:
+        """Why a message may not route its result to ``name`` (None: it may)."""
+        if name in self.exact or name.startswith(self.prefixes):
+            return "reserved_key"
+        if self.pattern and not fnmatchcase(name, self.pattern):
+            return "pattern_mismatch"
+        return None
+
+
+def own_keys(
+    queues: Iterable[str],
+    retry_queue: str,
+    gate_params: Iterable[Mapping[str, Any]],
+    pattern: str = "",
+) -> OwnKeys:
+    """Request queues with their in-flight and dead-letter keys, the retry set, the
+    markers, and every gate key: a gate parameter named ``*_key`` (that key and the keys
+    under ``<key>:``, e.g. a rate gate's ``<control_key>:state``) or ``prefix`` (quotas)."""
+    exact = {retry_queue}
+    prefixes = list(OWN_PREFIXES)
+    for queue in queues:
+        exact |= {queue, inflight_key(queue), inflight_meta_key(queue), dead_letter_key(queue)}
+    for params in gate_params:
+        for name, value in params.items():
+            if not isinstance(value, str) or not value:
+                continue
+            if name.endswith("_key"):
+                exact.add(value)
+                prefixes.append(f"{value}:")
+            elif name == "prefix":
+                prefixes.append(value)
+    return OwnKeys(frozenset(exact), tuple(prefixes), pattern)
+
+
 def inflight_key(queue: str) -> str:
     return f"{queue}:inflight"
 
@@ -127,11 +185,13 @@ def dead_letter_key(queue: str) -> str:
 
 
 def script_source(name: str) -> str:
-    """The Lua source of ``transports/lua/<name>.lua`` (packaged as data)."""
+    """The Lua source of ``transports/lua/<name>.lua`` (packaged as data), after the
+    shared helpers of ``lua/lib.lua``."""
     if name not in SCRIPT_NAMES:
         raise KeyError(f"unknown Lua script {name!r} (known: {', '.join(SCRIPT_NAMES)})")
-    package = resources.files("async_processor.transports") / "lua" / f"{name}.lua"
-    return package.read_text(encoding="utf-8")
+    folder = resources.files("async_processor.transports") / "lua"
+    prelude = (folder / "lib.lua").read_text(encoding="utf-8")
+    return prelude + (folder / f"{name}.lua").read_text(encoding="utf-8")
 
 
 def register_scripts(client: Redis) -> dict[str, AsyncScript]:

@@ -139,7 +139,7 @@ class RedisPubSubTransport:
 
     def decode(self, delivery: Delivery) -> Envelope:
         """The envelope; its channel is where it came from (and where retries return)."""
-        return keys.decode_delivery(delivery, self._ctx.max_message_bytes, own_queue_name=False)
+        return keys.decode_delivery(delivery, self._ctx.max_message_bytes)
 
     # ------------------------------------------------------------------ writes
 

@@ -88,6 +88,12 @@ class SortedSetTransport:
         self._held: dict[str, dict[str, Delivery]] = {q.name: {} for q in self.queues}
         # Claims whose ack is on its way: a heartbeat that misses them is not a lost lease.
         self._settling: set[str] = set()
+        self._own_keys = keys.own_keys(
+            [q.name for q in self.queues],
+            config.retry_queue_name,
+            [*(q.gate_params for q in self.queues), *ctx.gate_params],
+            config.result_queue_pattern,
+        )
 
     # ------------------------------------------------------------------ fetch and decode
 
@@ -150,7 +156,7 @@ class SortedSetTransport:
         """The member's envelope with routing filled from the queue (queue labels win)."""
         if delivery.envelope is not None:  # decoded at fetch time already
             return delivery.envelope
-        return keys.decode_delivery(delivery, self._ctx.max_message_bytes, own_queue_name=True)
+        return keys.decode_delivery(delivery, self._ctx.max_message_bytes)
 
     # ------------------------------------------------------------------ acknowledgements
 
@@ -158,11 +164,12 @@ class SortedSetTransport:
         """Per item, one script: result + dedup marker + ack + cancellation cleanup."""
         if not items:
             return
+        targets = [self._result_list(delivery) for delivery, _ in items]
         with self._acking(d for d, _ in items), redis_errors("complete"):
             async with self._redis.pipeline(transaction=False) as pipe:
-                for delivery, result in items:
+                for (delivery, result), target in zip(items, targets, strict=True):
                     await self._scripts["complete"](
-                        keys=self._complete_keys(delivery, result),
+                        keys=self._complete_keys(delivery, result, target),
                         args=[
                             _claim(delivery).id,
                             result.encode(),
@@ -173,39 +180,61 @@ class SortedSetTransport:
                     )
                 replies = await pipe.execute()
         lost = []
-        for (delivery, result), (written, held, fell_back) in zip(items, replies, strict=True):
+        for (delivery, result), target, reply in zip(items, targets, replies, strict=True):
+            written, held, fell_back = reply
             self._release(delivery)
             if not written:
                 log.info(
                     "duplicate_result_skipped", request_id=result.id, queue=delivery.queue.name
                 )
             if fell_back:
-                log.warning(
-                    "result_list_unusable",
-                    request_id=result.id,
-                    result_list=self._result_list(delivery),
-                    written_to=self.config.result_queue_name,
-                )
+                self._route_rejected(delivery, target, "wrong_type")
             if not held:
                 lost.append(delivery)
         await self._drop_returned(lost)
 
-    def _complete_keys(self, delivery: Delivery, result: Result) -> list[str]:
+    def _complete_keys(self, delivery: Delivery, result: Result, target: str) -> list[str]:
         name = delivery.queue.name
         return [
             keys.done_key(result.id, keys.fingerprint(delivery)),
-            self._result_list(delivery),
+            target,
             keys.inflight_key(name),
             keys.inflight_meta_key(name),
             keys.active_key(result.id),
             keys.cancel_key(result.id),
-            self.config.result_queue_name,
+            self._configured_list(delivery),
         ]
 
     def _result_list(self, delivery: Delivery) -> str:
-        """Queue config > the envelope's routing > the transport default (the reference's order)."""
+        """Queue config > the envelope's routing > the transport default (the reference's
+        order), except that the message may not name one of the daemon's own keys, nor a
+        name outside ``result_queue_pattern``: then the configured list (DESIGN.md §5.14)."""
+        configured = self._configured_list(delivery)
         routed = delivery.envelope.routing.result_queue_name if delivery.envelope else ""
-        return delivery.queue.result_queue_name or routed or self.config.result_queue_name
+        if delivery.queue.result_queue_name or not routed:
+            return configured
+        reason = self._own_keys.rejection(routed)
+        if reason is not None:
+            self._route_rejected(delivery, routed, reason)
+            return configured
+        return routed
+
+    def _configured_list(self, delivery: Delivery) -> str:
+        return delivery.queue.result_queue_name or self.config.result_queue_name
+
+    def _route_rejected(self, delivery: Delivery, routed: str, reason: str) -> None:
+        """Log and count a message-named result list the result did not go to."""
+        queue = delivery.queue.name
+        log.warning(
+            "result_route_rejected",
+            request_id=delivery.envelope.id if delivery.envelope else None,
+            queue=queue,
+            result_list=routed,
+            reason=reason,
+            written_to=self._configured_list(delivery),
+        )
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.result_route_rejected_total.labels(queue, reason).inc()
 
     async def _drop_returned(self, deliveries: list[Delivery]) -> None:
         """A completed message whose lease had expired may be back on its queue: remove it
@@ -344,7 +373,7 @@ class SortedSetTransport:
 
     async def move_due(self) -> None:
         """Move every due retry back to its origin queue, scored by its deadline."""
-        retry_keys = [self.config.retry_queue_name, self.queues[0].name]
+        retry_keys = [self.config.retry_queue_name, *(q.name for q in self.queues)]
         await _drain("retry_move", self._scripts["move_due"], retry_keys)
 
 

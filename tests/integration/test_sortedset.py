@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from async_processor.config import SortedSetConfig
 from async_processor.errors import TransportError
 from async_processor.messages import Envelope, Request, Result, Routing
+from async_processor.metrics import Metrics
 from async_processor.transports import build_transport, redis_keys
 from async_processor.transports.base import Deferral, Delivery, TransportContext
 from async_processor.transports.redis_sortedset import CHUNK, SortedSetTransport
@@ -567,3 +568,160 @@ async def test_a_retried_claim_answers_with_the_batch_it_already_claimed(make_co
     assert await r.hgetall(redis_keys.inflight_meta_key(q)) == {
         b"owner:7:1": f"{deadline}|".encode() + first
     }
+
+
+# --------------------------------------------- a message routes only within allowed keys (#9.1)
+
+
+def rejected(metrics: Metrics, queue: str, reason: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "llm_d_async_async_result_route_rejected_total", {"queue_name": queue, "reason": reason}
+    )
+    return value or 0.0
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "{u}-other",  # another configured request queue, empty: LPUSH would make it a list
+        "{u}-retry",
+        "{u}-q:inflight",
+        "{u}-q:inflight:meta",
+        "{u}-q:dead-letter",
+        "request-cancel:{u}",
+        "request-done:{u}",
+        "{u}-budget",  # a queue gate's key
+        "{u}-quota:tenant:x",  # under a pool gate's key prefix
+        "{u}-rate:state",  # under a pool gate's control key
+    ],
+)
+async def test_a_message_cannot_route_its_result_into_a_daemon_key(
+    make_config, r, unique, target
+) -> None:
+    target = target.format(u=unique)
+    queues = [
+        {"queue_name": f"{unique}-q", "igw_base_url": GW,
+         "gate_type": "redis", "gate_params": {"budget_key": f"{unique}-budget"}},
+        {"queue_name": f"{unique}-other", "igw_base_url": GW},
+    ]  # fmt: skip
+    config = make_config(queues=queues)
+    pool_gates = [{"prefix": f"{unique}-quota:"}, {"control_key": f"{unique}-rate"}]
+    metrics = Metrics()
+    request_id = f"{unique}-route"
+    deadline = future()
+    await r.zadd(f"{unique}-q", {member(request_id, deadline, result_queue=target): deadline})
+    ctx = TransportContext(metrics=metrics, gate_params=pool_gates)
+    transport = SortedSetTransport(config, ctx)
+    try:
+        delivery = await fetch_one(transport)
+        await transport.complete([(delivery, Result.http(request_id, 200, b"{}"))])
+    finally:
+        await transport.aclose()
+    assert [x.id for x in await results_of(r, config.result_queue_name)] == [request_id]
+    assert await r.type(target) in (b"none", b"zset")  # never turned into a list
+    assert rejected(metrics, f"{unique}-q", "reserved_key") == 1
+    # The other queue still takes producers' ZADDs and the daemon's claims.
+    await r.zadd(f"{unique}-other", {member(f"{unique}-later", deadline): deadline})
+    async with opened(config) as transport:
+        [later] = await transport.fetch(transport.queues[1], 1, 0)
+        assert later.raw
+
+
+@pytest.mark.parametrize(("routed", "lands_in"), [("results:mine", "routed"), ("mine", "default")])
+async def test_result_queue_pattern_bounds_message_routing(
+    make_config, r, unique, routed, lands_in
+) -> None:
+    config = make_config(result_queue_pattern=f"{unique}-results:*")
+    routed = f"{unique}-{routed}"
+    metrics = Metrics()
+    request_id = f"{unique}-pattern"
+    deadline = future()
+    q = config.queues[0].queue_name
+    await r.zadd(q, {member(request_id, deadline, result_queue=routed): deadline})
+    transport = SortedSetTransport(config, TransportContext(metrics=metrics))
+    try:
+        delivery = await fetch_one(transport)
+        await transport.complete([(delivery, Result.http(request_id, 200, b"{}"))])
+    finally:
+        await transport.aclose()
+    expected = routed if lands_in == "routed" else config.result_queue_name
+    assert [x.id for x in await results_of(r, expected)] == [request_id]
+    assert rejected(metrics, q, "pattern_mismatch") == (lands_in == "default")
+
+
+async def test_a_retry_goes_back_to_the_queue_it_was_claimed_from(make_config, r, unique) -> None:
+    # The message names another queue as its own: informational only. Moved there, it
+    # would sit in a sorted set nobody polls and never get a result.
+    config = make_config()
+    q = config.queues[0].queue_name
+    elsewhere = f"{unique}-elsewhere"
+    deadline = future()
+    routing = Routing(request_queue_name=elsewhere)
+    raw = Envelope(Request(id=f"{unique}-r", deadline=deadline), routing, kind="redis").encode()
+    await r.zadd(q, {raw: deadline})
+    # A member already in the retry set naming an unconfigured queue: the first queue.
+    stray = Envelope(Request(id=f"{unique}-s", deadline=deadline), routing, kind="redis")
+    await r.zadd(config.retry_queue_name, {stray.encode(): 1})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        await transport.defer([Deferral(delivery, 0.01)])
+        await anyio.sleep(0.05)
+        await transport.move_due()
+    assert not await r.exists(elsewhere)
+    assert sorted(json.loads(m)["data"]["id"] for m in await r.zrange(q, 0, -1)) == [
+        f"{unique}-r",
+        f"{unique}-s",
+    ]
+
+
+async def test_a_batch_survives_a_wrong_typed_in_flight_key(make_config, r) -> None:
+    # claim.lua popped the members and then failed on ZADD: Redis does not roll a script
+    # back, so every fetch destroyed a batch. Now the types are checked before any write.
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    await r.zadd(q, {member(f"b{i}", deadline + i): deadline + i for i in range(5)})
+    await r.set(redis_keys.inflight_key(q), "not a sorted set")
+    async with opened(config) as transport:
+        for _ in range(3):
+            with pytest.raises(TransportError, match="WRONGTYPE"):
+                await transport.fetch(transport.queues[0], 2, 0)
+        assert await r.zcard(q) == 5
+        await r.delete(redis_keys.inflight_key(q))
+        assert len(await transport.fetch(transport.queues[0], 5, 0)) == 5
+
+
+async def test_complete_changes_nothing_when_a_key_has_the_wrong_type(make_config, r) -> None:
+    # The in-flight hash turned into a string after the claim: complete used to push the
+    # result and set the marker before failing on HDEL (a half-done step).
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    await r.zadd(q, {member("half", deadline): deadline})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        await r.delete(redis_keys.inflight_meta_key(q))
+        await r.set(redis_keys.inflight_meta_key(q), "x")
+        with pytest.raises(TransportError, match="WRONGTYPE"):
+            await transport.complete([(delivery, Result.http("half", 200, b"{}"))])
+    assert await r.llen(config.result_queue_name) == 0
+    assert not await r.exists(redis_keys.done_key("half", redis_keys.fingerprint(delivery)))
+    assert await r.zcard(redis_keys.inflight_key(q)) == 1
+
+
+async def test_different_id_and_token_pairs_never_share_a_dedup_marker(
+    make_config, r, unique
+) -> None:
+    # "request-done:<id>:<token>" made ("a:b", "c") and ("a", "b:c") one submission.
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    first = member(f"{unique}:b", deadline, token="c")
+    second = member(unique, deadline, token="b:c")
+    await r.zadd(q, {first: deadline, second: deadline + 1})
+    async with opened(config) as transport:
+        for delivery in await transport.fetch(transport.queues[0], 2, 0):
+            envelope = transport.decode(delivery)
+            await transport.complete([(delivery, Result.http(envelope.id, 200, b"{}"))])
+    ids = sorted(x.id for x in await results_of(r, config.result_queue_name))
+    assert ids == sorted([f"{unique}:b", unique])

@@ -4,6 +4,7 @@
 -- KEYS[3] in-flight hash (claim id -> "<original score>|<member>")
 -- ARGV[1] max count, ARGV[2] lease seconds, ARGV[3] claim id prefix (unique per process and fetch)
 -- Returns {claim id, member, score, ...}; {} when the queue is empty.
+expect_types(KEYS[1], 'zset', KEYS[2], 'zset', KEYS[3], 'hash')
 local limit = tonumber(ARGV[1])
 -- The same prefix again means the client retried a claim whose reply it never got (e.g.
 -- Redis restarting): answer with that batch. Claiming anew would overwrite its claim ids

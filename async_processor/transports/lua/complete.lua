@@ -1,20 +1,23 @@
 -- Write one terminal result and acknowledge its claim, atomically.
--- KEYS[1] dedup marker (request-done:<id>:<token or fingerprint>), KEYS[2] result list,
+-- KEYS[1] dedup marker (request-done:<id>:<digest>), KEYS[2] result list,
 -- KEYS[3] in-flight zset, KEYS[4] in-flight hash, KEYS[5] request-active:<id>,
 -- KEYS[6] request-cancel:<id>, KEYS[7] fallback result list (the transport's default)
 -- ARGV[1] claim id, ARGV[2] encoded result, ARGV[3] marker TTL seconds, ARGV[4] request token
 -- Returns {1 if the result was written (0 = already done), 1 if the claim was still held,
--- 1 if KEYS[2] was unusable and the result went to KEYS[7]}.
--- The result is pushed first: a script that fails part-way keeps what it already wrote, so
--- nothing is acknowledged or marked done unless the result landed.
-local written, fell_back = 0, 0
+-- 1 if KEYS[2] was not a list and the result went to KEYS[7]}.
+-- Every type is checked before the first write, so a failure changes nothing.
+local fell_back = 0
+local target = KEYS[2]
+-- KEYS[2] may come from the message (result_queue_name): a key of another type is not
+-- written to, the result goes to the configured list instead.
+if not usable_as(target, 'list') then
+  target, fell_back = KEYS[7], 1
+end
+expect_types(target, 'list', KEYS[1], 'string', KEYS[3], 'zset', KEYS[4], 'hash',
+  KEYS[5], 'string', KEYS[6], 'string')
+local written = 0
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  -- KEYS[2] comes from the message (result_queue_name) and may name a key of another type.
-  local pushed = redis.pcall('LPUSH', KEYS[2], ARGV[2])
-  if type(pushed) == 'table' and pushed.err then
-    redis.call('LPUSH', KEYS[7], ARGV[2])
-    fell_back = 1
-  end
+  redis.call('LPUSH', target, ARGV[2])
   redis.call('SET', KEYS[1], '1', 'EX', tonumber(ARGV[3]))
   written = 1
 end

@@ -6,6 +6,7 @@
 --   or "at" (absolute score)
 -- Returns 1 when handed back, 0 when the claim was not held.
 -- The write comes before the ack: if it fails, the claim stays held and nothing is lost.
+expect_types(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'zset')
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   return 0
 end

@@ -1,6 +1,7 @@
 -- Put up to ARGV[1] claims whose lease expired back on their queue, with their original score.
 -- KEYS[1] queue zset, KEYS[2] in-flight zset, KEYS[3] in-flight hash; ARGV[1] max count
 -- Returns how many claims were reclaimed.
+expect_types(KEYS[1], 'zset', KEYS[2], 'zset', KEYS[3], 'hash')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
