@@ -281,6 +281,15 @@ class RuntimeConfig(Strict):
             raise ValueError(f"{value!r} is not a legal HTTP header name")
         return value
 
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> RuntimeConfig:
+        # Both servers would bind the same port, and the daemon would fail at start-up.
+        if self.health_port and self.health_port == self.metrics_port:
+            raise ValueError(
+                f"--health-port and --metrics-port are both {self.health_port}; they must differ"
+            )
+        return self
+
     @property
     def effective_gate_wait_timeout(self) -> float:
         return self.request_timeout if self.gate_wait_timeout is None else self.gate_wait_timeout
@@ -553,6 +562,8 @@ def _transport_config(
         raise ConfigError("one of --transport-config or --transport-config-file is required")
     source = f"--transport-config-file {path}" if path else "--transport-config"
     raw = _parse_json(source, inline) if inline else _read_json("--transport-config-file", path)
+    if "transport" not in settings.values:  # the default transport is only a guess
+        _suggest_transport(source, raw, transport)
     model = TRANSPORT_CONFIGS[transport]
     is_redis = issubclass(model, RedisTransportBase)
     if is_redis and isinstance(raw, dict) and not raw.get("url"):
@@ -562,6 +573,27 @@ def _transport_config(
             raise ConfigError(f"{source}: url is required for {transport} (or set REDIS_URL)")
     config = cast(TransportConfig, _validate(model.model_validate, source, raw))
     return config, source
+
+
+def _suggest_transport(source: str, raw: Any, assumed: str) -> None:
+    """ConfigError naming the transport ``raw`` is a config of, when not ``assumed``'s.
+
+    Without ``--transport`` the default (redis-pubsub) is assumed, and a sorted-set config
+    would otherwise fail as ``queues.0.id: Extra inputs are not permitted``.
+    """
+    fits = [name for name, model in TRANSPORT_CONFIGS.items() if _fits(model, raw)]
+    if fits and assumed not in fits:
+        raise ConfigError(
+            f"{source}: this looks like a {fits[0]} config; pass --transport {fits[0]}"
+        )
+
+
+def _fits(model: type[BaseModel], raw: Any) -> bool:
+    try:
+        model.model_validate(raw)
+    except ValidationError:
+        return False
+    return True
 
 
 def _pools(settings: Settings) -> list[PoolConfig]:

@@ -62,3 +62,34 @@ def test_check_config_names_the_missing_prometheus_url_for_the_gcp_example() -> 
     done = check_config("--transport", "gcp-pubsub", "--transport-config-file", path)
     assert done.returncode == 2
     assert "--prometheus-url" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("example", "transport"),
+    [("sortedset.json", "redis-sortedset"), ("gcp-pubsub.json", "gcp-pubsub")],
+)
+def test_a_config_for_another_transport_without_transport_names_it(
+    example: str, transport: str
+) -> None:
+    """The default transport is redis-pubsub; a forgotten --transport is named as such."""
+    done = check_config("--transport-config-file", str(CONFIG_DIR / example))
+    assert done.returncode == 2
+    assert f"this looks like a {transport} config; pass --transport {transport}" in done.stderr
+    assert "Extra inputs" not in done.stderr
+
+
+def test_a_broken_config_with_an_explicit_transport_gets_no_guess() -> None:
+    done = check_config(
+        "--transport", "redis-pubsub", "--transport-config-file", str(CONFIG_DIR / "sortedset.json")
+    )
+    assert done.returncode == 2
+    assert "this looks like" not in done.stderr and "Extra inputs" in done.stderr
+
+
+def test_equal_health_and_metrics_ports_fail_the_check() -> None:
+    path = str(CONFIG_DIR / "sortedset.json")
+    base = ("--transport", "redis-sortedset", "--transport-config-file", path)
+    done = check_config(*base, "--health-port", "9090")
+    assert done.returncode == 2
+    assert "--health-port and --metrics-port are both 9090" in done.stderr
+    assert check_config(*base, "--health-port", "0", "--metrics-port", "0").returncode == 0
