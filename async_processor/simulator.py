@@ -19,7 +19,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from aiohttp import web
@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from async_processor.cliargs import duration, parse, subcommand_parser
 from async_processor.durations import format_duration
+from async_processor.gates import epp
 from async_processor.health import listening
 from async_processor.sim_pool import PoolConfig
 from async_processor.sim_serving import (
@@ -71,6 +72,8 @@ class SimConfig(BaseModel):
     pool: str = "sim-pool"
     namespace: str = "default"
     ready_pods: int = Field(1, ge=0)
+    # EPP series names: llm-d-router v0.9+ (current), older EPPs (legacy), or both.
+    epp_metrics: Literal["current", "legacy", "both"] = "current"
 
     def delay(self, max_tokens: int) -> float:
         return self.latency + self.ttft + self.per_token * max_tokens
@@ -396,6 +399,8 @@ class _SimCollector(Collector):
     endpoint-scrape gate read: vLLM series carry ``model_name`` and a relabelled
     ``inference_pool``; EPP pool series carry ``name``; flow-control series carry
     ``inference_pool``. The queue sizes are the waiting requests, split over the pods.
+    EPP series use the current ``llm_d_epp_*`` names, the legacy ones or both
+    (``epp_metrics``), as llm-d-router v0.9+, older EPPs or dual-emitting ones do.
     """
 
     def __init__(self, sim: Simulator) -> None:
@@ -403,10 +408,7 @@ class _SimCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         c, load = self._sim.config, self._sim.load()
-        waiting, saturation = load.waiting, load.saturation
         vllm = self._sim._vllm_labels()
-        pool = {"name": c.pool, "namespace": c.namespace}
-        flow = {"inference_pool": c.pool, "model_name": c.model, "namespace": c.namespace}
         # A pool model reports each pod (label ``pod``); the fixed model one pool-wide series.
         pods_vllm = [({**vllm, "pod": pod} if pod else vllm, r, w) for pod, r, w in load.per_pod]
         yield _gauge(
@@ -416,17 +418,33 @@ class _SimCollector(Collector):
             "vllm:num_requests_waiting", "Requests waiting.", [(v, w) for v, _, w in pods_vllm]
         )
         pods = len(load.per_pod) if self._sim.pool else c.ready_pods
-        yield _gauge("inference_pool_ready_pods", "Ready pods in the pool.", [(pool, pods)])
-        per_pod = [({**pool, "model_server_pod": f"sim-{i}"}, waiting / pods) for i in range(pods)]
-        yield _gauge("inference_pool_per_pod_queue_size", "Queued requests per pod.", per_pod)
-        yield _gauge(
-            "inference_extension_flow_control_queue_size", "Flow-control queue.", [(flow, waiting)]
-        )
-        yield _gauge(
-            "inference_extension_flow_control_pool_saturation",
-            "Running / capacity, 0..1.",
-            [({"inference_pool": c.pool, "namespace": c.namespace}, saturation)],
-        )
+        for legacy in _EPP_NAMES[c.epp_metrics]:
+            yield from _epp_series(c, legacy, pods, load.waiting, load.saturation)
+
+
+_EPP_NAMES = {"current": (False,), "legacy": (True,), "both": (False, True)}
+
+
+def _epp_series(
+    c: SimConfig, legacy: bool, pods: int, waiting: float, saturation: float
+) -> Iterator[GaugeMetricFamily]:
+    """The EPP's pool and flow-control gauges under the current or the legacy names."""
+
+    def name(metric: epp.EppMetric) -> str:
+        return metric.legacy if legacy else metric.current
+
+    pool = {"name": c.pool, "namespace": c.namespace}
+    flow = {"inference_pool": c.pool, "model_name": c.model, "namespace": c.namespace}
+    endpoint = "model_server_pod" if legacy else "model_server_endpoint"
+    per_pod = [({**pool, endpoint: f"sim-{i}"}, waiting / pods) for i in range(pods)]
+    yield _gauge(name(epp.READY_ENDPOINTS), "Ready endpoints in the pool.", [(pool, pods)])
+    yield _gauge(name(epp.PER_ENDPOINT_QUEUE_SIZE), "Queued requests per endpoint.", per_pod)
+    yield _gauge(name(epp.FLOW_CONTROL_QUEUE_SIZE), "Flow-control queue.", [(flow, waiting)])
+    yield _gauge(
+        name(epp.POOL_SATURATION),
+        "Running / capacity, 0..1.",
+        [({"inference_pool": c.pool, "namespace": c.namespace}, saturation)],
+    )
 
 
 def _gauge(
@@ -473,6 +491,12 @@ def _parser() -> argparse.ArgumentParser:
         if kind is duration:
             default = format_duration(default)  # --help shows "50ms", not 0.05
         p.add_argument(f"--{name}", type=kind, default=default, metavar=metavar, help=help_text)
+    p.add_argument(
+        "--epp-metrics",
+        choices=("current", "legacy", "both"),
+        default="current",
+        help="EPP series names: llm_d_epp_* (llm-d-router v0.9+), the deprecated ones, or both",
+    )
     return p
 
 

@@ -2,9 +2,10 @@
 
 Input: instant PromQL queries against ``--prometheus-url`` (HTTP API ``/api/v1/query``,
 aiohttp, one session per process), cached for ``--prometheus-cache-ttl`` (errors too).
-Output: a ``MetricGate`` budget. The PromQL strings are the reference's, byte for byte:
-label matchers sorted by name, values quoted like Go string literals, and
-``max_concurrency`` printed like Go's ``%g``.
+Output: a ``MetricGate`` budget. The PromQL keeps the reference's formulas and text
+conventions (label matchers sorted by name, values quoted like Go string literals,
+``max_concurrency`` printed like Go's ``%g``), but each EPP series is asked for as
+``current or legacy`` (``gates.epp``), so old, new and dual-emitting EPPs all work.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from pydantic import Field
 
 from async_processor.errors import ConfigError, GateError
 from async_processor.gates.base import GATES, Gate, GateContext
+from async_processor.gates.epp import (
+    FLOW_CONTROL_QUEUE_SIZE,
+    PER_ENDPOINT_QUEUE_SIZE,
+    POOL_SATURATION,
+    READY_ENDPOINTS,
+    EppMetric,
+)
 from async_processor.gates.metric import CascadeSource, MetricGate, MetricSource, Sample, cached
 from async_processor.gates.params import Float, Params, Str
 
@@ -67,25 +75,41 @@ def selector(metric: str, **labels: str) -> str:
     return f"{metric}{{{matchers}}}"
 
 
+def current_or_legacy(metric: EppMetric, aggregate: str = "", **labels: str) -> str:
+    """``(agg(current{…}) or agg(legacy{…}))``: the current name wins where both exist.
+
+    ``or`` keeps the right side only for label sets the left lacks (the metric name is
+    not compared), so a dual-emitting EPP gives one series, not two. Aggregating each
+    side first also makes a renamed label (``model_server_pod``) irrelevant.
+    """
+    current, legacy = (selector(name, **labels) for name in metric.names)
+    if aggregate:
+        current, legacy = f"{aggregate}({current})", f"{aggregate}({legacy})"
+    return f"({current} or {legacy})"
+
+
 def saturation_query(pool: str, namespace: str = "") -> str:
-    return "1 - " + selector(
-        "inference_extension_flow_control_pool_saturation",
-        inference_pool=pool,
-        namespace=namespace,
+    # max over the stage label (prefill, decode, effective = their max) is the effective
+    # saturation; an EPP without the label has one series per pool and max changes nothing.
+    saturation = current_or_legacy(
+        POOL_SATURATION, "max by(inference_pool)", inference_pool=pool, namespace=namespace
     )
+    return f"1 - {saturation}"
 
 
 def budget_queries(pool: str, namespace: str, max_concurrency: float) -> list[str]:
     mc = go_g(max_concurrency)
-    ready = selector("inference_pool_ready_pods", name=pool, namespace=namespace)
-    queue = selector(
-        "inference_extension_flow_control_queue_size", inference_pool=pool, namespace=namespace
+    ready = current_or_legacy(READY_ENDPOINTS, name=pool, namespace=namespace)
+    queue = current_or_legacy(
+        FLOW_CONTROL_QUEUE_SIZE, "sum by(inference_pool)", inference_pool=pool, namespace=namespace
     )
-    per_pod = selector("inference_pool_per_pod_queue_size", name=pool, namespace=namespace)
+    per_pod = current_or_legacy(
+        PER_ENDPOINT_QUEUE_SIZE, "avg by(name)", name=pool, namespace=namespace
+    )
     running = selector("vllm:num_requests_running", inference_pool=pool, namespace=namespace)
     return [
-        f"1 - (sum by(inference_pool)({queue}) / on() ({ready} * {mc}))",
-        f"1 - (avg by(name)({per_pod}) / {mc})",
+        f"1 - ({queue} / on() ({ready} * {mc}))",
+        f"1 - ({per_pod} / {mc})",
         f"1 - (sum({running}) / on() ({ready} * {mc}))",
     ]
 

@@ -1,7 +1,9 @@
 """``endpoint-scrape``: a metric gate that reads a ``/metrics`` page, no Prometheus server.
 
 Input: the Prometheus text exposition at ``url`` (e.g. vLLM's or the EPP's), filtered by
-``labels``; optionally the ready-pod count from ``pods_url``/``pods_metric``. Output: a
+``labels``; optionally the ready-pod count from ``pods_url``/``pods_metric``. ``metric``
+and ``pods_metric`` may list several names, tried in order (the EPP's current name, then
+its deprecated twin: the ``current or legacy`` of the PromQL gates). Output: a
 ``MetricGate`` budget. ``value_type: saturation`` (default) turns the value into a budget
 as ``1 - value / (pods × max_count_per_pod)`` (or ``1 - value`` without a capacity);
 ``value_type: budget`` uses the value as the budget itself. Cached like PromQL sources.
@@ -10,11 +12,13 @@ Unlike the reference, the gauges carry the owner's queue/pool labels.
 
 from __future__ import annotations
 
-from typing import Literal, Self
+import json
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Self
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from async_processor.errors import GateError
 from async_processor.gates.base import GATES, Gate, GateContext
@@ -25,8 +29,10 @@ from async_processor.gates.prometheus import metrics_session
 _VALUE_TYPES = frozenset(("gauge", "counter", "unknown", "untyped"))
 
 
-async def scrape(ctx: GateContext, url: str, metric: str, labels: dict[str, str]) -> list[Sample]:
-    """Series of ``metric`` at ``url`` whose labels include every ``labels`` pair."""
+async def scrape(
+    ctx: GateContext, url: str, metrics: Sequence[str], labels: dict[str, str]
+) -> list[Sample]:
+    """Series of the first of ``metrics`` at ``url`` with a series carrying every label pair."""
     try:
         async with metrics_session(ctx).get(url) as response:
             if response.status != 200:
@@ -38,25 +44,42 @@ async def scrape(ctx: GateContext, url: str, metric: str, labels: dict[str, str]
         families = list(text_string_to_metric_families(text))
     except Exception as exc:  # the parser raises several types on malformed pages
         raise GateError(f"scrape of {url}: unparsable exposition: {exc!r}") from exc
-    return [
-        Sample(float(s.value), dict(s.labels))
-        for family in families
-        if family.type in _VALUE_TYPES
-        for s in family.samples
-        if s.name == metric and all(s.labels.get(k) == v for k, v in labels.items())
-    ]
+    for metric in metrics:
+        samples = [
+            Sample(float(s.value), dict(s.labels))
+            for family in families
+            if family.type in _VALUE_TYPES
+            for s in family.samples
+            if s.name == metric and all(s.labels.get(k) == v for k, v in labels.items())
+        ]
+        if samples:
+            return samples
+    return []
+
+
+def _to_names(value: Any) -> Any:
+    """One metric name, a list of them, or a JSON string of a list (as Helm writes it)."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.lstrip().startswith("[") else [value]
+    return value
+
+
+# Metric names tried in order; the first with a matching series wins.
+Names = Annotated[
+    list[Annotated[str, Field(min_length=1)]], Field(min_length=1), BeforeValidator(_to_names)
+]
 
 
 class ScrapeParams(Params):
     url: Str = Field(min_length=1)
-    metric: Str = Field(min_length=1)
+    metric: Names
     labels: StrMap = Field(default_factory=dict)
     value_type: Literal["saturation", "budget"] = "saturation"
     max_count_per_pod: Float = Field(default=0.0, ge=0)
     baseline: Float = 0.0
     fallback: Float = 0.0
     pods_url: Str = ""
-    pods_metric: Str = ""
+    pods_metric: Names | None = None
     pods_labels: StrMap = Field(default_factory=dict)
 
     @model_validator(mode="after")

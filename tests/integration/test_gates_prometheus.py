@@ -54,9 +54,10 @@ async def test_saturation_sends_the_exact_query(
     ctx = contexts(fake_prometheus.url)
     params = {"pool": 'pool "x"', "namespace": "llm", "threshold": "0.7"}
     gate = build_gate("prometheus-saturation", params, ctx)
+    matchers = '{inference_pool="pool \\"x\\"",namespace="llm"}'
     expected = (
-        "1 - inference_extension_flow_control_pool_saturation"
-        '{inference_pool="pool \\"x\\"",namespace="llm"}'
+        f"1 - (max by(inference_pool)(llm_d_epp_flow_control_pool_saturation{matchers})"
+        f" or max by(inference_pool)(inference_extension_flow_control_pool_saturation{matchers}))"
     )
     assert saturation_query('pool "x"', "llm") == expected
     fake_prometheus.answers[expected] = [({"inference_pool": "x"}, 0.5)]  # 1 - S: S = 0.5

@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from async_processor.errors import ConfigError
 from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.metrics import Metrics
 from tests.fixtures.simulator import SimulatorProcess
@@ -45,7 +46,7 @@ async def test_scrape_follows_simulator_load(simulator: SimulatorProcess, ctx: G
         "labels": '{"model_name": "sim-model"}',
         "max_count_per_pod": "5",
         "pods_url": metrics_url,
-        "pods_metric": "inference_pool_ready_pods",
+        "pods_metric": ["llm_d_epp_ready_endpoints", "inference_pool_ready_pods"],
         "baseline": 0.1,
     }
     gate = build_gate("endpoint-scrape", params, ctx)
@@ -143,3 +144,26 @@ async def test_scrape_failures_use_the_fallback(
     params = {"url": page.url, "metric": "free_share", "max_count_per_pod": 1, **extra}
     gate = build_gate("endpoint-scrape", {**params, "fallback": 0.33}, ctx)
     assert await gate.budget() == 0.33
+
+
+@pytest.mark.anyio
+async def test_scrape_tries_metric_names_in_order(page: Page, ctx: GateContext) -> None:
+    page.text = EXPOSITION
+    names = ["absent_current", "free_share"]  # current name missing: the legacy one answers
+    both = {"url": page.url, "metric": names, "labels": {"pool": "a"}, "value_type": "budget"}
+    assert await build_gate("endpoint-scrape", both, ctx).budget() == pytest.approx(0.7)
+    as_helm_writes_it = {**both, "metric": '["free_share", "running_total"]'}
+    assert await build_gate("endpoint-scrape", as_helm_writes_it, ctx).budget() == 0.7
+    # The first name with a matching series wins, even when a later one also has one.
+    first = {**both, "metric": ["running_total", "free_share"], "labels": {}}
+    assert await build_gate("endpoint-scrape", first, ctx).budget() == 1.0  # 3 clamps to 1
+    pods = {"url": page.url, "metric": "running_total", "max_count_per_pod": 10}
+    pods |= {"pods_url": page.url, "pods_metric": ["no_such_pods", "free_share"]}
+    assert await build_gate("endpoint-scrape", pods, ctx).budget() == pytest.approx(1 - 3 / 7)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("metric", [[], [""], "[1", '["ok", ""]'])
+async def test_scrape_rejects_bad_metric_name_lists(metric: Any, ctx: GateContext) -> None:
+    with pytest.raises(ConfigError, match="metric"):
+        build_gate("endpoint-scrape", {"url": "http://x/metrics", "metric": metric}, ctx)

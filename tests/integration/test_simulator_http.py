@@ -123,21 +123,24 @@ async def test_metrics_follow_load_up_and_down(simulator: SimulatorProcess) -> N
             tg.cancel_scope.cancel()  # the clients go away
         assert loaded["vllm:num_requests_running"] == 4
         assert loaded["vllm:num_requests_waiting"] == 2
-        assert loaded["inference_extension_flow_control_pool_saturation"] == 1.0
-        assert loaded["inference_pool_per_pod_queue_size"] == 2
+        assert loaded["llm_d_epp_flow_control_pool_saturation"] == 1.0
+        assert loaded["llm_d_epp_per_endpoint_queue_size"] == 2
         with anyio.fail_after(3):
             while (await gauges(session, simulator.url))["vllm:num_requests_running"]:
                 await anyio.sleep(0.05)
         idle = await gauges(session, simulator.url)
     assert idle["vllm:num_requests_waiting"] == 0
-    assert idle["inference_extension_flow_control_pool_saturation"] == 0
+    assert idle["llm_d_epp_flow_control_pool_saturation"] == 0
 
 
 async def test_command_line_settings_and_recorded_headers() -> None:
-    sim = start_simulator("--latency", "0.2", "--max-concurrent", "3", "--pool", "gpu-a")
+    sim = start_simulator(
+        "--latency", "0.2", "--max-concurrent", "3", "--pool", "gpu-a", "--epp-metrics", "both"
+    )  # fmt: skip
     try:
         config = sim.configure()
         assert (config["latency"], config["max_concurrent"], config["pool"]) == (0.2, 3, "gpu-a")
+        assert config["epp_metrics"] == "both"
         async with aiohttp.ClientSession() as session:
             headers = {"x-llm-d-inference-fairness-id": "tenant-1"}
             async with session.post(

@@ -165,19 +165,28 @@ def test_go_number_and_string_formatting() -> None:
 
 
 def test_exact_promql() -> None:
+    # Current llm_d_epp_* name first, the deprecated twin as the `or` fallback.
     assert saturation_query("pool-1") == (
-        '1 - inference_extension_flow_control_pool_saturation{inference_pool="pool-1"}'
+        "1 - (max by(inference_pool)(llm_d_epp_flow_control_pool_saturation"
+        '{inference_pool="pool-1"}) or max by(inference_pool)'
+        '(inference_extension_flow_control_pool_saturation{inference_pool="pool-1"}))'
     )
     assert saturation_query("p", "ns") == (
-        '1 - inference_extension_flow_control_pool_saturation{inference_pool="p",namespace="ns"}'
+        "1 - (max by(inference_pool)(llm_d_epp_flow_control_pool_saturation"
+        '{inference_pool="p",namespace="ns"}) or max by(inference_pool)'
+        '(inference_extension_flow_control_pool_saturation{inference_pool="p",namespace="ns"}))'
     )
+    ready = '(llm_d_epp_ready_endpoints{name="p"} or inference_pool_ready_pods{name="p"})'
     assert budget_queries("p", "", 1e6) == [
-        "1 - (sum by(inference_pool)(inference_extension_flow_control_queue_size"
-        '{inference_pool="p"}) / on() (inference_pool_ready_pods{name="p"} * 1e+06))',
-        '1 - (avg by(name)(inference_pool_per_pod_queue_size{name="p"}) / 1e+06)',
-        '1 - (sum(vllm:num_requests_running{inference_pool="p"}) / on()'
-        ' (inference_pool_ready_pods{name="p"} * 1e+06))',
+        "1 - ((sum by(inference_pool)(llm_d_epp_flow_control_queue_size"
+        '{inference_pool="p"}) or sum by(inference_pool)'
+        '(inference_extension_flow_control_queue_size{inference_pool="p"}))'
+        f" / on() ({ready} * 1e+06))",
+        '1 - ((avg by(name)(llm_d_epp_per_endpoint_queue_size{name="p"})'
+        ' or avg by(name)(inference_pool_per_pod_queue_size{name="p"})) / 1e+06)',
+        f'1 - (sum(vllm:num_requests_running{{inference_pool="p"}}) / on() ({ready} * 1e+06))',
     ]
     assert budget_queries("p", "ns", 2.5)[1] == (
-        '1 - (avg by(name)(inference_pool_per_pod_queue_size{name="p",namespace="ns"}) / 2.5)'
+        '1 - ((avg by(name)(llm_d_epp_per_endpoint_queue_size{name="p",namespace="ns"})'
+        ' or avg by(name)(inference_pool_per_pod_queue_size{name="p",namespace="ns"})) / 2.5)'
     )

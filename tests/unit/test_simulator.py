@@ -210,12 +210,25 @@ def test_metrics_carry_the_labels_the_gate_queries_select_on() -> None:
         "inference_pool": "p1",
         "namespace": "ns",
     }
-    assert got["inference_pool_ready_pods"] == [({"name": "p1", "namespace": "ns"}, 3.0)]
-    pods = {labels["model_server_pod"] for labels, _ in got["inference_pool_per_pod_queue_size"]}
-    assert len(pods) == 3
-    assert got["inference_extension_flow_control_queue_size"][0][0]["inference_pool"] == "p1"
-    saturation = got["inference_extension_flow_control_pool_saturation"]
+    assert got["llm_d_epp_ready_endpoints"] == [({"name": "p1", "namespace": "ns"}, 3.0)]
+    per_endpoint = got["llm_d_epp_per_endpoint_queue_size"]
+    assert len({labels["model_server_endpoint"] for labels, _ in per_endpoint}) == 3
+    assert got["llm_d_epp_flow_control_queue_size"][0][0]["inference_pool"] == "p1"
+    saturation = got["llm_d_epp_flow_control_pool_saturation"]
     assert saturation == [({"inference_pool": "p1", "namespace": "ns"}, 0.0)]
+    assert not [name for name in got if name.startswith(("inference_pool", "inference_ext"))]
+
+
+@pytest.mark.parametrize("mode", ["legacy", "both"])
+def test_legacy_epp_names_behind_a_setting(mode: str) -> None:
+    got = series(Simulator(SimConfig(pool="p1", namespace="ns", ready_pods=2, epp_metrics=mode)))
+    assert got["inference_pool_ready_pods"] == [({"name": "p1", "namespace": "ns"}, 2.0)]
+    per_pod = got["inference_pool_per_pod_queue_size"]
+    assert {labels["model_server_pod"] for labels, _ in per_pod} == {"sim-0", "sim-1"}
+    assert got["inference_extension_flow_control_queue_size"][0][0]["inference_pool"] == "p1"
+    assert got["inference_extension_flow_control_pool_saturation"][0][1] == 0.0
+    current = [name for name in got if name.startswith("llm_d_epp_")]
+    assert len(current) == (4 if mode == "both" else 0)
 
 
 async def test_metrics_follow_running_and_waiting(local_simulator: LocalSimulator) -> None:
@@ -228,9 +241,9 @@ async def test_metrics_follow_running_and_waiting(local_simulator: LocalSimulato
         got = series(sim)
         assert got["vllm:num_requests_running"][0][1] == 4
         assert got["vllm:num_requests_waiting"][0][1] == 2
-        assert got["inference_extension_flow_control_queue_size"][0][1] == 2
-        assert [v for _, v in got["inference_pool_per_pod_queue_size"]] == [1.0, 1.0]
-        assert got["inference_extension_flow_control_pool_saturation"][0][1] == 1.0
+        assert got["llm_d_epp_flow_control_queue_size"][0][1] == 2
+        assert [v for _, v in got["llm_d_epp_per_endpoint_queue_size"]] == [1.0, 1.0]
+        assert got["llm_d_epp_flow_control_pool_saturation"][0][1] == 1.0
         tg.cancel_scope.cancel()
     await wait_until(lambda: sim.stats["running"] == 0)
     assert series(sim)["vllm:num_requests_running"][0][1] == 0
