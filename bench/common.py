@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,15 +62,26 @@ def redis(stack: ExitStack) -> RedisServer:
 
 
 def python_process(
-    stack: ExitStack, args: Sequence[str], *, port: int | None = None, log: Path | None = None
+    stack: ExitStack,
+    args: Sequence[str],
+    *,
+    port: int | None = None,
+    log: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``python <args>`` with its output in ``log``; waits for ``port`` when given."""
+    """``python <args>`` with its output in ``log``, ``env`` added to ours; waits for
+    ``port`` when given."""
     out = subprocess.DEVNULL
     if log:
         log.parent.mkdir(parents=True, exist_ok=True)
         handle = stack.enter_context(log.open("wb"))
         out = handle.fileno()
-    proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
     stack.callback(stop_process, proc, 30.0)
     if port is not None:
         wait_for_port(port, timeout=30, proc=proc)

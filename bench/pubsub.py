@@ -1,0 +1,210 @@
+"""(e) gcp-pubsub at cloud latency: the daemon beside a bare baseline on the emulator.
+
+Each cell drains the same messages twice, one after the other in the same run: once with
+the daemon (``--transport gcp-pubsub``, default ``batch_size``), once with
+``bench.pubsub_baseline`` (~80 lines: pull up to the free slots, POST, publish results
+in batches, ack after the publish). Cells: emulator round trip 0 or 40 ms (a
+``bench.delay_proxy`` in front of the emulator holds each chunk 20 ms each way) × gateway
+latency 0 s (256 workers) or 1 s (512 workers, where Little's law allows 512 msg/s).
+Printed per run: steady-state msg/s (10 %..90 % of the results), consumer CPU ms per
+message, and whether every id got exactly one result. Targets: daemon ≥ 0.9 × the
+baseline's throughput in every cell, ≥ 0.95 of Little's law at 1 s / 512 workers / 40 ms,
+CPU per message ≤ 1.2 × the baseline's. Run alone: ``python -m bench.pubsub [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import anyio
+
+from async_processor import local_servers
+from bench.common import cpu_seconds, peak_rss_bytes, python_process, rss_bytes, simulator, table
+from bench.harness import DEADLINE, LOG_DIR, Process, Run, payload
+from bench.overhead import describe
+from tests.fixtures.pubsub import PubSubAdmin
+from tests.fixtures.servers import free_port, stop_process, wait_for_port
+from tests.fixtures.simulator import SimulatorProcess
+
+PROJECT = "bench-project"
+HOLD = 0.020  # seconds the proxy holds each chunk, each way: a 40 ms round trip
+PUBLISH_CHUNK = 1000
+THROUGHPUT_TARGET, LITTLE_TARGET, CPU_TARGET = 0.9, 0.95, 1.2
+
+
+@dataclass
+class Lane:
+    """One consumer's request subscription and result topic on the emulator."""
+
+    sub: str
+    results: str
+    results_sub: str
+
+    @classmethod
+    async def fresh(cls, admin: PubSubAdmin, label: str) -> Lane:
+        tag = f"{label}-{secrets.token_hex(3)}"
+        lane = cls(f"{tag}-req-sub", f"{tag}-res", f"{tag}-res-sub")
+        # A long ack deadline: a slow run must not count redeliveries as work.
+        await admin.create_subscription(lane.sub, f"{tag}-req", ack_deadline=120)
+        await admin.create_subscription(lane.results_sub, lane.results, ack_deadline=120)
+        return lane
+
+
+async def publish(admin: PubSubAdmin, lane: Lane, count: int) -> None:
+    deadline = int(time.time()) + DEADLINE
+    topic = lane.sub.removesuffix("-sub")
+    for start in range(0, count, PUBLISH_CHUNK):
+        bodies = [
+            json.dumps({"id": f"m{i}", "deadline": deadline, "payload": payload()}).encode()
+            for i in range(start, min(start + PUBLISH_CHUNK, count))
+        ]
+        await admin.publish(topic, bodies)
+
+
+def start_daemon(
+    stack: ExitStack, lane: Lane, sim: SimulatorProcess, workers: int, host: str
+) -> Process:
+    config = {"project_id": PROJECT, "result_topic_id": lane.results,
+              "topics": [{"subscriber_id": lane.sub, "igw_base_url": sim.url}]}  # fmt: skip
+    health = free_port()
+    args = ["-m", "async_processor", "run", "--transport", "gcp-pubsub",
+            "--transport-config", json.dumps(config), "--concurrency", str(workers),
+            "--health-port", str(health), "--metrics-port", str(free_port()),
+            "--bind-address", "127.0.0.1", "--log-level", "warning",
+            "--metrics-backlog-poll-interval", "0"]  # fmt: skip
+    env = {"PUBSUB_EMULATOR_HOST": host}
+    return python_process(stack, args, port=health, log=LOG_DIR / f"{lane.sub}.log", env=env)
+
+
+def start_baseline(
+    stack: ExitStack, lane: Lane, sim: SimulatorProcess, workers: int, host: str, count: int
+) -> Process:
+    args = ["-m", "bench.pubsub_baseline",
+            "--subscription", f"projects/{PROJECT}/subscriptions/{lane.sub}",
+            "--topic", f"projects/{PROJECT}/topics/{lane.results}", "--gateway-url", sim.url,
+            "--workers", str(workers), "--count", str(count)]  # fmt: skip
+    env = {"PUBSUB_EMULATOR_HOST": host}
+    return python_process(stack, args, log=LOG_DIR / f"{lane.sub}.log", env=env)
+
+
+async def watch(admin: PubSubAdmin, lane: Lane, proc: Process, count: int) -> tuple[Run, int]:
+    """Read results until every id has one; time and CPU the 10 %..90 % window.
+
+    Returns the run and the number of duplicate results seen (any is a broken guarantee).
+    """
+    ids: set[str] = set()
+    duplicates = 0
+    low, high = max(1, count // 10), max(1, count * 9 // 10)
+    marks: dict[str, tuple[float, float]] = {}
+    started = time.monotonic()
+    with anyio.fail_after(count / 50 + 120):
+        while len(ids) < count:
+            if proc.poll() is not None and proc.returncode:
+                raise RuntimeError(f"consumer exited with {proc.returncode}; see {LOG_DIR}")
+            for message in await admin.pull(lane.results_sub, 1000, timeout=2.0):
+                result_id = json.loads(message.message.data)["id"]
+                duplicates += result_id in ids
+                ids.add(result_id)
+            now = time.monotonic(), cpu_seconds(proc.pid)
+            if len(ids) >= low:
+                marks.setdefault("low", now)
+            if len(ids) >= high:
+                marks.setdefault("high", now)
+    end = time.monotonic()
+    (t0, c0), (t1, c1) = marks["low"], marks["high"]
+    window = max(high - low, 1)
+    run = Run(count, window / max(t1 - t0, 1e-9), (c1 - c0) * 1000 / window,
+              end - started, peak_rss_bytes(proc.pid), rss_bytes(proc.pid))  # fmt: skip
+    return run, duplicates
+
+
+async def drain(
+    admin: PubSubAdmin, sim: SimulatorProcess, host: str, workers: int, count: int, daemon: bool
+) -> tuple[Run, int]:
+    lane = await Lane.fresh(admin, "daemon" if daemon else "baseline")
+    await publish(admin, lane, count)
+    with ExitStack() as stack:
+        if daemon:
+            proc = start_daemon(stack, lane, sim, workers, host)
+        else:
+            proc = start_baseline(stack, lane, sim, workers, host, count)
+        return await watch(admin, lane, proc, count)
+
+
+async def cell(
+    admin: PubSubAdmin, sim: SimulatorProcess, host: str, rtt_ms: int, latency: float, args: Args
+) -> list[tuple[str, str]]:
+    workers = args.slow_workers if latency else args.workers
+    count = args.slow_messages if latency else args.messages
+    daemon, dup_d = await drain(admin, sim, host, workers, count, daemon=True)
+    base, dup_b = await drain(admin, sim, host, workers, count, daemon=False)
+    speed, cpu = daemon.rate / base.rate, daemon.cpu_ms / base.cpu_ms
+    verdict = [f"throughput × {speed:.2f}" + ("" if speed >= THROUGHPUT_TARGET else " (BELOW)"),
+               f"CPU/msg × {cpu:.2f}" + ("" if cpu <= CPU_TARGET else " (ABOVE)")]  # fmt: skip
+    if latency:
+        little = daemon.rate / (workers / latency)
+        verdict.append(f"Little's law {little:.3f} (baseline {base.rate * latency / workers:.3f})")
+    name = f"RTT {rtt_ms} ms, gateway {latency:g} s, {workers} workers"
+    return [
+        (name, ""),
+        ("  daemon", describe(daemon)),
+        ("  baseline", describe(base)),
+        ("  daemon / baseline", ", ".join(verdict)),
+        ("  exactly one result", f"{count} ids each; duplicates: daemon {dup_d}, baseline {dup_b}"),
+    ]
+
+
+@dataclass
+class Args:
+    messages: int
+    workers: int
+    slow_messages: int
+    slow_workers: int
+
+
+async def measure(args: Args) -> list[tuple[str, str]]:
+    rows = [("setup", f"{args.messages:,} msgs at a 0 s gateway, {args.slow_messages:,} at 1 s")]
+    with ExitStack() as stack:
+        emulator = local_servers.start_emulator(PROJECT)
+        stack.callback(emulator.stop)
+        os.environ["PUBSUB_EMULATOR_HOST"] = emulator.host  # the bench's own admin client
+        proxy_port = free_port()
+        proxy = python_process(stack, ["-m", "bench.delay_proxy", "--listen-port",
+                                       str(proxy_port), "--target", emulator.host,
+                                       "--delay", str(HOLD)])  # fmt: skip
+        wait_for_port(proxy_port, timeout=30, proc=proxy)
+        hosts = {0: emulator.host, round(HOLD * 2000): f"127.0.0.1:{proxy_port}"}
+        sims = {0.0: simulator(stack), 1.0: simulator(stack, "--latency", "1")}
+        admin = PubSubAdmin(PROJECT)
+        try:
+            for latency, sim in sims.items():
+                for rtt_ms, host in hosts.items():
+                    rows += await cell(admin, sim, host, rtt_ms, latency, args)
+        finally:
+            await admin.aclose()
+        stop_process(proxy)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.pubsub")
+    p.add_argument("--messages", type=int, default=10000, help="per run at a 0 s gateway")
+    p.add_argument("--workers", type=int, default=256, help="at a 0 s gateway")
+    p.add_argument("--slow-messages", type=int, default=8000, help="per run at a 1 s gateway")
+    p.add_argument("--slow-workers", type=int, default=512, help="at a 1 s gateway")
+    p.add_argument("--quick", action="store_true", help="3,000 messages per run")
+    a = p.parse_args(argv)
+    quick = 3000 if a.quick else 0
+    args = Args(quick or a.messages, a.workers, quick or a.slow_messages, a.slow_workers)
+    table("(e) gcp-pubsub vs a bare baseline at cloud latency", anyio.run(measure, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
