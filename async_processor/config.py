@@ -13,7 +13,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, NoReturn, TypeVar, cast, get_args
 from urllib.parse import urlsplit
 
@@ -169,6 +169,9 @@ class RedisPubSubConfig(RedisTransportBase):
         return [_spec(q, "", q.queue_name, 100, 1000) for q in self.queues]
 
 
+PUBSUB_MAX_PULL = 1000  # Pub/Sub's limit on max_messages per pull
+
+
 class GcpPubSubConfig(Strict):
     """``--transport gcp-pubsub``."""
 
@@ -183,7 +186,10 @@ class GcpPubSubConfig(Strict):
         return self
 
     def queue_specs(self) -> list[QueueSpec]:
-        return [_spec(t, "", t.subscriber_id, self.batch_size, 1000) for t in self.topics]
+        return [
+            replace(_spec(t, "", t.subscriber_id, self.batch_size, 1000), max_fetch=PUBSUB_MAX_PULL)
+            for t in self.topics
+        ]
 
 
 TRANSPORT_CONFIGS: dict[str, type[SortedSetConfig | RedisPubSubConfig | GcpPubSubConfig]] = {

@@ -75,14 +75,12 @@ class Poller:
     async def _cycle(self) -> None:
         budget = await self._budget()
         self._metrics.dispatch_budget.set(budget)
-        wanted = min(self.queue.batch_size, math.floor(self.queue.batch_size * budget))
-        if self._idle:  # an empty queue waits for its next message holding one slot, not a batch
-            wanted = min(wanted, 1)
+        wanted = self._wanted(budget)
         if wanted <= 0:
             await self._note_gate_closed()
             await anyio.sleep(self.queue.poll_interval)
             return
-        reserved = await self._capacity.reserve(wanted)
+        reserved = await self._reserve(wanted, budget)
         try:
             deliveries = await self._transport.fetch(self.queue, reserved, self.queue.poll_interval)
         except BaseException as exc:  # also cancellation: the slots must not leak
@@ -95,6 +93,25 @@ class Poller:
         self._idle = not deliveries
         self._capacity.release(reserved - len(deliveries))
         await self._admit_all(deliveries)
+
+    def _wanted(self, budget: float) -> int:
+        """The most one fetch may ask for, before the free slots are known."""
+        if self.queue.max_fetch:  # scaled by the budget once the free slots are known
+            wanted = self.queue.max_fetch if budget > 0 else 0
+        else:
+            wanted = min(self.queue.batch_size, math.floor(self.queue.batch_size * budget))
+        if self._idle:  # an empty queue waits for its next message holding one slot, not a batch
+            wanted = min(wanted, 1)
+        return wanted
+
+    async def _reserve(self, wanted: int, budget: float) -> int:
+        """Slots for one fetch; with ``max_fetch``, the free slots x budget (at least one)."""
+        reserved = await self._capacity.reserve(wanted)
+        if self.queue.max_fetch:
+            kept = max(1, math.floor(reserved * budget))
+            self._capacity.release(reserved - kept)
+            reserved = kept
+        return reserved
 
     async def _budget(self) -> float:
         """The gate's budget clamped to [0, 1]; a failing or NaN budget counts as closed

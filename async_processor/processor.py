@@ -210,7 +210,9 @@ class Processor:
             sink, merged = anyio.create_memory_object_stream[Work](max(1, len(pool.queues)))
             sources: list[Source] = []
             for queue in pool.queues:
-                lane_in, lane_out = anyio.create_memory_object_stream[Work](queue.batch_size)
+                # A fetch sized by free slots is admitted whole, so the next one starts at once.
+                lane = pool.capacity.slots if queue.max_fetch else queue.batch_size
+                lane_in, lane_out = anyio.create_memory_object_stream[Work](lane)
                 sources.append(Source(queue, lane_out))
                 metrics = self.metrics.queue(queue.id, queue.name, pool.config.id)
                 pollers.append(

@@ -46,6 +46,8 @@ class ResultWriter:
 
     def __init__(self, transport: Transport, buffer: int = BUFFER) -> None:
         self._transport = transport
+        # A transport with slow round trips (Pub/Sub) may take larger batches than BATCH.
+        self._batch: int = getattr(transport, "write_batch", BATCH)
         self._send, self._receive = anyio.create_memory_object_stream[Op](buffer)
 
     def sender(self) -> ObjectSendStream[Op]:
@@ -63,7 +65,7 @@ class ResultWriter:
                     first = await self._receive.receive()
                 except anyio.EndOfStream:
                     return
-                batch = [first, *_take_ready(self._receive, BATCH - 1)]
+                batch = [first, *_take_ready(self._receive, self._batch - 1)]
                 await self._write(batch)
 
     async def _write(self, batch: Sequence[Op]) -> None:

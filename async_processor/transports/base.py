@@ -42,6 +42,10 @@ class QueueSpec:
     result_queue_name: str = ""
     batch_size: int = 10
     poll_interval: float = 1.0
+    # 0: a fetch asks for at most min(free slots, batch_size x budget) (the Redis
+    # transports). n > 0: it asks for the free slots x budget, at most n (gcp-pubsub:
+    # Pub/Sub's 1,000 per pull), and the queue's lane holds a whole fetch.
+    max_fetch: int = 0
 
 
 @dataclass(slots=True, eq=False)

@@ -140,3 +140,45 @@ async def test_a_failing_or_nan_budget_closes_the_queue_instead_of_crashing(
         tg.cancel_scope.cancel()
     assert metrics.dispatch_budget._value.get() == 0.0
     assert transport._raws  # nothing fetched while closed
+
+
+class RecordingTransport(FakeTransport):
+    """Records the limit of each fetch (always empty: every fetch blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limits: list[int] = []
+
+    async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
+        self.limits.append(limit)
+        return await super().fetch(queue, limit, wait)
+
+
+@pytest.mark.parametrize(
+    ("max_fetch", "budget", "free", "asked"),
+    [
+        (0, 1.0, 300, 4),  # Redis: batch_size caps each fetch
+        (1000, 1.0, 300, 300),  # Pub/Sub: every free slot, not batch_size
+        (1000, 0.5, 300, 150),  # ... times the budget
+        (1000, 0.001, 300, 1),  # ... at least one while the budget is open
+        (100, 1.0, 300, 100),  # ... up to the pull limit
+    ],
+)
+async def test_a_fetch_sized_by_free_slots_asks_for_free_slots_times_budget(
+    max_fetch: int, budget: float, free: int, asked: int
+) -> None:
+    queue = QueueSpec(id="q", name="q", batch_size=4, poll_interval=0.05, max_fetch=max_fetch)
+    transport = RecordingTransport()
+    capacity = PoolCapacity(free)
+    lane_in, lane_out = anyio.create_memory_object_stream[Work](16)
+    writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
+    metrics = Metrics().queue("q", "q", "default")
+    fake = cast(Transport, transport)
+    poller = Poller(queue, fake, ConstantGate(budget), capacity, lane_in, writer_in, metrics)
+    async with lane_out, writer_out, anyio.create_task_group() as tg:
+        tg.start_soon(poller.run)
+        with anyio.fail_after(5):
+            await transport.blocked.wait()
+        assert capacity.free == free - asked  # the slots not asked for stay free
+        tg.cancel_scope.cancel()
+    assert transport.limits == [asked]
