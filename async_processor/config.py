@@ -13,7 +13,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, NoReturn, TypeVar, cast, get_args
 from urllib.parse import urlsplit
 
@@ -427,6 +427,7 @@ FLAGS: tuple[Flag, ...] = (
          choices=FORMATS),
 )  # fmt: skip
 _BY_FIELD = {flag.field: flag for flag in FLAGS if flag.field}
+_BY_DEST = {flag.dest: flag for flag in FLAGS}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -436,7 +437,13 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def flag_parser(prog: str = "async-processor run") -> argparse.ArgumentParser:
+# Adds a command's own flags (e.g. ``status --json``) next to the config flags.
+ExtendParser = Callable[[argparse.ArgumentParser], None]
+
+
+def flag_parser(
+    prog: str = "async-processor run", extend: ExtendParser | None = None
+) -> argparse.ArgumentParser:
     parser = _Parser(
         prog=prog,
         allow_abbrev=False,
@@ -453,6 +460,8 @@ def flag_parser(prog: str = "async-processor run") -> argparse.ArgumentParser:
             )
         else:
             parser.add_argument(flag.option, dest=flag.dest, metavar=_metavar(flag), help=help_text)
+    if extend is not None:
+        extend(parser)
     return parser  # fmt: skip
 
 
@@ -489,6 +498,7 @@ class Settings:
 
     values: Mapping[str, str]
     sources: Mapping[str, str]  # dest -> "--flag" or "ENV_NAME", for error messages
+    extra: Mapping[str, Any] = field(default_factory=dict)  # a command's own flags (extend)
 
     def get(self, dest: str) -> str:
         flag = next(f for f in FLAGS if f.dest == dest)
@@ -504,11 +514,16 @@ class Settings:
 
 
 def parse_settings(
-    argv: Sequence[str], env: Mapping[str, str], *, prog: str = "async-processor run"
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    prog: str = "async-processor run",
+    extend: ExtendParser | None = None,
 ) -> Settings:
     """Flags, then ``ASYNC_PROCESSOR_*`` for the flags not given; choices checked."""
-    parsed = flag_parser(prog).parse_args(list(argv))
-    given = {k: v for k, v in vars(parsed).items() if v is not None}
+    parsed = vars(flag_parser(prog, extend).parse_args(list(argv)))
+    extra = {k: parsed.pop(k) for k in list(parsed) if k not in _BY_DEST}
+    given = {k: v for k, v in parsed.items() if v is not None}
     values: dict[str, str] = {}
     sources: dict[str, str] = {}
     # The two transport sources are one setting: a flag for either hides the env of both.
@@ -521,7 +536,7 @@ def parse_settings(
         if flag.choices and flag.dest in values and values[flag.dest] not in flag.choices:
             raise ConfigError(f"{sources[flag.dest]}: {values[flag.dest]!r} is not one of "
                               f"{', '.join(flag.choices)}")  # fmt: skip
-    return Settings(values, sources)
+    return Settings(values, sources, extra)
 
 
 def _usable_env(value: str) -> bool:

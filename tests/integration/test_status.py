@@ -1,0 +1,139 @@
+"""``async-processor status`` against a real redis-server, for both Redis transports.
+
+The state is made by the transport itself (claims, a deferral, a dead letter), so the
+counts are what an operator would see with the daemon running.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis
+
+from async_processor.cli import main
+from async_processor.config import SortedSetConfig
+from async_processor.messages import Envelope, Request, Routing
+from async_processor.transports.base import Deferral, TransportContext
+from async_processor.transports.redis_sortedset import SortedSetTransport
+
+GW = "http://gw.test:8000"
+
+
+def envelope(request_id: str, deadline: float, queue: str = "") -> bytes:
+    routing = Routing(request_queue_name=queue)
+    request = Request(id=request_id, deadline=int(deadline), payload=b"{}")
+    return Envelope(request=request, routing=routing, kind="redis").encode()
+
+
+@pytest.fixture
+def sortedset(tmp_path: Path, redis_url: str, unique: str) -> tuple[str, dict[str, Any]]:
+    raw = {
+        "url": redis_url,
+        "retry_queue_name": f"{unique}-retry",
+        "result_queue_name": f"{unique}-results",
+        "queues": [
+            {"queue_name": f"{unique}-a", "igw_base_url": GW},
+            {"queue_name": f"{unique}-b", "igw_base_url": GW, "result_queue_name": f"{unique}-rb"},
+        ],
+    }
+    path = tmp_path / "transport.json"
+    path.write_text(json.dumps(raw))
+    return str(path), raw
+
+
+async def _claim_defer_and_dead_letter(config: SortedSetConfig) -> None:
+    """Claim two of queue a: defer one by 10 min (parked), dead-letter the other."""
+    transport = SortedSetTransport(config, TransportContext())
+    try:
+        first, second = await transport.fetch(transport.queues[0], 2, 0)
+        transport.decode(first)
+        await transport.defer([Deferral(first, 600)])
+        await transport.dead_letter(second, "malformed", "test")
+    finally:
+        await transport.aclose()
+
+
+def status(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = main(["status", *args])
+    return code, capsys.readouterr().out
+
+
+def test_status_of_a_sorted_set_counts_every_state(
+    capsys: pytest.CaptureFixture[str], redis_url: str, unique: str,
+    sortedset: tuple[str, dict[str, Any]],
+) -> None:  # fmt: skip
+    path, raw = sortedset
+    r = redis.Redis.from_url(redis_url)
+    now = time.time()
+    # queue a: 5 waiting (deadlines now+100 .. now+500); b: 1 waiting.
+    r.zadd(f"{unique}-a", {envelope(f"a{i}", now + 100 * i): now + 100 * i for i in range(1, 6)})
+    r.zadd(f"{unique}-b", {envelope("b1", now + 900): now + 900})
+    anyio.run(_claim_defer_and_dead_letter, SortedSetConfig.model_validate(raw))
+    # A due retry for b (its origin named in the envelope), and one naming no known queue.
+    r.zadd(f"{unique}-retry", {envelope("b2", now + 900, f"{unique}-b"): now - 1})
+    r.zadd(f"{unique}-retry", {envelope("x", now + 900, "elsewhere"): now - 1})
+    r.lpush(f"{unique}-results", "r1", "r2")
+    r.lpush(f"{unique}-rb", "r3")
+    # The claim stays in flight until its lease runs out: claim one more of a.
+    anyio.run(_claim_one, SortedSetConfig.model_validate(raw))
+
+    code, out = status(capsys, "--transport", "redis-sortedset", "--transport-config-file", path,
+                       "--json")  # fmt: skip
+    assert code == 0
+    got = json.loads(out)
+    a, b = got["queues"]
+    assert (a["queue"], a["depth"], a["in_flight"], a["dead_letters"]) == (f"{unique}-a", 2, 1, 1)
+    # The deferred one is parked; the stray retry counts for the first queue, as the mover does.
+    assert (a["retry_due"], a["retry_parked"]) == (1, 1)
+    assert (b["depth"], b["in_flight"], b["retry_due"], b["retry_parked"]) == (1, 0, 1, 0)
+    assert abs(a["oldest_deadline"] - (now + 400)) < 2  # a1..a3 were claimed; a4 is next
+    assert abs(b["oldest_deadline"] - (now + 900)) < 2
+    assert got["result_lists"] == {f"{unique}-results": 2, f"{unique}-rb": 1}
+
+    code, table = status(capsys, "--transport", "redis-sortedset", "--transport-config-file", path)
+    assert code == 0
+    row = next(line for line in table.splitlines() if line.startswith(f"{unique}-a "))
+    assert row.split()[2:6] == ["2", "1", "1", "1"] and "in 6m" in row
+    assert f"{unique}-rb  1" in table
+
+
+async def _claim_one(config: SortedSetConfig) -> None:
+    transport = SortedSetTransport(config, TransportContext())
+    try:
+        assert len(await transport.fetch(transport.queues[0], 1, 0)) == 1
+    finally:
+        await transport.aclose()
+
+
+def test_status_of_redis_pubsub_says_what_a_channel_cannot_tell(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, redis_url: str, unique: str
+) -> None:
+    raw = {"url": redis_url, "retry_queue_name": f"{unique}-retry",
+           "queues": [{"queue_name": f"{unique}-ch", "igw_base_url": GW}]}  # fmt: skip
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(raw))
+    r = redis.Redis.from_url(redis_url)
+    r.zadd(f"{unique}-retry", {envelope("p", time.time() + 900, f"{unique}-ch"): time.time() + 60})
+    r.lpush(f"{unique}-ch:dead-letter", "{}")
+    code, out = status(capsys, "--transport-config-file", str(path), "--json")  # default transport
+    assert code == 0
+    [q] = json.loads(out)["queues"]
+    assert (q["depth"], q["in_flight"], q["oldest_deadline"]) == (None, None, None)
+    assert (q["retry_due"], q["retry_parked"], q["dead_letters"]) == (0, 1, 1)
+    assert json.loads(out)["result_lists"] == {"result-queue": 0}
+
+
+def test_status_without_redis_exits_1_with_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    raw = {"url": "redis://127.0.0.1:9/0", "queues": [{"queue_name": "q", "igw_base_url": GW}]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(raw))
+    assert main(["status", "--transport-config-file", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("async-processor status: redis status failed") and err.count("\n") == 1
