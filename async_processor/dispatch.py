@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import aiohttp
 import anyio
@@ -27,7 +27,13 @@ from async_processor import tracing
 from async_processor.admission import HandBack, PoolGate, admit
 from async_processor.config import TLSConfig
 from async_processor.errors import ConfigError, InvalidMessage, PayloadUnavailable, TransportError
-from async_processor.merge.headers import apply_stamped, is_valid_header_name, is_valid_header_value
+from async_processor.merge.headers import (
+    DEFAULT_FAIRNESS_HEADER,
+    apply_stamped,
+    is_valid_header_name,
+    is_valid_header_value,
+)
+from async_processor.merge.tier_priority import DEFAULT_OBJECTIVE_HEADER, DEFAULT_PRIORITY_HEADER
 from async_processor.messages import (
     CANCELLED_TEXT,
     Envelope,
@@ -54,6 +60,25 @@ from async_processor.work import PoolCapacity, Work, put, take
 log = structlog.get_logger(__name__)
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+# Never from a message (issue 9.4): framing and routing headers, and the daemon's own
+# (objective, fairness, priority; the deadline header and stamped names are added per
+# request). ``Proxy-*`` is refused by prefix.
+RESERVED_HEADERS = frozenset(
+    (
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "upgrade",
+        "te",
+        "trailer",
+        "keep-alive",
+        OBJECTIVE_HEADER,
+        DEFAULT_FAIRNESS_HEADER,
+        DEFAULT_PRIORITY_HEADER,
+        DEFAULT_OBJECTIVE_HEADER,
+    )
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,14 +98,8 @@ def build_request(work: Work, settings: DispatchSettings) -> Outgoing:
     headers = {"Content-Type": "application/json"}
     if queue.inference_objective:
         headers[OBJECTIVE_HEADER] = queue.inference_objective
-    for name, value in request.headers.items():
-        if not is_valid_header_name(name) or not is_valid_header_value(value):
-            raise InvalidMessage(
-                f"header {name!r} is not a legal HTTP header",
-                reason="bad_header",
-                request_id=request.id,
-            )
-    # Caller headers may override the first two (as in the reference), in any letter case.
+    _check_caller_headers(work, settings)
+    # Caller headers may override Content-Type (as in the reference), in any letter case.
     apply_stamped(headers, list(request.headers.items()))
     apply_stamped(headers, work.stamped_headers)
     if settings.deadline_header:
@@ -95,17 +114,70 @@ def build_request(work: Work, settings: DispatchSettings) -> Outgoing:
     )
 
 
+def _check_caller_headers(work: Work, settings: DispatchSettings) -> None:
+    """The message's headers are legal and leave framing, routing and ours alone.
+
+    Framing headers would desynchronise the connection (``Content-Length: 2`` made every
+    attempt fail until the deadline), ``Host`` would reach another virtual host, and the
+    deadline, objective, priority and fairness headers are the daemon's to set.
+    """
+    request = work.envelope.request
+    reserved = RESERVED_HEADERS | {name.lower() for name, _ in work.stamped_headers}
+    if settings.deadline_header:
+        reserved |= {settings.deadline_header.lower()}
+    for name, value in request.headers.items():
+        if not is_valid_header_name(name) or not is_valid_header_value(value):
+            raise InvalidMessage(
+                f"header {name!r} is not a legal HTTP header",
+                reason="bad_header",
+                request_id=request.id,
+            )
+        folded = name.lower()
+        if folded in reserved or folded.startswith("proxy-"):
+            raise InvalidMessage(
+                f"header {name!r} is set by the daemon, not by the message",
+                reason="reserved_header",
+                request_id=request.id,
+            )
+
+
 @lru_cache(maxsize=1024)
 def join_url(base: str, path: str) -> str:
-    """``base`` + ``path`` like Go's url.JoinPath; ``path`` must not change the host."""
+    """``base`` + ``path`` like Go's url.JoinPath; ``path`` must not change the host, nor
+    climb out of the base URL's path (``..``, also percent-encoded)."""
     parts = urlsplit(base)
     if "://" in path or path.startswith("//") or "?" in path or "#" in path:
         raise InvalidMessage(f"endpoint {path!r} must be a path, not a URL", reason="bad_endpoint")
-    segments = "/".join(s for s in (parts.path.strip("/"), path.strip("/")) if s)
+    root = "/" + parts.path.strip("/") if parts.path.strip("/") else ""
+    joined = _normalized(root, path)
+    # The gateway (or a proxy before it) may decode %2e%2e and %2f before resolving dots.
+    if not _within(root, _normalized(root, _fully_unquoted(path))):
+        raise InvalidMessage(
+            f"endpoint {path!r} leaves the base path {root or '/'!r}", reason="bad_endpoint"
+        )
+    return urlunsplit((parts.scheme, parts.netloc, joined, parts.query, ""))
+
+
+def _normalized(root: str, path: str) -> str:
+    segments = "/".join(s for s in (root.strip("/"), path.strip("/")) if s)
     joined = posixpath.normpath("/" + segments) if segments else "/"
     if path.endswith("/") and not joined.endswith("/"):
         joined += "/"
-    return urlunsplit((parts.scheme, parts.netloc, joined, parts.query, ""))
+    return joined.replace("//", "/")  # normpath keeps a leading "//"
+
+
+def _within(root: str, joined: str) -> bool:
+    return not root or joined == root or joined.startswith(root + "/")
+
+
+def _fully_unquoted(path: str) -> str:
+    """``path`` percent-decoded until it stops changing (``%252e`` is ``.`` decoded twice)."""
+    for _ in range(4):
+        decoded = unquote(path)
+        if decoded == path:
+            break
+        path = decoded
+    return path
 
 
 async def send(session: aiohttp.ClientSession, out: Outgoing, *, timeout: float) -> Attempt:
@@ -120,7 +192,7 @@ async def send(session: aiohttp.ClientSession, out: Outgoing, *, timeout: float)
             data=out.body,
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=max(0.001, timeout)),
-            allow_redirects=True,
+            allow_redirects=False,  # a 3xx is the result; never resend body and headers
         ) as response:
             body = await _read_capped(response, MAX_RESPONSE_BYTES)
             return Attempt(

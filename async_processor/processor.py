@@ -109,7 +109,7 @@ class Processor:
             stack.push_async_callback(session.close)
             transforms = build_transform_chain(
                 self.config.transforms,
-                TransformContext(http=session, max_message_bytes=rt.max_message_bytes),
+                TransformContext(max_message_bytes=rt.max_message_bytes),
             )
             async with anyio.create_task_group() as services:
                 await self._start_services(services)

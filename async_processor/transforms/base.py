@@ -9,13 +9,10 @@ claimed the body (``body_claimed``), later body rewriters leave it alone. Errors
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from async_processor.messages import Envelope
 from async_processor.registry import Registry
-
-if TYPE_CHECKING:
-    import aiohttp
 
 
 @dataclass(slots=True)
@@ -40,9 +37,9 @@ class Transform(Protocol):
 
 @dataclass(slots=True)
 class TransformContext:
-    """Shared resources for transforms (an aiohttp session for fetching, size limit)."""
+    """What transforms share: the size limit. Not the gateway's HTTP session: a transform
+    that fetches (``payload_url``) must not present the gateway client certificate."""
 
-    http: aiohttp.ClientSession | None = None
     max_message_bytes: int = 4 * 1024 * 1024
     name: str = ""  # the config entry's ``name``, set per transform by the chain builder
 

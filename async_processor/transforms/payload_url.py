@@ -11,22 +11,31 @@ exponential backoff and jitter until ``out.deadline``; then ``PayloadUnavailable
 (-> ``PAYLOAD_UNAVAILABLE``). A body over ``max_message_bytes`` or one that is not a JSON
 object is ``InvalidMessage`` (-> ``INVALID_REQUEST``) at once. URLs are logged without
 their query string (signed URLs carry credentials there).
+
+The URL is the message's, so it is untrusted (issue 9.4): only URLs on the ``allow``
+list are fetched (an empty list refuses to start); a redirect is an error, never
+followed; the fetch has its own session (no gateway client certificate, no cookies, no
+proxy from the environment); and addresses that are not globally routable (loopback,
+private, link-local such as the cloud metadata server) are refused unless
+``allow_private_addresses``. Host names are checked as they are resolved, on the
+addresses the connection then uses, so a name cannot pass the check and then rebind.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import random
+import socket
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 import aiohttp
 import anyio
 import structlog
+from aiohttp.abc import AbstractResolver, ResolveResult
 from pydantic import BaseModel, ConfigDict, Field
 
-from async_processor.errors import InvalidMessage, PayloadUnavailable
+from async_processor.errors import ConfigError, InvalidMessage, PayloadUnavailable
 from async_processor.messages import Envelope
 from async_processor.transforms.base import TRANSFORMS, Outgoing, Transform, TransformContext
 from async_processor.transforms.json_fields import scan
@@ -43,34 +52,41 @@ class PayloadUrlParams(BaseModel):
     attempt_timeout: float = Field(default=30.0, gt=0)  # seconds per GET
     backoff_initial: float = Field(default=0.5, gt=0)
     backoff_max: float = Field(default=10.0, gt=0)
+    # Host names ("store.example.com", "*.example.com") or http(s) URL prefixes
+    # ("https://store.example.com/uploads/"); a URL must match one. Empty: no start.
+    allow: list[str] = Field(default_factory=list)
+    allow_private_addresses: bool = False
 
 
 class _Retryable(Exception):
     """One fetch attempt failed in a way that may pass (status, connection, timeout)."""
 
 
+class _BlockedAddress(OSError):
+    """A host resolved to an address the transform may not reach."""
+
+
 class PayloadUrl:
     def __init__(self, name: str, params: PayloadUrlParams, ctx: TransformContext) -> None:
+        if not params.allow:
+            raise ConfigError(
+                '"allow" must list the hosts or URL prefixes payloads may be fetched from'
+            )
         self.name = name
         self._params = params
-        self._http: aiohttp.ClientSession | None = ctx.http
+        self._allow = [_AllowEntry.parse(entry) for entry in params.allow]
         self._limit = ctx.max_message_bytes
 
     def validate(self, envelope: Envelope) -> None:
         url = self._url(envelope)
-        if url is None:
-            return
-        if not _is_http_url(url):
-            raise InvalidMessage(
-                f"metadata {self._params.metadata_key!r} is not an http(s) URL",
-                reason="bad_payload_url",
-                request_id=envelope.id,
-            )
+        if url is not None:
+            self._check(url, envelope)
 
     async def apply(self, envelope: Envelope, out: Outgoing) -> None:
         url = self._url(envelope)
         if url is None or out.body_claimed:
             return
+        self._check(url, envelope)
         body = await self._fetch_until(url, out.deadline, envelope)
         try:
             scan(body)
@@ -85,22 +101,36 @@ class PayloadUrl:
     def _url(self, envelope: Envelope) -> str | None:
         return envelope.request.metadata.get(self._params.metadata_key) or None
 
+    def _check(self, url: str, envelope: Envelope) -> None:
+        """http(s), on the allow-list, no dot segments, no literal non-public address."""
+        parts = _http_url(url)
+        if parts is None:
+            raise self._refused("is not an http(s) URL", envelope)
+        if ".." in unquote(parts.path).split("/"):
+            raise self._refused("has '..' in its path", envelope)
+        if not any(entry.matches(parts) for entry in self._allow):
+            raise self._refused(f"({redact(url)}) is not on the allow-list", envelope)
+        if not self._params.allow_private_addresses and _not_public(parts.hostname or ""):
+            raise self._refused(f"({redact(url)}) is not a public address", envelope)
+
+    def _refused(self, why: str, envelope: Envelope) -> InvalidMessage:
+        return InvalidMessage(
+            f"metadata {self._params.metadata_key!r} {why}",
+            reason="bad_payload_url",
+            request_id=envelope.id,
+        )
+
     async def _fetch_until(self, url: str, deadline: float, envelope: Envelope) -> bytes:
         delay = self._params.backoff_initial
         attempts = 0
         async with self._session() as session:
-            while True:
-                remaining = deadline - time.time()
-                if remaining <= 0:
-                    break
+            while (remaining := deadline - time.time()) > 0:
                 attempts += 1
                 try:
                     with anyio.fail_after(min(self._params.attempt_timeout, remaining)):
                         return await self._fetch_once(session, url, envelope)
                 except (_Retryable, aiohttp.ClientError, OSError, TimeoutError) as exc:
-                    cause = str(exc) or type(exc).__name__
-                    log.info("payload_fetch_failed", request_id=envelope.id, url=redact(url),
-                             attempt=attempts, cause=cause)  # fmt: skip
+                    self._fatal_or_log(exc, url, envelope, attempts)
                 # Full jitter keeps many messages that wait for one upload from moving in step.
                 await anyio.sleep(min(random.uniform(0, delay), max(0.0, deadline - time.time())))
                 delay = min(delay * 2, self._params.backoff_max)
@@ -108,10 +138,23 @@ class PayloadUrl:
             f"payload at {redact(url)} not available before the deadline ({attempts} attempts)"
         )
 
+    def _fatal_or_log(self, exc: Exception, url: str, envelope: Envelope, attempt: int) -> None:
+        """A refused address ends the request; anything else is logged and retried."""
+        if isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
+            exc.os_error, _BlockedAddress
+        ):
+            raise self._refused(f"({redact(url)}): {exc.os_error}", envelope) from exc
+        cause = str(exc) or type(exc).__name__
+        log.info("payload_fetch_failed", request_id=envelope.id, url=redact(url),
+                 attempt=attempt, cause=cause)  # fmt: skip
+
     async def _fetch_once(
         self, session: aiohttp.ClientSession, url: str, envelope: Envelope
     ) -> bytes:
-        async with session.get(url) as response:
+        async with session.get(url, allow_redirects=False) as response:
+            if 300 <= response.status < 400:
+                why = f"({redact(url)}) answered HTTP {response.status}: redirects are not followed"
+                raise self._refused(why, envelope)
             if response.status != 200:
                 raise _Retryable(f"HTTP {response.status}")
             if (response.content_length or 0) > self._limit:
@@ -130,23 +173,86 @@ class PayloadUrl:
             request_id=envelope.id,
         )
 
-    @asynccontextmanager
-    async def _session(self) -> AsyncIterator[aiohttp.ClientSession]:
-        """The daemon's shared session, or a short-lived one when none was given."""
-        if self._http is not None:
-            yield self._http
-            return
-        async with aiohttp.ClientSession() as session:
-            yield session
+    def _session(self) -> aiohttp.ClientSession:
+        """A session of its own, never the gateway's (its client certificate, its pool)."""
+        resolver = _GuardedResolver(allow_private=self._params.allow_private_addresses)
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(resolver=resolver),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trust_env=False,
+        )
 
 
-def _is_http_url(url: str) -> bool:
+class _AllowEntry:
+    """One ``allow`` entry: a host (``*.`` for its subdomains) or an http(s) URL prefix."""
+
+    def __init__(self, host: str, prefix: SplitResult | None) -> None:
+        self.host = host
+        self.prefix = prefix
+
+    @classmethod
+    def parse(cls, entry: str) -> _AllowEntry:
+        if "://" not in entry:
+            if not entry or "/" in entry:
+                raise ConfigError(f"allow entry {entry!r} is neither a host nor an http(s) URL")
+            return cls(entry.lower(), None)
+        parts = _http_url(entry)
+        if parts is None:
+            raise ConfigError(f"allow entry {entry!r} is not an http(s) URL")
+        return cls(parts.hostname or "", parts)
+
+    def matches(self, url: SplitResult) -> bool:
+        host = url.hostname or ""
+        if self.prefix is None:
+            if self.host.startswith("*."):
+                return host.endswith(self.host[1:])
+            return host == self.host
+        p = self.prefix
+        if (url.scheme, host, url.port) != (p.scheme, self.host, p.port):
+            return False
+        # "/uploads" allows "/uploads" and "/uploads/...", never "/uploads-other".
+        base = p.path.rstrip("/")
+        return not base or url.path == base or url.path.startswith(base + "/")
+
+
+class _GuardedResolver(AbstractResolver):
+    """The default resolver, refusing a name with any address that is not public."""
+
+    def __init__(self, *, allow_private: bool) -> None:
+        self._inner = aiohttp.DefaultResolver()
+        self._allow_private = allow_private
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        found = await self._inner.resolve(host, port, family)
+        if not self._allow_private and any(_not_public(r["host"]) for r in found):
+            raise _BlockedAddress(f"{host} resolves to an address that is not public")
+        return found
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+def _not_public(host: str) -> bool:
+    """True for an IP address that is not globally routable (loopback, private,
+    link-local, unspecified, ...); False for a name (checked when it resolves)."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]").partition("%")[0])
+    except ValueError:
+        return False
+    return not address.is_global
+
+
+def _http_url(url: str) -> SplitResult | None:
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - parsed lazily: raises ValueError for a bad port
     except ValueError:  # e.g. an unclosed IPv6 literal
-        return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname)
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return parts
 
 
 def redact(url: str) -> str:

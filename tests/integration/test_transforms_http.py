@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from async_processor.config import TransformConfig
-from async_processor.errors import InvalidMessage, PayloadUnavailable
+from async_processor.errors import ConfigError, InvalidMessage, PayloadUnavailable
 from async_processor.messages import Envelope, Request
 from async_processor.transforms import TransformChain, build_transform_chain
 from async_processor.transforms.base import Outgoing, TransformContext
@@ -57,6 +57,8 @@ async def server() -> AsyncIterator[Server]:
             for _ in range(4):
                 await response.write(b" " * (LIMIT // 2))
             return response
+        if name == "redirect":
+            raise web.HTTPFound("/payload/ok")
         if name == "text":
             return web.Response(text="not json")
         return web.Response(body=PAYLOAD, content_type="application/json")
@@ -86,16 +88,22 @@ async def server() -> AsyncIterator[Server]:
         await runner.cleanup()
 
 
-def chain(*entries: dict[str, Any], http: aiohttp.ClientSession | None = None) -> TransformChain:
+def chain(*entries: dict[str, Any]) -> TransformChain:
     config = TransformConfig.model_validate({"requestTransforms": list(entries)})
-    return build_transform_chain(config, TransformContext(http=http, max_message_bytes=LIMIT))
+    return build_transform_chain(config, TransformContext(max_message_bytes=LIMIT))
 
 
+# The test server is on loopback: these tests allow it explicitly.
+LOCAL = {"allow": ["127.0.0.1"], "allow_private_addresses": True}
 FETCH = {
     "name": "fetch",
     "type": "payload_url",
-    "parameters": {"backoff_initial": 0.02, "backoff_max": 0.1, "attempt_timeout": 1},
+    "parameters": {"backoff_initial": 0.02, "backoff_max": 0.1, "attempt_timeout": 1, **LOCAL},
 }
+
+
+def fetching(**params: Any) -> TransformChain:
+    return chain({**FETCH, "parameters": {**FETCH["parameters"], **params}})
 
 
 async def fetch(c: TransformChain, url: str, budget: float = 5.0, **meta: str) -> Outgoing:
@@ -107,9 +115,8 @@ async def fetch(c: TransformChain, url: str, budget: float = 5.0, **meta: str) -
     return out
 
 
-async def test_payload_is_fetched_verbatim_with_a_shared_session(server: Server) -> None:
-    async with aiohttp.ClientSession() as session:
-        out = await fetch(chain(FETCH, http=session), f"{server.url}/payload/ok?sig=secret")
+async def test_payload_is_fetched_verbatim(server: Server) -> None:
+    out = await fetch(chain(FETCH), f"{server.url}/payload/ok?sig=secret")
     assert out.body == PAYLOAD and not out.body_claimed
 
 
@@ -156,13 +163,11 @@ async def test_payload_url_must_be_http() -> None:
 async def test_fetched_payload_flows_into_set_params_and_multipart(server: Server) -> None:
     """payload_url -> set_params -> gcs_uri_multipart, posted to a gateway that parses it."""
     signed = "https://storage.googleapis.com/b/a.wav?X-Goog-Date=20990101T000000Z&X-Goog-Expires=60"
-    store = {"name": "fetch", "type": "payload_url", "parameters": {}}
+    store = {"name": "fetch", "type": "payload_url", "parameters": LOCAL}
     edit = {"name": "gcs-uri", "type": "set_params", "parameters": {"default": {"gcs_uri": signed}}}
     audio = {"name": "audio", "type": "gcs_uri_multipart", "parameters": {"providers": ["openai"]}}
     async with aiohttp.ClientSession() as session:
-        out = await fetch(
-            chain(store, edit, audio, http=session), f"{server.url}/payload/ok", provider="openai"
-        )
+        out = await fetch(chain(store, edit, audio), f"{server.url}/payload/ok", provider="openai")
         async with session.post(
             f"{server.url}/v1/audio", data=out.body, headers={"Content-Type": out.content_type}
         ) as response:
@@ -175,3 +180,66 @@ async def test_fetched_payload_flows_into_set_params_and_multipart(server: Serve
             ("n", "12345678901234567890"),
         ]
     ]
+
+
+# ------------------------------------------------------------ the URL is the message's
+
+
+@pytest.mark.parametrize("allow", [[], ["127.0.0.1/path"], ["ftp://127.0.0.1/"]])
+def test_payload_url_without_a_usable_allow_list_refuses_to_start(allow: list[str]) -> None:
+    with pytest.raises(ConfigError, match="allow"):
+        chain({**FETCH, "parameters": {"allow": allow}})
+
+
+@pytest.mark.parametrize(
+    ("allow", "path"),
+    [
+        (["{url}/payload/"], "/other"),
+        (["{url}/payload"], "/payload-other/ok"),
+        (["{url}/payload/"], "/payload/../other"),
+        (["{url}/payload/"], "/payload/%2e%2e/other"),
+        (["store.example.com"], "/payload/ok"),
+        (["*.example.com"], "/payload/ok"),
+        (["http://127.0.0.1:1/payload/"], "/payload/ok"),  # another port
+    ],
+)
+async def test_urls_off_the_allow_list_are_refused_before_any_fetch(
+    server: Server, allow: list[str], path: str
+) -> None:
+    c = fetching(allow=[a.format(url=server.url) for a in allow])
+    with pytest.raises(InvalidMessage, match="Failed to validate request") as info:
+        await fetch(c, f"{server.url}{path}")
+    assert info.value.reason == "bad_payload_url"
+    assert not server.hits
+
+
+async def test_a_prefix_on_the_allow_list_is_fetched(server: Server) -> None:
+    out = await fetch(fetching(allow=[f"{server.url}/payload/"]), f"{server.url}/payload/ok")
+    assert out.body == PAYLOAD
+
+
+async def test_redirects_are_not_followed(server: Server) -> None:
+    with pytest.raises(InvalidMessage, match="HTTP 302: redirects are not followed"):
+        await fetch(chain(FETCH), f"{server.url}/payload/redirect")
+    assert server.hits == {"redirect": 1}  # the target was never asked
+
+
+@pytest.mark.parametrize(
+    ("host", "why"),
+    [
+        ("127.0.0.1", "is not a public address"),
+        ("localhost", "resolves to an address that is not public"),
+        ("169.254.169.254", "is not a public address"),  # the cloud metadata server
+        ("[::1]", "is not a public address"),
+    ],
+)
+async def test_non_public_addresses_are_refused_unless_allowed(
+    server: Server, host: str, why: str
+) -> None:
+    port = server.url.rpartition(":")[2]
+    c = fetching(allow=["127.0.0.1", "localhost", "169.254.169.254", "::1"],
+                 allow_private_addresses=False)  # fmt: skip
+    with pytest.raises(InvalidMessage, match=why) as info:
+        await fetch(c, f"http://{host}:{port}/payload/ok")
+    assert info.value.reason == "bad_payload_url"
+    assert not server.hits

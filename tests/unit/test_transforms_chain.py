@@ -124,7 +124,7 @@ def test_malformed_configs_fail_at_startup_with_one_line(
 def test_an_unparsable_payload_url_is_invalid_request_not_a_crash(url: str) -> None:
     # urlsplit raises ValueError for a bad IPv6 literal, and .port for a bad port; the
     # chain only converts MessageErrors, so these escaped and crashed the worker.
-    fetch = {"name": "src", "type": "payload_url"}
+    fetch = {"name": "src", "type": "payload_url", "parameters": {"allow": ["h"]}}
     request = Request(id="r", deadline=2_000_000_000, metadata={"payload_url": url})
     with pytest.raises(InvalidMessage, match="is not an http"):
         chain(fetch).validate(Envelope(request=request))

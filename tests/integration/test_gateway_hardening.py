@@ -1,0 +1,139 @@
+"""The gateway request is the daemon's (issue 9.4), over real HTTP and a real redis-server.
+
+A small aiohttp gateway records what reaches it: hostile message headers, redirects and
+endpoints that climb out of the base path must be refused before anything is sent (or,
+for a redirect, the 3xx is the result and its target is never asked).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from async_processor.messages import Result
+from tests.fixtures.inprocess import running, sortedset_config, submit
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Gateway:
+    url: str = ""
+    hits: Counter[str] = field(default_factory=Counter)
+    headers: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[Gateway]:
+    state = Gateway()
+
+    async def record(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        state.hits[request.path] += 1
+        request_id = request.headers.get("x-test-id", "")
+        state.headers[request_id] = dict(request.headers)
+        if request.path.startswith("/redirect/"):
+            # Another host name for the same server: a followed redirect would land here.
+            target = f"http://localhost:{request.url.port}/stolen"
+            raise web.HTTPTemporaryRedirect(target)
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", record)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        yield state
+    finally:
+        await runner.cleanup()
+
+
+def _req(request_id: str, **extra: Any) -> dict[str, Any]:
+    return {"id": request_id, "deadline": int(time.time() + 60), "payload": {"p": 1}, **extra}
+
+
+async def _results(
+    redis_url: str, queue: str, base: str, *requests: dict[str, Any]
+) -> dict[str, Result]:
+    async with running(sortedset_config(redis_url, base, queue)):
+        client = await submit(redis_url, queue, *requests)
+        results = await client.drain_results(len(requests), 20)
+        await client.aclose()
+    return {r.id: r for r in results}
+
+
+HOSTILE = {
+    "host": {"Host": "admin.internal"},
+    "content-length": {"Content-Length": "2"},
+    "transfer-encoding": {"Transfer-Encoding": "chunked"},
+    "connection": {"Connection": "close"},
+    "upgrade": {"Upgrade": "websocket"},
+    "te": {"TE": "trailers"},
+    "trailer": {"Trailer": "X-A"},
+    "keep-alive": {"Keep-Alive": "timeout=5"},
+    "proxy": {"Proxy-Authorization": "Basic eA=="},
+    "deadline": {"X-Request-Deadline": "9999999999"},
+    "objective": {"x-gateway-inference-objective": "critical"},
+    "objective-llmd": {"X-LLM-D-Inference-Objective": "critical"},
+    "priority": {"x-gateway-priority": "100"},
+    "fairness": {"X-LLM-D-Inference-Fairness-Id": "someone-else"},
+}
+
+
+async def test_hostile_headers_are_invalid_request_and_never_sent(
+    redis_url: str, unique: str, gateway: Gateway
+) -> None:
+    requests = [_req(name, headers={**h, "x-test-id": name}) for name, h in HOSTILE.items()]
+    requests.append(_req("fine", headers={"X-Tenant": "t1", "x-test-id": "fine"}))
+    results = await _results(redis_url, unique, gateway.url, *requests)
+    for name in HOSTILE:
+        assert results[name].error_code == "INVALID_REQUEST", name
+        assert "set by the daemon" in results[name].error_message
+    assert results["fine"].status_code == 200
+    assert list(gateway.headers) == ["fine"]  # nothing hostile went out
+    assert gateway.headers["fine"]["Host"] == gateway.url.removeprefix("http://")
+
+
+async def test_a_redirect_is_the_result_and_never_followed(
+    redis_url: str, unique: str, gateway: Gateway
+) -> None:
+    request = _req("r", headers={"Authorization": "Bearer tenant-secret"})
+    results = await _results(redis_url, unique, gateway.url + "/redirect", request)
+    assert results["r"].status_code == 307
+    assert gateway.hits == {"/redirect/v1/completions": 1}  # /stolen never asked
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "../admin",
+        "/v1/../../admin",
+        "%2e%2e/admin",
+        "/v1/%2E%2E/%2e%2e/admin",
+        "..%2fadmin",
+        "%252e%252e/admin",
+    ],
+)
+async def test_endpoint_cannot_climb_out_of_the_base_path(
+    redis_url: str, unique: str, gateway: Gateway, endpoint: str
+) -> None:
+    requests = [_req("out", endpoint=endpoint), _req("in", endpoint="/v1/x/../chat")]
+    results = await _results(redis_url, unique, gateway.url + "/api", *requests)
+    assert results["out"].error_code == "INVALID_REQUEST"
+    assert "leaves the base path '/api'" in results["out"].error_message
+    assert results["in"].status_code == 200
+    assert gateway.hits == {"/api/v1/chat": 1}
