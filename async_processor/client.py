@@ -3,7 +3,8 @@
 Stage: the producer/consumer side (used by ``submit``/``results``, the demo, tests and
 users). Input: request objects (a dict or ``messages.Request``). Output: envelopes on the
 request sorted set (score = deadline), cancellation markers, and ``messages.Result``
-objects read from the result list. Behaves like the Go reference's producer (DESIGN.md §4):
+objects read from the result list. It connects like the daemon (``redis_conn``: standalone,
+sentinel, TLS, ACL users). Behaves like the Go reference's producer (DESIGN.md §4):
 each submission gets a fresh 32-hex ``request_token``; ``request-active:<id>`` holds it
 until the deadline; ``cancel`` copies it to ``request-cancel:<id>`` for 7 days.
 """
@@ -23,24 +24,29 @@ from redis.asyncio.client import Pipeline
 from async_processor.errors import InvalidMessage
 from async_processor.messages import Envelope, Request, Result, Routing, decode_request
 from async_processor.transports import redis_keys as keys
-from async_processor.transports.redis_keys import connect, redis_errors
+from async_processor.transports.redis_conn import RedisConnection, connect
+from async_processor.transports.redis_keys import redis_errors
 
 SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many
 
 
 class SortedSetClient:
-    """Producer and result consumer over one Redis connection pool."""
+    """Producer and result consumer over one Redis connection pool.
+
+    ``redis`` is a URL (standalone) or a ``RedisConnection`` (any mode, TLS files).
+    """
 
     def __init__(
         self,
-        url: str,
+        redis: str | RedisConnection,
         request_queue: str = keys.DEFAULT_REQUEST_QUEUE,
         result_queue: str = keys.DEFAULT_RESULT_LIST,
     ) -> None:
         self.request_queue = request_queue
         self.result_queue = result_queue
         # No socket timeout: BRPOP blocks for as long as the caller asked.
-        self._redis: Redis = connect(url, socket_timeout=None)
+        conn = RedisConnection(url=redis) if isinstance(redis, str) else redis
+        self._redis: Redis = connect(conn.check(), socket_timeout=None)
         self._cancel = self._redis.register_script(keys.script_source("cancel"))
 
     async def __aenter__(self) -> SortedSetClient:

@@ -33,6 +33,13 @@ from async_processor.errors import ConfigError
 from async_processor.logs import FORMATS, LEVELS
 from async_processor.registry import describe_validation
 from async_processor.transports.base import QueueSpec
+from async_processor.transports.redis_conn import (
+    DEFAULT_URL,
+    Mode,
+    RedisConnection,
+    RedisConnectionFields,
+    check_url,
+)
 
 DEFAULT_POOL = "default"
 DEFAULT_REQUEST_PATH = "/v1/completions"
@@ -103,8 +110,11 @@ class PubSubTopic(QueueEntry):
     subscriber_id: str = Field(min_length=1)
 
 
-class RedisTransportBase(Strict):
+class RedisTransportBase(Strict, RedisConnectionFields):
+    """``url`` plus the connection mode, sentinels and TLS files (``transports/redis_conn``)."""
+
     url: str = ""
+    mode: Mode = "standalone"
     retry_queue_name: Annotated[str, BeforeValidator(lambda v: v or "retry-sortedset")] = (
         "retry-sortedset"
     )
@@ -113,9 +123,15 @@ class RedisTransportBase(Strict):
     @field_validator("url")
     @classmethod
     def _redis_url(cls, value: str) -> str:
-        if value and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be a redis://, rediss:// or unix:// URL")
-        return value
+        return check_url(value) if value else value
+
+    @model_validator(mode="after")
+    def _connection(self) -> RedisTransportBase:
+        self.redis_connection().check()
+        return self
+
+    def redis_connection(self) -> RedisConnection:
+        return self.connection(self.url or DEFAULT_URL, self.mode)
 
 
 class SortedSetConfig(RedisTransportBase):
@@ -130,6 +146,9 @@ class SortedSetConfig(RedisTransportBase):
     # Ours: a glob a message's own result_queue_name must match ("" = any name that is not
     # one of the daemon's keys); otherwise its result goes to the configured list.
     result_queue_pattern: str = ""
+    # Ours: after each result+ack step, WAIT for this many replicas (0 = off) up to the timeout.
+    wait_replicas: Annotated[int, Field(ge=0)] = 0
+    wait_timeout_ms: Annotated[int, Field(gt=0)] = 1000
     queues: list[SortedSetQueue] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -615,6 +634,19 @@ def _fits(model: type[BaseModel], raw: Any) -> bool:
     except ValidationError:
         return False
     return True
+
+
+def redis_connection_file(path: str, url: str) -> RedisConnection:
+    """The connection a Redis transport config file describes (its queues are ignored);
+    ``url`` fills an empty one. For the producer commands, so they connect as the daemon."""
+    raw = _read_json("--transport-config-file", path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--transport-config-file {path}: not a JSON object")
+    wanted = {"url", "mode", *RedisConnectionFields.model_fields}
+    fields = {k: v for k, v in raw.items() if k in wanted}
+    fields["url"] = fields.get("url") or url
+    source = f"--transport-config-file {path}"
+    return _validate(RedisTransportBase.model_validate, source, fields).redis_connection()
 
 
 def _pools(settings: Settings) -> list[PoolConfig]:

@@ -35,6 +35,7 @@ from async_processor.config import (
 from async_processor.messages import Envelope, Request, Result, Routing
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.gcp_pubsub import resource_path
+from async_processor.transports.redis_conn import RedisConnection, connect
 
 TRANSPORTS = ("redis-sortedset", "redis-pubsub", "gcp-pubsub")
 QUEUES = ("interactive", "batch")
@@ -110,7 +111,7 @@ class SortedSetFeed(_RedisFeed):
 class RedisPubSubFeed(_RedisFeed):
     def __init__(self, url: str, run_id: str) -> None:
         super().__init__(url, run_id)
-        self.redis = keys.connect(url, socket_timeout=None)
+        self.redis = connect(RedisConnection(url=url), socket_timeout=None)
         self.listener = self.redis.pubsub(ignore_subscribe_messages=True)
 
     def transport_config(self, gateway: str) -> RedisPubSubConfig:

@@ -21,7 +21,9 @@ import anyio
 
 from async_processor.cliargs import duration, parse, subcommand_parser
 from async_processor.client import SortedSetClient
-from async_processor.errors import TransportError
+from async_processor.config import redis_connection_file
+from async_processor.errors import ConfigError, TransportError
+from async_processor.transports.redis_conn import RedisConnection
 
 CHUNK = 1000
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
@@ -88,7 +90,7 @@ async def _submit(args: argparse.Namespace) -> int:
     deadline = int(time.time() + args.deadline_in)
     lines = list(_lines(args.file))
     progress = Progress("submitted", len(lines))
-    async with SortedSetClient(_redis_url(args), args.queue, args.result_queue) as client:
+    async with SortedSetClient(_connection(args), args.queue, args.result_queue) as client:
         for start in range(0, len(lines), CHUNK):
             chunk = [
                 request_from_line(line, deadline=deadline, default_endpoint=args.endpoint)
@@ -105,7 +107,7 @@ async def _results(args: argparse.Namespace) -> int:
     progress = Progress("results", args.count or None)
     timeout = None if args.follow else args.timeout
     try:
-        async with SortedSetClient(_redis_url(args), result_queue=args.result_queue) as client:
+        async with SortedSetClient(_connection(args), result_queue=args.result_queue) as client:
             async for result in client.results(timeout=timeout):
                 out.write(json.dumps(result.to_obj(), ensure_ascii=False) + "\n")
                 out.flush()
@@ -118,10 +120,16 @@ async def _results(args: argparse.Namespace) -> int:
 
 
 async def _cancel(args: argparse.Namespace) -> int:
-    async with SortedSetClient(_redis_url(args)) as client:
+    async with SortedSetClient(_connection(args)) as client:
         marked = await client.cancel(args.ids)
     print(f"cancelled {marked} of {len(args.ids)} (others were finished or unknown)")
     return 0
+
+
+def _connection(args: argparse.Namespace) -> RedisConnection:
+    if args.transport_config_file:
+        return redis_connection_file(args.transport_config_file, _redis_url(args))
+    return RedisConnection(url=_redis_url(args))
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
@@ -131,6 +139,12 @@ def _parser(command: str) -> argparse.ArgumentParser:
         default="",
         metavar="URL",
         help=f"the sorted-set transport's Redis (default: REDIS_URL, else {LOCAL_REDIS})",
+    )
+    p.add_argument(
+        "--transport-config-file",
+        default="",
+        metavar="FILE",
+        help="connect as the daemon does: url, mode, sentinels and TLS from its transport config",
     )
     if command == "submit":
         p.add_argument(
@@ -217,6 +231,6 @@ def main(argv: list[str]) -> int:
                     else stack.enter_context(open(args.output, "a", encoding="utf-8"))
                 )
             return anyio.run(COMMANDS[command], args)
-    except (TransportError, OSError, ValueError) as exc:
+    except (TransportError, ConfigError, OSError, ValueError) as exc:
         print(f"async-processor {command}: {exc}", file=sys.stderr)
         return 1

@@ -7,4 +7,5 @@ pytest_plugins = [
     "tests.fixtures.prometheus",
     "tests.fixtures.pubsub",
     "tests.fixtures.otlp",
+    "tests.fixtures.redis_modes",
 ]

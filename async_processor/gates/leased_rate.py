@@ -168,4 +168,4 @@ def _leased_rate(params: LeasedRateParams, ctx: GateContext) -> Gate:
     pool_id = params.pool_id or ctx.owner.pool
     if not pool_id:
         raise ConfigError("gate 'redis-leased-rate': pool_id is required (no owner pool)")
-    return LeasedRateGate(redis_client(ctx, params.address), params, pool_id, ctx)
+    return LeasedRateGate(redis_client(ctx, params), params, pool_id, ctx)

@@ -2,9 +2,10 @@
 
 Input: a message (quota keys on one of its metadata values). Output: a ``Verdict``; quota
 reservations are taken by atomic Lua scripts and given back through ``Releases``.
-Clients come from ``redis_client``: one per ``address`` per process, where ``address``
-is ``host:port`` or a full ``redis://`` / ``rediss://`` URL (auth, db, TLS); they are
-closed with the gate context at shutdown.
+Clients come from ``redis_client``: one per connection per process, where ``address``
+is ``host:port`` or a full ``redis://`` / ``rediss://`` URL (auth, db, TLS) and the other
+connection fields are the transport's (``redis_mode``, sentinels, TLS files; see
+``transports/redis_conn``); they are closed with the gate context at shutdown.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import redis.asyncio as aioredis
 import structlog
-from pydantic import AfterValidator, Field
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from pydantic import AfterValidator, Field, model_validator
 from redis.exceptions import RedisError
 
 from async_processor.errors import GateError
@@ -26,6 +25,12 @@ from async_processor.gates.base import CONTINUE, GATES, REFUSE, Gate, GateContex
 from async_processor.gates.params import Duration, Int, Params, Str
 from async_processor.gates.shared import Throttle, shielded
 from async_processor.messages import Envelope
+from async_processor.transports.redis_conn import (
+    Mode,
+    RedisConnection,
+    RedisConnectionFields,
+    connect,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -35,28 +40,13 @@ log = structlog.get_logger(__name__)
 SOCKET_TIMEOUT = 5.0
 
 
-def _client_options() -> dict[str, Any]:
-    return {
-        "socket_timeout": SOCKET_TIMEOUT,
-        "socket_connect_timeout": SOCKET_TIMEOUT,
-        "retry": Retry(ExponentialBackoff(cap=0.2, base=0.05), 1),
-    }
-
-
-def redis_client(ctx: GateContext, address: str) -> aioredis.Redis:
-    """The process-wide client for ``address`` (created once, closed at shutdown)."""
-    key = f"redis:{address}"
+def redis_client(ctx: GateContext, params: RedisAddress) -> aioredis.Redis:
+    """The process-wide client for the gate's connection (created once, closed at shutdown)."""
+    conn = params.redis_connection()
+    key = f"redis:{conn}"
     client: aioredis.Redis | None = ctx.shared.get(key)
     if client is None:
-        if "://" in address:
-            client = aioredis.Redis.from_url(address, **_client_options())
-        else:
-            host, _, port = address.rpartition(":")
-            client = aioredis.Redis(
-                host=host or "localhost",
-                port=int(port or 6379),
-                **_client_options(),
-            )
+        client = connect(conn, socket_timeout=SOCKET_TIMEOUT, retry_cap=0.2)
         ctx.shared[key] = client
         ctx.closers.append(client.aclose)
     return client
@@ -75,10 +65,21 @@ def _address(value: str) -> str:
 Address = Annotated[Str, AfterValidator(_address)]
 
 
-class RedisAddress(Params):
-    """``address`` is required by every Redis gate; checked at startup."""
+class RedisAddress(Params, RedisConnectionFields):
+    """``address`` is required by every Redis gate; checked at startup. The mode is
+    ``redis_mode`` here because ``redis-quota`` already has a ``mode`` field."""
 
     address: Address
+    redis_mode: Mode = "standalone"
+
+    @model_validator(mode="after")
+    def _connection(self) -> RedisAddress:
+        self.redis_connection().check()
+        return self
+
+    def redis_connection(self) -> RedisConnection:
+        url = self.address if "://" in self.address else f"redis://{self.address}"
+        return self.connection(url, self.redis_mode)
 
 
 # ------------------------------------------------------------------------------ redis
@@ -124,7 +125,7 @@ class RedisBudgetGate:
 
 @GATES.register("redis", RedisBudgetParams)
 def _redis(params: RedisBudgetParams, ctx: GateContext) -> Gate:
-    return RedisBudgetGate(redis_client(ctx, params.address), params.budget_key)
+    return RedisBudgetGate(redis_client(ctx, params), params.budget_key)
 
 
 # ------------------------------------------------------------------------ redis-quota
@@ -219,4 +220,4 @@ class RedisQuotaGate:
 
 @GATES.register("redis-quota", QuotaParams)
 def _redis_quota(params: QuotaParams, ctx: GateContext) -> Gate:
-    return RedisQuotaGate(redis_client(ctx, params.address), params)
+    return RedisQuotaGate(redis_client(ctx, params), params)

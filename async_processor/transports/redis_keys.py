@@ -3,8 +3,8 @@
 Input: queue names, request ids and deliveries. Output: the key names both sides agree
 on, a submission's dedup ``fingerprint``, a delivery's envelope with its routing filled
 from its queue (``decode_delivery``) and its ``dead_letter_entry``, the Lua sources in
-``transports/lua/`` registered on a ``redis.asyncio`` client, and the client itself
-(``connect``) with its errors mapped to ``TransportError``.
+``transports/lua/`` registered on a ``redis.asyncio`` client, and Redis errors mapped to
+``TransportError`` (clients come from ``redis_conn.connect``).
 
 Keys (the reference's names where it has them, DESIGN.md §4):
 
@@ -41,8 +41,6 @@ from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
@@ -50,7 +48,6 @@ from async_processor.errors import TransportError
 from async_processor.messages import Envelope, decode_envelope
 from async_processor.transports.base import Delivery
 
-DEFAULT_URL = "redis://localhost:6379/0"
 DEFAULT_REQUEST_QUEUE = "request-sortedset"
 DEFAULT_RESULT_LIST = "result-list"
 DEFAULT_RETRY_QUEUE = "retry-sortedset"
@@ -197,21 +194,6 @@ def script_source(name: str) -> str:
 def register_scripts(client: Redis) -> dict[str, AsyncScript]:
     """Every script registered on ``client`` (EVALSHA, loaded on first use)."""
     return {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
-
-
-def connect(url: str, *, socket_timeout: float | None = 30.0) -> Redis:
-    """One ``redis.asyncio`` client (and pool) for a redis://, rediss:// or unix:// URL.
-
-    Retries once quickly on a dropped connection; longer outages surface as errors so
-    the pipeline's own backoff applies.
-    """
-    return Redis.from_url(
-        url or DEFAULT_URL,
-        socket_connect_timeout=5.0,
-        socket_timeout=socket_timeout,
-        health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1),
-    )
 
 
 @contextmanager

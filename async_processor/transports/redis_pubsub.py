@@ -43,7 +43,8 @@ from async_processor.transports.base import (
     QueueSpec,
     TransportContext,
 )
-from async_processor.transports.redis_keys import connect, redis_errors
+from async_processor.transports.redis_conn import connect
+from async_processor.transports.redis_keys import redis_errors
 
 log = structlog.get_logger(__name__)
 
@@ -115,7 +116,7 @@ class RedisPubSubTransport:
         self.config = config
         self.queues: Sequence[QueueSpec] = config.queue_specs()
         self._ctx = ctx
-        self._redis = client if client is not None else connect(config.url)
+        self._redis = client if client is not None else connect(config.redis_connection())
         self._publish_result = self._redis.register_script(PUBLISH_RESULT)
         self._defer = self._redis.register_script(DEFER)
         self._pop_due = self._redis.register_script(POP_DUE)

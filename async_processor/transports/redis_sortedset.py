@@ -15,7 +15,9 @@ Exactly one result (§5.12): ``complete`` writes the result only if it sets the 
 envelope's ``request_token`` (the client sets a fresh one per submission, so a resubmitted
 id gets a new result), else a digest of the request itself (a resubmission that changes
 anything, e.g. its deadline, is new; a byte-identical one within the TTL is a duplicate),
-else (undecodable message) the id alone for the TTL.
+else (undecodable message) the id alone for the TTL. With ``wait_replicas`` the same
+pipeline ends in ``WAIT``, so a batch's results are on that many replicas before the
+next one is written (docs/transports.md has what that buys on a failover).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from async_processor.transports.base import (
     QueueSpec,
     TransportContext,
 )
-from async_processor.transports.redis_keys import connect as connect
+from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keys import redis_errors as redis_errors
 
 log = structlog.get_logger(__name__)
@@ -80,7 +82,7 @@ class SortedSetTransport:
         self.config = config
         self.queues: Sequence[QueueSpec] = config.queue_specs()
         self._ctx = ctx
-        self._redis = client if client is not None else connect(config.url)
+        self._redis = client if client is not None else connect(config.redis_connection())
         self._scripts = keys.register_scripts(self._redis)
         self._owner = uuid.uuid4().hex  # claim ids are unique per process and fetch
         self._fetches = itertools.count()
@@ -178,9 +180,13 @@ class SortedSetTransport:
                         ],
                         client=pipe,
                     )
+                if self.config.wait_replicas:  # same round trip: WAIT follows the scripts
+                    pipe.wait(self.config.wait_replicas, self.config.wait_timeout_ms)
                 replies = await pipe.execute()
+        scripts, waited = replies[: len(items)], replies[len(items) :]
+        self._check_replicas(waited)
         lost = []
-        for (delivery, result), target, reply in zip(items, targets, replies, strict=True):
+        for (delivery, result), target, reply in zip(items, targets, scripts, strict=True):
             written, held, fell_back = reply
             self._release(delivery)
             if not written:
@@ -192,6 +198,14 @@ class SortedSetTransport:
             if not held:
                 lost.append(delivery)
         await self._drop_returned(lost)
+
+    def _check_replicas(self, waited: list[int]) -> None:
+        """The results are written either way; fewer replicas than asked means a failover
+        now could lose them, which the operator should hear about."""
+        if waited and waited[0] < self.config.wait_replicas:
+            log.warning(
+                "results_not_replicated", replicas=waited[0], wanted=self.config.wait_replicas
+            )
 
     def _complete_keys(self, delivery: Delivery, result: Result, target: str) -> list[str]:
         name = delivery.queue.name

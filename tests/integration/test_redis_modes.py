@@ -1,0 +1,273 @@
+"""Redis modes against real servers: TLS (fixture-made certificates), ACL users (the exact
+lines from docs/security.md), and Sentinel (primary + replica + 3 sentinels).
+
+Each test would fail if its feature broke: the TLS server refuses plain or unverified
+clients, the ACL users can run nothing beyond their lines, and the sentinel tests kill
+the primary and expect the daemon to carry on against the promoted replica.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoPermissionError
+from structlog.testing import capture_logs
+
+from async_processor.client import SortedSetClient
+from async_processor.processor import Processor
+from async_processor.producer_cli import main as producer_main
+from async_processor.transports.redis_conn import RedisConnection, connect
+from async_processor.transports.redis_sortedset import SortedSetTransport
+from tests.fixtures.inprocess import running, sortedset_config
+from tests.fixtures.redis_modes import (
+    MASTER_NAME,
+    Certs,
+    SentinelGroup,
+    TlsRedis,
+    acl_lines,
+    set_acl_user,
+)
+from tests.fixtures.servers import RedisServer
+from tests.fixtures.simulator import SimulatorProcess
+
+pytestmark = pytest.mark.anyio
+SECURITY_DOC = Path(__file__).parents[2] / "docs" / "security.md"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _requests(prefix: str, n: int) -> list[dict[str, Any]]:
+    deadline = int(time.time() + 600)
+    return [{"id": f"{prefix}-{i}", "deadline": deadline, "payload": {"i": i}} for i in range(n)]
+
+
+async def _round_trip(conn: RedisConnection, queue: str, prefix: str, n: int) -> set[str]:
+    """Submit ``n`` requests through ``conn`` to a running daemon; the ids answered."""
+    async with SortedSetClient(conn, queue, f"{queue}:results") as client:
+        await client.submit_many(_requests(prefix, n))
+        results = await client.drain_results(n, 30)
+    assert all(not r.error_code for r in results), results[:3]
+    return {r.id for r in results}
+
+
+# ------------------------------------------------------------------------------ TLS
+
+
+def _tls(server: TlsRedis, certs: Certs, **fields: Any) -> dict[str, Any]:
+    base = {"tls_ca_cert": str(certs.ca), "tls_cert": str(certs.client_cert)}
+    return {"url": server.url, **base, "tls_key": str(certs.client_key), **fields}
+
+
+async def test_daemon_and_client_over_tls(
+    tls_redis: TlsRedis, certs: Certs, simulator: SimulatorProcess, unique: str
+) -> None:
+    fields = _tls(tls_redis, certs)
+    config = sortedset_config(tls_redis.url, simulator.url, unique, transport_extra=fields)
+    conn = config.transport_config.redis_connection()  # type: ignore[union-attr]
+    async with running(config):
+        answered = await _round_trip(conn, unique, "tls", 20)
+    assert answered == {f"tls-{i}" for i in range(20)}
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"tls_ca_cert": "other"}, "server certificate signed by a CA we do not trust"),
+        ({"tls_cert": "", "tls_key": ""}, "no client certificate for a server requiring one"),
+        ({"url": "plain"}, "plain TCP to a TLS port"),
+    ],
+)
+async def test_tls_refuses_what_it_should(
+    tls_redis: TlsRedis, certs: Certs, change: dict[str, str], why: str
+) -> None:
+    fields = _tls(tls_redis, certs, **change)
+    if change.get("tls_ca_cert") == "other":
+        fields["tls_ca_cert"] = str(certs.other_ca)
+    if change.get("url") == "plain":
+        fields = {"url": f"redis://127.0.0.1:{tls_redis.port}/0"}
+    client = connect(RedisConnection(**fields).check(), socket_timeout=2)
+    with pytest.raises((RedisConnectionError, OSError)):
+        await client.ping()
+    await client.aclose()
+
+
+async def test_tls_skip_verify_trusts_any_server(tls_redis: TlsRedis, certs: Certs) -> None:
+    fields = _tls(tls_redis, certs, tls_ca_cert="", tls_insecure_skip_verify=True)
+    client = connect(RedisConnection(**fields).check())
+    assert await client.ping()
+    await client.aclose()
+
+
+def test_producer_commands_connect_like_the_daemon(
+    tls_redis: TlsRedis, certs: Certs, tmp_path: Path, unique: str
+) -> None:
+    """``submit --transport-config-file`` reaches a TLS-only Redis with the daemon's fields."""
+    transport = tmp_path / "transport.json"
+    transport.write_text(json.dumps({**_tls(tls_redis, certs), "queues": []}))
+    lines = tmp_path / "in.jsonl"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in _requests("cli", 3)))
+    args = ["submit", str(lines), "--transport-config-file", str(transport), "--queue", unique]
+    assert producer_main(args) == 0
+    plain = f"redis://127.0.0.1:{tls_redis.port}/0"
+    assert producer_main([*args[:2], "--redis-url", plain, "--queue", unique]) == 1
+
+    async def depth() -> int:
+        conn = RedisConnection(**_tls(tls_redis, certs))
+        async with SortedSetClient(conn, unique) as client:
+            return await client.request_depth()
+
+    assert anyio.run(depth) == 3
+
+
+# ------------------------------------------------------------------------------ ACL
+
+
+async def test_acl_users_from_the_security_doc_are_enough(
+    private_redis: RedisServer, simulator: SimulatorProcess
+) -> None:
+    """The daemon and a producer run as the doc's users on the default key names, through
+    results, retries (503s), a dead-letter, heartbeats, the reaper and the retry mover."""
+    users = acl_lines(SECURITY_DOC)
+    for name in ("async-processor", "async-producer"):
+        set_acl_user(private_redis.url, users[name], f"pw-{name}")
+    port = private_redis.port
+    daemon_url = f"redis://async-processor:pw-async-processor@127.0.0.1:{port}/0"
+    producer_url = f"redis://async-producer:pw-async-producer@127.0.0.1:{port}/0"
+    config = _default_names_config(daemon_url, simulator.url)
+    admin = aioredis.Redis.from_url(private_redis.url)
+    await admin.zadd("request-sortedset", {b"not json": time.time() + 600})
+    simulator.configure(error_rate=0.3, error_status=503, seed=7)
+    async with running(config) as processor, SortedSetClient(producer_url) as client:
+        await client.submit_many(_requests("acl", 30))
+        results = await client.drain_results(30, 60)
+        assert await client.cancel(["acl-0"]) == 0  # finished: nothing to cancel
+        await _upkeep(processor)
+    assert {r.id for r in results} == {f"acl-{i}" for i in range(30)}
+    assert await admin.llen("request-sortedset:dead-letter") == 1
+    await _refused_elsewhere(daemon_url)
+    await admin.aclose()
+
+
+def _default_names_config(url: str, gateway: str) -> Any:
+    names = {"result_queue_name": "result-list", "retry_queue_name": "retry-sortedset"}
+    extra = {**names, "lease_seconds": 1}
+    return sortedset_config(url, gateway, "request-sortedset", transport_extra=extra)
+
+
+async def _upkeep(processor: Processor) -> None:
+    """Each upkeep step once more, directly: a missing permission raises here."""
+    transport = processor.transport
+    assert isinstance(transport, SortedSetTransport)
+    await transport.heartbeat()
+    await transport.reap()
+    await transport.move_due()
+    await transport.health()
+    assert await transport.backlog(transport.queues[0]) == 0
+
+
+async def _refused_elsewhere(url: str) -> None:
+    client = aioredis.Redis.from_url(url)
+    with pytest.raises(NoPermissionError):
+        await client.set("someone-elses-key", "x")
+    with pytest.raises(NoPermissionError):
+        await client.flushdb()
+    await client.aclose()
+
+
+# ------------------------------------------------------------------------------ sentinel
+
+
+def _sentinel_fields(group: SentinelGroup) -> dict[str, Any]:
+    return {"mode": "sentinel", "sentinels": group.sentinels, "sentinel_master": MASTER_NAME}
+
+
+async def _readyz(processor: Processor) -> int:
+    """/readyz's status, asked from a thread: the server runs on this event loop."""
+    return await anyio.to_thread.run_sync(_get_status, processor)
+
+
+def _get_status(processor: Processor) -> int:
+    try:
+        url = f"http://127.0.0.1:{processor.health_port}/readyz"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+async def test_sentinel_daemon_follows_a_failover(
+    sentinel_group: SentinelGroup, simulator: SimulatorProcess, unique: str
+) -> None:
+    fields = _sentinel_fields(sentinel_group)
+    url = "redis://127.0.0.1:1/0"  # the host is ignored: the sentinels name the master
+    config = sortedset_config(url, simulator.url, unique, transport_extra=fields)
+    conn = config.transport_config.redis_connection()  # type: ignore[union-attr]
+    assert sentinel_group.replica is not None
+    async with running(config) as processor:
+        assert await _round_trip(conn, unique, "before", 20)
+        sentinel_group.kill_primary()
+        await anyio.to_thread.run_sync(sentinel_group.wait_master, sentinel_group.replica.port)
+        answered = await _round_trip(conn, unique, "after", 20)
+        assert await _readyz(processor) == 200
+    assert answered == {f"after-{i}" for i in range(20)}
+
+
+async def test_readyz_is_503_while_no_master_is_reachable(
+    tmp_path: Path, simulator: SimulatorProcess, unique: str
+) -> None:
+    group = SentinelGroup(dir=tmp_path).start(with_replica=False)
+    try:
+        fields = _sentinel_fields(group)
+        config = sortedset_config("redis://x:1/0", simulator.url, unique, transport_extra=fields)
+        async with running(config) as processor:
+            assert await _readyz(processor) == 200
+            assert group.primary is not None
+            group.primary.kill()  # no replica: nothing to promote
+            assert await _readyz(processor) == 503
+            group.primary.start()  # same port: the sentinels' master is back
+            for _ in range(100):
+                if await _readyz(processor) == 200:
+                    break
+                await anyio.sleep(0.1)
+            assert await _readyz(processor) == 200
+    finally:
+        group.stop()
+
+
+# ------------------------------------------------------------------------------ WAIT
+
+
+async def test_wait_replicas_waits_for_a_replica_and_warns_without_one(
+    sentinel_group: SentinelGroup, redis_url: str, simulator: SimulatorProcess, unique: str
+) -> None:
+    """With a replica, WAIT 1 returns 1 (no warning); with none, the results are still
+    written after the timeout and the shortfall is logged."""
+    wait = {"wait_replicas": 1, "wait_timeout_ms": 200}
+    replicated = sortedset_config(
+        "redis://x:1/0",
+        simulator.url,
+        unique,
+        transport_extra={**_sentinel_fields(sentinel_group), **wait},
+    )
+    lonely = sortedset_config(redis_url, simulator.url, unique, transport_extra=wait)
+    warnings = []
+    for config in (replicated, lonely):
+        conn = config.transport_config.redis_connection()  # type: ignore[union-attr]
+        with capture_logs() as logs:
+            async with running(config):
+                assert len(await _round_trip(conn, unique, "w", 5)) == 5
+        warnings.append([e for e in logs if e["event"] == "results_not_replicated"])
+    assert warnings[0] == []
+    assert warnings[1] and warnings[1][0]["replicas"] == 0

@@ -1,0 +1,113 @@
+"""The Redis connection surface: modes, sentinels and TLS fields, checked at startup, the
+same on transports (``mode``), gates (``redis_mode``) and the producer commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from async_processor.config import SortedSetConfig, redis_connection_file
+from async_processor.errors import ConfigError
+from async_processor.gates.redis import QuotaParams, RedisBudgetParams
+from async_processor.transports.redis_conn import RedisConnection, connect
+
+QUEUES = [{"queue_name": "q", "igw_base_url": "http://gw"}]
+SENTINEL = {"mode": "sentinel", "sentinels": ["127.0.0.1:26379"], "sentinel_master": "m"}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _transport(**fields: Any) -> SortedSetConfig:
+    return SortedSetConfig.model_validate({"url": "redis://h:6379/0", "queues": QUEUES, **fields})
+
+
+def test_standalone_is_the_default_and_unchanged() -> None:
+    conn = _transport().redis_connection()
+    assert conn == RedisConnection(url="redis://h:6379/0")
+    assert conn.tls_options() == {}
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"url": "http://h"}, "url\n.*redis://, rediss:// or unix://"),
+        ({"tls_ca_cert": "/ca.pem"}, "need a rediss:// url"),
+        ({"url": "rediss://h", "tls_cert": "/c.pem"}, "given together"),
+        ({"mode": "sentinel"}, "needs sentinels"),
+        ({**SENTINEL, "sentinels": ["nohost"]}, "is not host:port"),
+        ({**SENTINEL, "url": "unix:///tmp/r.sock"}, "redis:// or rediss://"),
+        ({"sentinel_master": "m"}, "need mode sentinel"),
+        ({"mode": "replicas"}, "mode"),
+        ({"wait_replicas": -1}, "wait_replicas"),
+    ],
+)
+def test_bad_connections_fail_at_startup(fields: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        _transport(**fields)
+
+
+def test_tls_fields_become_redis_py_options() -> None:
+    conn = _transport(
+        url="rediss://h", tls_ca_cert="/ca", tls_cert="/c", tls_key="/k"
+    ).redis_connection()
+    assert conn.tls_options() == {
+        "ssl_ca_certs": "/ca",
+        "ssl_certfile": "/c",
+        "ssl_keyfile": "/k",
+        "ssl_cert_reqs": "required",
+        "ssl_check_hostname": True,
+    }
+    skip = _transport(url="rediss://h", tls_insecure_skip_verify=True).redis_connection()
+    assert skip.tls_options()["ssl_cert_reqs"] == "none"
+    assert skip.tls_options()["ssl_check_hostname"] is False
+
+
+@pytest.mark.anyio
+async def test_sentinel_mode_asks_the_sentinels_with_the_url_credentials() -> None:
+    conn = _transport(url="rediss://user:pw@ignored:1/3", **SENTINEL).redis_connection()
+    client = connect(conn)
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["username"], kwargs["password"], kwargs["db"]) == ("user", "pw", 3)
+    assert client.connection_pool.service_name == "m"  # type: ignore[attr-defined]
+    assert "SSL" in client.connection_pool.connection_class.__name__
+    await client.aclose()
+
+
+def test_gates_take_the_same_fields_as_redis_mode_and_helm_strings() -> None:
+    """``mode`` stays the quota's own field; Helm passes lists and bools as strings."""
+    params = QuotaParams.model_validate(
+        {
+            "address": "redis://:pw@x:1/0",
+            "limit": 3,
+            "mode": "concurrency",
+            "redis_mode": "sentinel",
+            "sentinels": "10.0.0.1:26379, 10.0.0.2:26379",
+            "sentinel_master": "m",
+        }
+    )
+    assert params.mode == "concurrency"
+    conn = params.redis_connection()
+    assert conn.mode == "sentinel"
+    assert conn.sentinels == ("10.0.0.1:26379", "10.0.0.2:26379")
+    with pytest.raises(ValidationError, match="rediss"):
+        RedisBudgetParams.model_validate({"address": "h:6380", "tls_insecure_skip_verify": "true"})
+    assert RedisBudgetParams.model_validate({"address": "h:6380"}).redis_connection().url == (
+        "redis://h:6380"
+    )
+
+
+def test_producer_commands_read_the_daemons_transport_config(tmp_path: Path) -> None:
+    path = tmp_path / "transport.json"
+    path.write_text(json.dumps({"queues": QUEUES, "batch_size": 5, **SENTINEL}))
+    conn = redis_connection_file(str(path), "redis://u:pw@h/2")
+    assert conn.mode == "sentinel" and conn.url == "redis://u:pw@h/2"
+    path.write_text(json.dumps({"mode": "sentinel", "queues": QUEUES}))
+    with pytest.raises(ConfigError, match="needs sentinels"):
+        redis_connection_file(str(path), "redis://h")
