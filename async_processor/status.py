@@ -38,6 +38,7 @@ from async_processor.config import (
 from async_processor.durations import format_duration
 from async_processor.errors import TransportError
 from async_processor.transports import redis_keys as keys
+from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keys import redis_errors
 
 RETRY_SCAN_CHUNK = 1000  # retry-set members read per round trip
@@ -71,7 +72,7 @@ async def collect(config: AppConfig) -> Status:
     transport = config.transport_config
     if isinstance(transport, GcpPubSubConfig):
         return await _gcp_status(config.transport, transport)
-    client = keys.connect(transport.url)
+    client = connect(transport.redis_connection())
     try:
         return await redis_status(config.transport, transport, client)
     finally:
