@@ -50,9 +50,8 @@ COMMANDS: dict[str, Command] = {
     "submit": Command("put requests from a JSONL file on a sorted-set queue", "producer_cli", True),
     "results": Command("read results from a result list as JSONL", "producer_cli", True),
     "cancel": Command("cancel requests by id", "producer_cli", True),
-    "status": Command(
-        "per queue: depth, in flight, retries, oldest deadline, dead letters", "status"
-    ),
+    "status": Command("queue depths, in flight, retries, dead letters", "status"),
+    "dead-letters": Command("list, show, replay or purge dead letters", "deadletters"),
 }
 # A first argument among these is the top-level parser's, not a flag of ``run``.
 TOP_LEVEL_FLAGS = ("-h", "--help", "--version")

@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
+from typing import Any
 
+from async_processor.config import AppConfig, ExtendParser, build_config, parse_settings
 from async_processor.durations import parse_duration
+from async_processor.logs import configure_logging
 
 ENV_PREFIX = "ASYNC_PROCESSOR_"
 
@@ -80,3 +83,16 @@ def parse(
     describe(parser)
     read_env(parser, os.environ if env is None else env)
     return parser.parse_args(argv)
+
+
+def daemon_config(
+    argv: list[str], prog: str, extend: ExtendParser
+) -> tuple[AppConfig, Mapping[str, Any]]:
+    """For operator commands (status, dead-letters): the daemon's flags, env and config
+    files (so they look at the daemon's own keys), plus the command's own flags.
+
+    Logs go to stderr as the daemon's would; stdout stays the command's output.
+    """
+    settings = parse_settings(argv, os.environ, prog=prog, extend=extend)
+    configure_logging(settings.log_level, settings.log_format)
+    return build_config(settings, os.environ), settings.extra

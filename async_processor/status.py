@@ -27,14 +27,8 @@ from typing import Any
 import anyio
 from redis.asyncio import Redis
 
-from async_processor.config import (
-    AppConfig,
-    GcpPubSubConfig,
-    RedisPubSubConfig,
-    SortedSetConfig,
-    build_config,
-    parse_settings,
-)
+from async_processor.cliargs import daemon_config
+from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig, SortedSetConfig
 from async_processor.durations import format_duration
 from async_processor.errors import TransportError
 from async_processor.transports import redis_keys as keys
@@ -227,12 +221,11 @@ def _flags(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str]) -> int:
     """``async-processor status [the daemon's flags] [--json]``; exit 1 if unreachable."""
-    settings = parse_settings(argv, os.environ, prog="async-processor status", extend=_flags)
-    config = build_config(settings, os.environ)
+    config, opts = daemon_config(argv, "async-processor status", _flags)
     try:
         status = anyio.run(collect, config)
     except TransportError as exc:
         print(f"async-processor status: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(status.to_json(), indent=2) if settings.extra["json"] else render(status))
+    print(json.dumps(status.to_json(), indent=2) if opts["json"] else render(status))
     return 0

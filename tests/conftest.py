@@ -8,4 +8,5 @@ pytest_plugins = [
     "tests.fixtures.pubsub",
     "tests.fixtures.otlp",
     "tests.fixtures.redis_modes",
+    "tests.fixtures.logstate",
 ]

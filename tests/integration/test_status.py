@@ -22,6 +22,7 @@ from async_processor.transports.base import Deferral, TransportContext
 from async_processor.transports.redis_sortedset import SortedSetTransport
 
 GW = "http://gw.test:8000"
+pytestmark = pytest.mark.usefixtures("restore_logging")  # the commands configure logging
 
 
 def envelope(request_id: str, deadline: float, queue: str = "") -> bytes:
