@@ -36,6 +36,7 @@ from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig
 from async_processor.errors import ConfigError, InvalidMessage, TransportError
 from async_processor.messages import decode_envelope, peek_id
 from async_processor.transports import redis_keys as keys
+from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keys import redis_errors
 
 log = structlog.get_logger(__name__)
@@ -191,7 +192,7 @@ def _check(config: AppConfig, opts: argparse.Namespace) -> None:
 async def _run(config: AppConfig, opts: argparse.Namespace) -> int:
     transport = config.transport_config
     assert not isinstance(transport, GcpPubSubConfig)  # _check refused it
-    client = keys.connect(transport.url)
+    client = connect(transport.redis_connection())
     try:
         lists = DeadLetters(transport, client)
         with redis_errors("time"):

@@ -140,9 +140,9 @@ def test_replayed_entry_cannot_be_replayed_twice(
     config = SortedSetConfig.model_validate(raw)
 
     async def twice() -> list[int]:
-        from async_processor.transports.redis_keys import connect
+        from async_processor.transports.redis_conn import connect
 
-        client = connect(redis_url)
+        client = connect(config.redis_connection())
         try:
             lists = DeadLetters(config, client)
             [entry] = await lists.entries(queue)
