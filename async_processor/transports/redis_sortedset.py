@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import cast
 
 import anyio
 import structlog
@@ -38,6 +39,7 @@ from redis.commands.core import AsyncScript
 from async_processor.config import SortedSetConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope, Result
+from async_processor.retry import expired, last_answer
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
     TRANSPORTS,
@@ -54,6 +56,8 @@ log = structlog.get_logger(__name__)
 FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on an empty queue
 RETRY_MOVE_INTERVAL = 0.2  # seconds between checks of the retry set for due members
 CHUNK = 500  # members per reaper / retry-mover / heartbeat script call
+EXPIRE_INTERVAL = 0.5  # seconds between deadline sweeps: results within ~1 s of a deadline
+EXPIRE_CHUNK = 20  # members decoded per sweep round trip (each up to --max-message-bytes)
 UPKEEP_MAX_BACKOFF = 5.0
 # Stop extending a claim this long after its deadline: by then the pipeline has answered
 # it, so a claim still held is a leak, and letting it expire hands the message back.
@@ -166,17 +170,32 @@ class SortedSetTransport:
         """Per item, one script: result + dedup marker + ack + cancellation cleanup."""
         if not items:
             return
+        with self._acking(d for d, _ in items):
+            replies = await self._write_results(items, queued=False)
+        lost = []
+        for (delivery, _), (_, held, _) in zip(items, replies, strict=True):
+            self._release(delivery)
+            if not held:
+                lost.append(delivery)
+        await self._drop_returned(lost)
+
+    async def _write_results(
+        self, items: Sequence[tuple[Delivery, Result]], *, queued: bool
+    ) -> list[tuple[int, int, int]]:
+        """The complete script per item, in one round trip: for claims, or (``queued``)
+        for members still waiting in their queue. Replies: (written, held, fell_back)."""
         targets = [self._result_list(delivery) for delivery, _ in items]
-        with self._acking(d for d, _ in items), redis_errors("complete"):
+        with redis_errors("complete"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 for (delivery, result), target in zip(items, targets, strict=True):
                     await self._scripts["complete"](
-                        keys=self._complete_keys(delivery, result, target),
+                        keys=self._complete_keys(delivery, result, target, queued=queued),
                         args=[
-                            _claim(delivery).id,
+                            delivery.raw if queued else _claim(delivery).id,
                             result.encode(),
                             self.config.dedup_ttl_seconds,
                             _token(delivery),
+                            "queued" if queued else "claim",
                         ],
                         client=pipe,
                     )
@@ -185,19 +204,16 @@ class SortedSetTransport:
                 replies = await pipe.execute()
         scripts, waited = replies[: len(items)], replies[len(items) :]
         self._check_replicas(waited)
-        lost = []
-        for (delivery, result), target, reply in zip(items, targets, scripts, strict=True):
-            written, held, fell_back = reply
-            self._release(delivery)
-            if not written:
+        for (delivery, result), target, (written, held, fell_back) in zip(
+            items, targets, scripts, strict=True
+        ):
+            if not written and (held or not queued):
                 log.info(
                     "duplicate_result_skipped", request_id=result.id, queue=delivery.queue.name
                 )
             if fell_back:
                 self._route_rejected(delivery, target, "wrong_type")
-            if not held:
-                lost.append(delivery)
-        await self._drop_returned(lost)
+        return [tuple(reply) for reply in scripts]
 
     def _check_replicas(self, waited: list[int]) -> None:
         """The results are written either way; fewer replicas than asked means a failover
@@ -207,12 +223,14 @@ class SortedSetTransport:
                 "results_not_replicated", replicas=waited[0], wanted=self.config.wait_replicas
             )
 
-    def _complete_keys(self, delivery: Delivery, result: Result, target: str) -> list[str]:
+    def _complete_keys(
+        self, delivery: Delivery, result: Result, target: str, *, queued: bool
+    ) -> list[str]:
         name = delivery.queue.name
         return [
             keys.done_key(result.id, keys.fingerprint(delivery)),
             target,
-            keys.inflight_key(name),
+            name if queued else keys.inflight_key(name),
             keys.inflight_meta_key(name),
             keys.active_key(result.id),
             keys.cancel_key(result.id),
@@ -348,6 +366,7 @@ class SortedSetTransport:
             tg.start_soon(_every, "heartbeat", lease / 3, self.heartbeat)
             tg.start_soon(_every, "reap", lease / 2, self.reap)
             tg.start_soon(_every, "retry_move", RETRY_MOVE_INTERVAL, self.move_due)
+            tg.start_soon(_every, "expire", EXPIRE_INTERVAL, self.expire_due)
             task_status.started()
 
     async def heartbeat(self) -> None:
@@ -389,6 +408,49 @@ class SortedSetTransport:
         """Move every due retry back to its origin queue, scored by its deadline."""
         retry_keys = [self.config.retry_queue_name, *(q.name for q in self.queues)]
         await _drain("retry_move", self._scripts["move_due"], retry_keys)
+
+    async def expire_due(self) -> None:
+        """Answer every queued member past its deadline with its DEADLINE_EXCEEDED result
+        (dedup marker included), without a worker slot (DESIGN.md §5.15). Any replica may
+        run it: the script answers a member only while it is still queued."""
+        for queue in self.queues:
+            answered = await self._expire_queue(queue)
+            if answered:
+                log.info("expired_answered", queue=queue.name, count=answered)
+                if self._ctx.metrics is not None:
+                    bound = self._ctx.metrics.queue(queue.id, queue.name, queue.pool)
+                    bound.exceeded_deadline_total.inc(answered)
+
+    async def _expire_queue(self, queue: QueueSpec) -> int:
+        answered = skipped = 0
+        while True:
+            now = time.time()
+            with redis_errors("expire"):
+                raws = cast(
+                    list[bytes],
+                    await self._redis.zrangebyscore(
+                        queue.name, "-inf", now, start=skipped, num=EXPIRE_CHUNK
+                    ),
+                )
+            items = [item for raw in raws if (item := self._expired(queue, raw, now))]
+            skipped += len(raws) - len(items)
+            if items:
+                replies = await self._write_results(items, queued=True)
+                answered += sum(held for _, held, _ in replies)
+            if len(raws) < EXPIRE_CHUNK:
+                return answered
+
+    def _expired(self, queue: QueueSpec, raw: bytes, now: float) -> tuple[Delivery, Result] | None:
+        """The member's DEADLINE_EXCEEDED result; None for one a worker must handle (it does
+        not decode, so it is answered INVALID_REQUEST or dead-lettered, or its score lies)."""
+        delivery = Delivery(queue=queue, raw=raw)
+        try:
+            envelope = self.decode(delivery)
+        except InvalidMessage:
+            return None
+        if envelope.request.deadline >= now:
+            return None
+        return delivery, expired(envelope.id, last_answer(envelope.routing)).result
 
 
 async def _drain(action: str, script: AsyncScript, script_keys: list[str]) -> None:
@@ -442,7 +504,7 @@ def _defer_args(item: Deferral) -> list[bytes | float | str]:
     delivery = item.delivery
     member = delivery.envelope.encode() if delivery.envelope else delivery.raw
     if item.delay > 0:
-        return [member, item.delay, "delay"]
+        return [member, item.delay, "delay", _deadline(delivery)]
     return [member, _deadline(delivery), "at"]
 
 

@@ -2,7 +2,10 @@
 -- KEYS[1] dedup marker (request-done:<id>:<digest>), KEYS[2] result list,
 -- KEYS[3] in-flight zset, KEYS[4] in-flight hash, KEYS[5] request-active:<id>,
 -- KEYS[6] request-cancel:<id>, KEYS[7] fallback result list (the transport's default)
--- ARGV[1] claim id, ARGV[2] encoded result, ARGV[3] marker TTL seconds, ARGV[4] request token
+-- ARGV[1] claim id, ARGV[2] encoded result, ARGV[3] marker TTL seconds, ARGV[4] request
+-- token, ARGV[5] "claim", or "queued": then KEYS[3] is the request queue and ARGV[1] a
+-- member of it (the deadline sweep), answered only while still queued, since another
+-- replica's claim or sweep may have taken it since it was read.
 -- Returns {1 if the result was written (0 = already done), 1 if the claim was still held,
 -- 1 if KEYS[2] was not a list and the result went to KEYS[7]}.
 -- Every type is checked before the first write, so a failure changes nothing.
@@ -15,6 +18,9 @@ if not usable_as(target, 'list') then
 end
 expect_types(target, 'list', KEYS[1], 'string', KEYS[3], 'zset', KEYS[4], 'hash',
   KEYS[5], 'string', KEYS[6], 'string')
+if ARGV[5] == 'queued' and not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
+  return {0, 0, 0}
+end
 local written = 0
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('LPUSH', target, ARGV[2])
