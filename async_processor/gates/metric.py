@@ -77,15 +77,18 @@ class CascadeSource:
         self.active = -1
 
     async def query(self) -> list[Sample]:
+        reasons = []
         for index, source in enumerate(self.sources):
             try:
                 samples = await source.query()
-            except GateError:
+            except GateError as exc:
+                reasons.append(f"[{index}] {exc}")
                 continue
             if samples:
                 self._resolved(index)
                 return samples
-        raise GateError("all metric sources unavailable")
+            reasons.append(f"[{index}] no series")
+        raise GateError("all metric sources unavailable: " + "; ".join(reasons))
 
     def _resolved(self, index: int) -> None:
         if index == self.active:
@@ -99,8 +102,22 @@ class CascadeSource:
         self.active = index
 
 
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One look at the source: the budget, and the value read or why there was none."""
+
+    budget: float
+    value: float | None = None
+    fallback_reason: str | None = None
+
+
 class MetricGate:
-    """Budget from one metric reading; REFUSE when the budget is 0."""
+    """Budget from one metric reading; REFUSE when the budget is 0.
+
+    On its fallback the gate is blind, so it says so: a warning with the query and the
+    reason at the first fallback and then at most once a minute while it lasts, and
+    ``gate_metric_source_available`` 0 (the chart's ``AsyncProcessorGateBlind`` alert).
+    """
 
     def __init__(
         self,
@@ -110,6 +127,7 @@ class MetricGate:
         fallback: float,
         ctx: GateContext,
         name: str,
+        queries: Sequence[str] = (),
         inference_pool: str = "",
         fails_open: bool = False,
     ) -> None:
@@ -117,41 +135,59 @@ class MetricGate:
         self.threshold = threshold
         self.fallback = min(1.0, max(0.0, fallback))
         self.name = name
-        self._fails_open = fails_open and self.fallback > 0
+        self.queries = list(queries)  # what it reads, for the logs and check-config --probe
+        self.fails_open = fails_open and self.fallback > 0
         self._warn = Throttle()
         self._gauges = None
         if ctx.metrics is not None:
             owner = ctx.owner
             queue = ctx.metrics.queue(owner.queue_id, owner.queue_name, owner.pool)
             self._gauges = queue.gate_gauges(inference_pool)
-        if self._fails_open:
+        if self.fails_open:
             log.warning("gate_fails_open", gate=name, fallback_budget=self.fallback)
 
-    async def budget(self) -> float:
+    async def read(self) -> Reading:
+        """Query the source once; no gauges, no logs (``check-config --probe`` uses it)."""
         try:
             samples = await self.source.query()
         except GateError as exc:
-            return self._use_fallback(str(exc))
-        if not samples or not math.isfinite(samples[0].value):
-            return self._use_fallback("no usable sample")
+            return Reading(self.fallback, fallback_reason=str(exc))
+        if not samples:
+            return Reading(self.fallback, fallback_reason="the query returned no series")
         value = samples[0].value
+        if not math.isfinite(value):
+            return Reading(self.fallback, fallback_reason=f"the value is {value}")
+        budget = 0.0 if value <= self.threshold else min(1.0, max(0.0, value - self.threshold))
+        return Reading(budget, value=value)
+
+    async def budget(self) -> float:
+        reading = await self.read()
+        if reading.value is None:
+            self._use_fallback(reading.fallback_reason or "")
+        else:
+            self._record(reading.value)
+        return reading.budget
+
+    async def apply(self, message: Envelope, releases: Releases) -> Verdict:
+        return REFUSE if await self.budget() <= 0 else CONTINUE
+
+    def _record(self, value: float) -> None:
         if self._gauges is not None:
             gauge_value, gauge_threshold, available = self._gauges
             gauge_value.set(value)
             gauge_threshold.set(self.threshold)
             available.set(1)
         self._warn.reset()
-        if value <= self.threshold:
-            return 0.0
-        return min(1.0, max(0.0, value - self.threshold))
 
-    async def apply(self, message: Envelope, releases: Releases) -> Verdict:
-        return REFUSE if await self.budget() <= 0 else CONTINUE
-
-    def _use_fallback(self, why: str) -> float:
+    def _use_fallback(self, why: str) -> None:
         if self._gauges is not None:
             self._gauges[2].set(0)
         if self._warn.ready():
-            event = "gate_failing_open" if self._fails_open else "gate_using_fallback"
-            log.warning(event, gate=self.name, reason=why, fallback_budget=self.fallback)
-        return self.fallback
+            event = "gate_failing_open" if self.fails_open else "gate_using_fallback"
+            log.warning(
+                event,
+                gate=self.name,
+                reason=why,
+                queries=self.queries,
+                fallback_budget=self.fallback,
+            )

@@ -189,6 +189,7 @@ def _saturation(params: SaturationParams, ctx: GateContext) -> Gate:
         fallback=1 - params.fallback,
         ctx=ctx,
         name="prometheus-saturation",
+        queries=[query],
         inference_pool=params.pool,
         fails_open=True,
     )
@@ -219,6 +220,7 @@ def _budget(params: BudgetParams, ctx: GateContext) -> Gate:
         fallback=params.fallback,
         ctx=ctx,
         name="prometheus-budget",
+        queries=queries,
         inference_pool=params.pool,
     )
 
@@ -239,5 +241,6 @@ def _query(params: QueryParams, ctx: GateContext) -> Gate:
         fallback=params.fallback,
         ctx=ctx,
         name="prometheus-query",
+        queries=[params.query],
         inference_pool=params.pool,
     )

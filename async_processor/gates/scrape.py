@@ -130,4 +130,17 @@ def _endpoint_scrape(params: ScrapeParams, ctx: GateContext) -> Gate:
         fallback=params.fallback,
         ctx=ctx,
         name="endpoint-scrape",
+        queries=_described(params),
     )
+
+
+def _described(p: ScrapeParams) -> list[str]:
+    """What the gate reads, as ``GET <url> <name> or <name>{labels}``."""
+    reads = [f"GET {p.url} {' or '.join(p.metric)}{_matchers(p.labels)}"]
+    if p.pods_url and p.pods_metric:
+        reads.append(f"GET {p.pods_url} {' or '.join(p.pods_metric)}{_matchers(p.pods_labels)}")
+    return reads
+
+
+def _matchers(labels: dict[str, str]) -> str:
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else ""

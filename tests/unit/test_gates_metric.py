@@ -11,8 +11,9 @@ from prometheus_client import CollectorRegistry
 
 from async_processor.errors import GateError
 from async_processor.gates import metric as metric_module
+from async_processor.gates import shared as shared_module
 from async_processor.gates.base import CONTINUE, REFUSE, GateContext, GateOwner, Releases
-from async_processor.gates.metric import CachedSource, CascadeSource, MetricGate, Sample
+from async_processor.gates.metric import CachedSource, CascadeSource, MetricGate, Reading, Sample
 from async_processor.gates.prometheus import budget_queries, go_g, go_quote, saturation_query
 from async_processor.messages import Envelope, Request
 from async_processor.metrics import Metrics
@@ -28,9 +29,14 @@ class LogRecorder:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str]] = []
+        self.fields: list[dict[str, Any]] = []
 
     def __getattr__(self, level: str) -> Any:
-        return lambda event, **kw: self.events.append((level, event))
+        def record(event: str, **kw: Any) -> None:
+            self.events.append((level, event))
+            self.fields.append(kw)
+
+        return record
 
 
 @pytest.fixture
@@ -104,6 +110,45 @@ async def test_fail_open_gates_warn_at_start_and_on_fallback(logs: LogRecorder) 
     await g.budget()  # still falling back: no repeat within the minute
     warnings = [event for level, event in logs.events if level == "warning"]
     assert warnings == ["gate_fails_open", "gate_failing_open"]
+
+
+@pytest.mark.anyio
+async def test_a_blind_gate_warns_with_query_and_reason_once_a_minute(
+    logs: LogRecorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(shared_module.time, "monotonic", lambda: clock[0])
+    answers = [GateError("connection refused")] * 4 + [[0.5], GateError("down again")]
+    g = gate(Source(*answers), 0.2, 0.0, queries=["1 - up"])
+    for seconds in (0, 30, 59.9, 60.1):  # the first, then not again within the minute
+        clock[0] = 1000.0 + seconds
+        assert await g.budget() == 0.0
+    await g.budget()  # a good reading ends the episode: the next fallback warns at once
+    await g.budget()
+    assert logs.events == [("warning", "gate_using_fallback")] * 3
+    assert logs.fields[0] == {
+        "gate": "t",
+        "reason": "connection refused",
+        "queries": ["1 - up"],
+        "fallback_budget": 0.0,
+    }
+    assert logs.fields[2]["reason"] == "down again"
+
+
+@pytest.mark.anyio
+async def test_read_says_why_it_would_fall_back() -> None:
+    assert await gate(Source([0.9]), 0.2, 0.3).read() == Reading(pytest.approx(0.7), 0.9)
+    empty = await gate(Source([]), 0.2, 0.3).read()
+    assert empty == Reading(0.3, None, "the query returned no series")
+    nan = await gate(Source([math.nan]), 0.2, 0.3).read()
+    assert (nan.budget, nan.fallback_reason) == (0.3, "the value is nan")
+
+
+@pytest.mark.anyio
+async def test_cascade_error_names_each_source() -> None:
+    cascade = CascadeSource([Source([]), Source(GateError("HTTP 400: bad"))], "b")
+    with pytest.raises(GateError, match=r"unavailable: \[0\] no series; \[1\] HTTP 400: bad"):
+        await cascade.query()
 
 
 @pytest.mark.anyio
