@@ -486,7 +486,7 @@ ALERTS = {
     "AsyncProcessorHighShedRate": "0.1",
     "AsyncProcessorBacklogGrowing": "100",
     "AsyncProcessorDispatchBudgetZero": "== 0",
-    "AsyncProcessorGateMetricSourceUnavailable": "== 0",
+    "AsyncProcessorGateBlind": "== 0",
     "AsyncProcessorDeadLetters": "> 0",
 }
 
@@ -557,6 +557,7 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
     rules = {r["alert"]: r for r in write_rules(tmp_path)}
     p = "llm_d_async_async_"
     q = {"queue_id": "q", "queue_name": "q", "pool_name": "default"}
+    blip = {**q, "pool_name": "blip"}
     inputs = [
         series(p + "request_total", "0+10x60", **q),
         series(p + "request_retries_total", "0+6x60", **q),
@@ -564,6 +565,10 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
         series(p + "broker_backlog", "0+50x60", **q, pod="a"),
         series(p + "dispatch_budget", "0x60", **q, pod="a"),
         series(p + "dead_letter_total", "0x20 1x40", **q, reason="no_id"),
+        # Blind from minute 10 on one replica; a one-minute blip on pool "blip" stays quiet.
+        series(p + "gate_metric_source_available", "1x10 0x50", **q, inference_pool="ip", pod="a"),
+        series(p + "gate_metric_source_available", "1x60", **q, inference_pool="ip", pod="b"),
+        series(p + "gate_metric_source_available", "1x10 0 1x49", **blip, inference_pool="ip"),
     ]
     queue = {"queue_id": "q", "queue_name": "q"}
     cases = [
@@ -573,6 +578,10 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
          [expected(rules["AsyncProcessorBacklogGrowing"], **queue)]),
         ("AsyncProcessorDispatchBudgetZero", "30m",
          [expected(rules["AsyncProcessorDispatchBudgetZero"], **q)]),
+        ("AsyncProcessorGateBlind", "11m", []),  # blind for 1m only: not yet
+        ("AsyncProcessorGateBlind", "13m",
+         [expected(rules["AsyncProcessorGateBlind"], queue_name="q", pool_name="default",
+                   inference_pool="ip")]),
         ("AsyncProcessorDeadLetters", "25m",
          [expected(rules["AsyncProcessorDeadLetters"], queue_name="q", reason="no_id")]),
     ]  # fmt: skip
