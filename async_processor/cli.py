@@ -44,7 +44,9 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "run": Command("run the daemon (the default when only flags are given)"),
-    "check-config": Command("validate the config and print it, secrets masked"),
+    "check-config": Command(
+        "validate the config and print it, secrets masked; --probe: run each gate's query once"
+    ),
     "sim": Command("serve the OpenAI-compatible inference simulator", "simulator"),
     "demo": Command("the whole pipeline on this machine, with a live summary", "demo"),
     "submit": Command("put requests from a JSONL file on a sorted-set queue", "producer_cli", True),
@@ -91,6 +93,8 @@ def run(argv: Sequence[str], env: Mapping[str, str]) -> int:
 
 def check_config(argv: Sequence[str], env: Mapping[str, str]) -> int:
     """Validate flags, files and plugin types; print the effective config as JSON."""
+    probe = "--probe" in argv  # then run each metric gate's query once (async_processor.probe)
+    argv = [arg for arg in argv if arg != "--probe"]
     settings = parse_settings(argv, env, prog=f"{PROG} check-config")
     configure_logging(settings.log_level, settings.log_format)  # stderr: stdout is the JSON
     config = build_config(settings, env)
@@ -100,7 +104,7 @@ def check_config(argv: Sequence[str], env: Mapping[str, str]) -> int:
     if validate_plugins is not None:
         validate_plugins(config)
     print(json.dumps(effective_config(config), indent=2, sort_keys=False))
-    return 0
+    return int(_import("probe", "main").main(config)) if probe else 0
 
 
 def effective_config(config: AppConfig) -> dict[str, Any]:

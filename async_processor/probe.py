@@ -1,0 +1,102 @@
+"""``check-config --probe``: run each metric gate's query once and say what it would use.
+
+Stage: outside the pipeline (the first check after ``helm install``). Input: a validated
+``AppConfig``. Output on stdout: one entry per metric gate (``prometheus-*`` and
+``endpoint-scrape``, also inside ``composite`` / ``wait-on-refuse`` /
+``tier-priority-admission``) of every queue and pool, with the budget it would use and the
+value it read, or its fallback budget and why it would fall back, and the queries it
+runs. Exit code 0, or 1 when any gate would fall back (a blind gate). Nothing is
+dispatched and no metric is registered; gates without a metric source are not probed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from async_processor.config import AppConfig
+from async_processor.gates.base import Gate, GateContext, GateOwner, build_gate
+from async_processor.gates.basic import CompositeGate
+from async_processor.gates.metric import CascadeSource, MetricGate, Reading
+from async_processor.gates.shared import InnerGate
+
+BLIND_EXIT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    where: str  # e.g. "queue 'q1'", "pool 'gpu' > composite[1]"
+    gate: MetricGate
+    reading: Reading
+    source_index: int = -1  # which prometheus-budget source answered
+
+
+def main(config: AppConfig) -> int:
+    """Print the report for ``config``; 1 when any metric gate would fall back."""
+    probes = anyio.run(probe, config)
+    print(report(probes))
+    return BLIND_EXIT if any(p.reading.value is None for p in probes) else 0
+
+
+async def probe(config: AppConfig) -> list[Probe]:
+    rt = config.runtime
+    # No cache: one fresh answer each. No metrics: a probe must not register gauges.
+    ctx = GateContext(owner=GateOwner(), prometheus_url=rt.prometheus_url, prometheus_cache_ttl=0.0)
+    probes = []
+    try:
+        for where, gate_type, params, owner in _gate_entries(config):
+            gate = build_gate(gate_type, params, ctx.for_owner(owner))
+            for path, metric_gate in _metric_gates(gate, where):
+                reading = await metric_gate.read()
+                source = metric_gate.source
+                index = source.active if isinstance(source, CascadeSource) else -1
+                probes.append(Probe(path, metric_gate, reading, index))
+    finally:
+        for close in ctx.closers:
+            await close()
+    return probes
+
+
+def _gate_entries(config: AppConfig) -> Iterator[tuple[str, str, dict[str, Any], GateOwner]]:
+    for queue in config.queue_specs():
+        if queue.gate_type:
+            owner = GateOwner(queue.id, queue.name, queue.pool)
+            yield f"queue {queue.name!r}", queue.gate_type, dict(queue.gate_params), owner
+    for pool in config.pools:
+        if pool.gate_type:
+            owner = GateOwner(pool=pool.id)
+            yield f"pool {pool.id!r}", pool.gate_type, dict(pool.gate_params), owner
+
+
+def _metric_gates(gate: Gate | object, where: str) -> Iterator[tuple[str, MetricGate]]:
+    if isinstance(gate, MetricGate):
+        yield where, gate
+    elif isinstance(gate, CompositeGate):
+        for index, inner in enumerate(gate.gates):
+            yield from _metric_gates(inner, f"{where} > composite[{index}]")
+    elif isinstance(gate, InnerGate):
+        yield from _metric_gates(gate.inner, where)
+
+
+def report(probes: list[Probe]) -> str:
+    if not probes:
+        return "probe: no metric gates (prometheus-* / endpoint-scrape) in this config"
+    return "\n".join(_entry(p) for p in probes)
+
+
+def _entry(p: Probe) -> str:
+    gate, reading = p.gate, p.reading
+    head = f"probe: {p.where} {gate.name}: "
+    if reading.value is None:
+        open_ = " (fails open)" if gate.fails_open else ""
+        head += f"FALLBACK budget {reading.budget:g}{open_}: {reading.fallback_reason}"
+    else:
+        head += (
+            f"budget {reading.budget:g} (read {reading.value:g}, closed at <= {gate.threshold:g})"
+        )
+        if p.source_index >= 0:
+            head += f" from source [{p.source_index}]"
+    return "\n".join([head, *(f"    {query}" for query in gate.queries)])
