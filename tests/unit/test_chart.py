@@ -99,8 +99,9 @@ def render(values: dict[str, Any], name: str = "demo") -> dict[str, dict[str, An
             continue
         for obj in parse_docs(text):
             key = obj["kind"]
-            if key == "ConfigMap":
-                key += ":" + obj["metadata"]["name"].rsplit("-", 1)[-1]
+            suffix = obj["metadata"]["name"].rsplit("-", 1)[-1]
+            if key == "ConfigMap" or (key == "PodMonitor" and suffix in ("epp", "modelserver")):
+                key += ":" + suffix
             assert key not in objects, f"two {key} objects"
             objects[key] = obj
     return objects
@@ -351,6 +352,40 @@ def test_metrics_bearer_token_reaches_daemon_and_pod_monitor() -> None:
     assert endpoint["port"] == "metrics"
 
 
+def test_gate_source_monitors_scrape_the_epp_and_the_model_servers() -> None:
+    epp = {"enabled": True, "selector": {"llm-d-router-standalone": "router"}}
+    epp |= {"namespaceSelector": {"matchNames": ["llm-d"]}}
+    epp |= {"bearerTokenSecret": {"name": "epp-metrics-reader"}}
+    model = {"enabled": True, "poolLabel": "llm-d.ai/pool", "inferencePool": "llama"}
+    objects = render(with_ap(eppMonitor=epp, modelServerMonitor=model))
+    assert "PodMonitor" not in objects  # the daemon's own monitor stays off
+    spec = objects["PodMonitor:epp"]["spec"]
+    assert spec["selector"] == {"matchLabels": {"llm-d-router-standalone": "router"}}
+    assert spec["namespaceSelector"] == {"matchNames": ["llm-d"]}
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == (
+        "metrics",
+        "/metrics",
+        "15s",
+    )
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "epp-metrics-reader", "key": "token"},
+    }
+    assert "relabelings" not in endpoint
+    spec = objects["PodMonitor:modelserver"]["spec"]
+    assert spec["selector"] == {"matchLabels": {"llm-d.ai/role": "decode"}}  # the Go default
+    assert "namespaceSelector" not in spec
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert endpoint["port"] == "modelserver" and "authorization" not in endpoint
+    # The pod label (sanitised as Prometheus does) becomes inference_pool, else "llama".
+    pool = {"targetLabel": "inference_pool"}
+    assert endpoint["relabelings"] == [
+        {"sourceLabels": ["__meta_kubernetes_pod_label_llm_d_ai_pool"], **pool},
+        {"sourceLabels": ["inference_pool"], "regex": "^$", "replacement": "llama", **pool},
+    ]
+
+
 def test_redis_url_lives_only_in_the_secret() -> None:
     url = "redis://:s3cret@redis.example:6379/0"
     objects = render(with_ap(redis={"enabled": True, "url": url}))
@@ -371,9 +406,8 @@ def test_install_notes_name_the_release() -> None:
 
 def test_optional_objects_are_off_by_default() -> None:
     kinds = set(render(MINIMAL))
-    assert {"PodMonitor", "PrometheusRule", "ScaledObject", "ConfigMap:dashboards"}.isdisjoint(
-        kinds
-    )
+    optional = {"PodMonitor", "PodMonitor:epp", "PodMonitor:modelserver", "PrometheusRule"}
+    assert (optional | {"ScaledObject", "ConfigMap:dashboards"}).isdisjoint(kinds)
     assert {"Deployment", "ServiceAccount", "Service", "PodDisruptionBudget"} <= kinds
 
 
@@ -413,6 +447,7 @@ def test_metrics_service_targets_the_pods() -> None:
         ({"tls": {"secretName": "t", "certKey": "tls.crt"}}, "must be set together"),
         ({"tls": {"caCertKey": "ca.crt"}}, "ap.tls.secretName, which is empty"),
         ({"keda": {"enabled": True}}, "needs ap.keda.serverAddress"),
+        ({"eppMonitor": {"enabled": True}}, "ap.eppMonitor.selector is empty"),
         (
             {"keda": {"enabled": True, "serverAddress": "http://p", "minReplicaCount": 0}},
             "minReplicaCount must be >= 1",
