@@ -19,7 +19,8 @@ import anyio
 import structlog
 from aiohttp import web
 from anyio.abc import TaskStatus
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
 
 from async_processor.errors import ConfigError
 
@@ -62,17 +63,21 @@ async def serve_metrics(
     bearer_token: str = "",
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """GET /metrics in the Prometheus text format; ``Bearer <token>`` required if set."""
-    expected = f"Bearer {bearer_token}".encode()
+    """GET /metrics, ``Bearer <token>`` required if set.
 
-    async def metrics(request: web.Request) -> web.Response:
+    The handler is prometheus-client's own for aiohttp: the text format, or OpenMetrics
+    when the scraper asks for it (``Accept``), gzip when it accepts that, ``name[]``
+    filters. This only puts the token check in front.
+    """
+    expected = f"Bearer {bearer_token}".encode()
+    exposition = make_aiohttp_handler(registry)
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
         if bearer_token and not _authorized(request, expected):
             return web.Response(
                 status=401, text="unauthorized\n", headers={"WWW-Authenticate": "Bearer"}
             )
-        return web.Response(
-            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        return await exposition(request)
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)

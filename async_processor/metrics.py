@@ -3,13 +3,30 @@
 Input: events from every stage. Output: Prometheus series. Stages get an object bound
 to their (queue, pool) once (``Metrics.queue``), not label triples at every call.
 Counters are declared without ``_total``; prometheus-client adds it.
+
+Beyond the reference (added, none of its names or labels changed): the process and Python
+collectors, ``llm_d_async_build_info``, error results by ``error_code``, and per result
+the time from submission and the deadline slack left (``QueueMetrics.result_written``).
+``failed_requests_total`` keeps the reference's fixed labels (a new label would split its
+series and break every query summing it), so the error code has its own counter.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+from async_processor.messages import Request, Result
 
 PREFIX = "llm_d_async_async_"
 Q_LABELS = ("queue_id", "queue_name", "pool_name")
@@ -22,6 +39,11 @@ RESIDENCE_BUCKETS = (
     1800000, 3600000, 7200000, 21600000, 43200000, 86400000,
 )  # fmt: skip
 MESSAGE_LATENCY_BUCKETS = (100, 1000, 5000, 10000, 20000, 50000, 100000, 200000, 500000, 1000000)
+# Deadline slack at completion: the le="0" bucket counts results past their deadline.
+SLACK_BUCKETS = (
+    0, 1000, 10000, 60000, 300000, 900000, 1800000, 3600000, 7200000, 21600000, 43200000,
+    86400000,
+)  # fmt: skip
 
 
 class Metrics:
@@ -85,6 +107,30 @@ class Metrics:
         self.gate_metric_source_available = gauge(
             "gate_metric_source_available", "1 when the gate's metric source answered.", G_LABELS
         )
+        self.error_results_total = counter(
+            "error_results",
+            "Error results written, by error_code (every terminal error, not only failures).",
+            (*Q_LABELS, "error_code"),
+        )
+        self.submit_to_result = Histogram(
+            PREFIX + "submit_to_result_time_millis",
+            "Request created (its 'created' field) to result written (ms).",
+            Q_LABELS,
+            buckets=RESIDENCE_BUCKETS,
+            registry=r,
+        )
+        self.deadline_slack = Histogram(
+            PREFIX + "deadline_slack_time_millis",
+            "Deadline minus the time the result was written (ms); le=0: too late.",
+            Q_LABELS,
+            buckets=SLACK_BUCKETS,
+            registry=r,
+        )
+        self.build_info = Gauge(
+            "llm_d_async_build_info", "1, labelled with the version and transport.",
+            ("version", "transport"), registry=r,
+        )  # fmt: skip
+        _process_collectors(r)
         self._bound: dict[tuple[str, str, str], QueueMetrics] = {}
         self._message_latency: Histogram | None = None
 
@@ -101,6 +147,9 @@ class Metrics:
                 registry=self.registry,
             )
         return self._message_latency
+
+    def set_build_info(self, version: str, transport: str) -> None:
+        self.build_info.labels(version, transport).set(1)
 
     def queue(self, queue_id: str, queue_name: str, pool: str) -> QueueMetrics:
         """Series bound to one (queue, pool); cached, so every stage shares them."""
@@ -133,6 +182,8 @@ class QueueMetrics:
     broker_backlog: Gauge
     dispatch_budget: Gauge
     gate_decisions: dict[str, Counter]
+    submit_to_result: Histogram
+    deadline_slack: Histogram
     _parent: Metrics
 
     @classmethod
@@ -152,6 +203,8 @@ class QueueMetrics:
             broker_backlog=m.broker_backlog.labels(*labels),
             dispatch_budget=m.dispatch_budget.labels(*labels),
             gate_decisions={r: m.gate_decisions_total.labels(*labels, r) for r in GATE_REASONS},
+            submit_to_result=m.submit_to_result.labels(*labels),
+            deadline_slack=m.deadline_slack.labels(*labels),
             _parent=m,
         )
 
@@ -162,6 +215,18 @@ class QueueMetrics:
 
     def gate_decision(self, reason: str) -> None:
         self.gate_decisions[reason].inc()
+
+    def result_written(self, result: Result, request: Request | None, now: float) -> None:
+        """One result landed on the broker (``now``, epoch seconds): its error code, and
+        for a decoded request the time since it was created (when the producer said) and
+        the slack left before its deadline."""
+        if result.error_code:
+            self._parent.error_results_total.labels(*self.labels, result.error_code).inc()
+        if request is None:
+            return
+        if request.created > 0:
+            self.submit_to_result.observe(max(0.0, now - request.created) * 1000)
+        self.deadline_slack.observe((request.deadline - now) * 1000)
 
     def dead_letter(self, reason: str) -> None:
         self._parent.dead_letter_total.labels(*self.labels, reason).inc()
@@ -175,3 +240,14 @@ class QueueMetrics:
             p.gate_metric_threshold.labels(*labels),
             p.gate_metric_source_available.labels(*labels),
         )
+
+
+def _process_collectors(registry: CollectorRegistry) -> None:
+    """process_* (CPU, memory, fds) and python_* (version, GC) on ``registry``.
+
+    The default registry has them already; an injected one needs its own.
+    """
+    if registry is not REGISTRY:
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)

@@ -21,7 +21,7 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
-from async_processor import tracing
+from async_processor import __version__, tracing
 from async_processor.admission import PoolGate
 from async_processor.config import AppConfig, PoolConfig
 from async_processor.dispatch import (
@@ -68,6 +68,7 @@ class Processor:
     ) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
+        self.metrics.set_build_info(__version__, config.transport)
         rt = config.runtime
         self.transport = transport or build_transport(
             config.transport,
@@ -160,7 +161,7 @@ class Processor:
         transforms: TransformChain,
         task_status: TaskStatus[None],
     ) -> None:
-        writer = ResultWriter(self.transport)
+        writer = ResultWriter(self.transport, metrics=self.metrics)
         async with anyio.create_task_group() as pipeline:
             pipeline.start_soon(writer.run)
             timer = anyio.CancelScope()

@@ -74,6 +74,8 @@ def request_from_line(line: str, *, deadline: int, default_endpoint: str = "") -
             request["endpoint"] = url
         obj = request
     obj.setdefault("deadline", deadline)
+    # When it was submitted: the daemon's submit-to-result histogram measures from it.
+    obj.setdefault("created", int(time.time()))
     if default_endpoint and "endpoint" not in obj:
         obj["endpoint"] = default_endpoint
     return dict(obj)

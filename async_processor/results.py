@@ -2,7 +2,8 @@
 
 Input: completions (delivery + result) and deferrals (delivery + delay) from pollers and
 workers, through one bounded stream. Output: ``transport.complete`` / ``transport.defer``
-calls, one per batch. A failed write is retried with backoff until it lands: the
+calls, one per batch, and per landed result its metrics (error code, time since
+submission, deadline slack). A failed write is retried with backoff until it lands: the
 message stays leased on the broker meanwhile, so a crash loses nothing (DESIGN.md §5.1).
 A batch that keeps failing while the broker answers is split, and the one item to blame
 is left to its lease rather than stalling every result behind it.
@@ -10,6 +11,7 @@ is left to its lease rather than stalling every result behind it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -21,6 +23,7 @@ from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from async_processor.messages import Result
+from async_processor.metrics import Metrics
 from async_processor.transports.base import Deferral, Delivery, Transport
 
 log = structlog.get_logger(__name__)
@@ -44,8 +47,11 @@ Op = Completion | Deferral
 class ResultWriter:
     """Owns the write side of the pipeline; ``run`` ends once every sender has closed."""
 
-    def __init__(self, transport: Transport, buffer: int = BUFFER) -> None:
+    def __init__(
+        self, transport: Transport, buffer: int = BUFFER, metrics: Metrics | None = None
+    ) -> None:
         self._transport = transport
+        self._metrics = metrics
         # A transport with slow round trips (Pub/Sub) may take larger batches than BATCH.
         self._batch: int = getattr(transport, "write_batch", BATCH)
         self._send, self._receive = anyio.create_memory_object_stream[Op](buffer)
@@ -72,23 +78,38 @@ class ResultWriter:
         completions = [(op.delivery, op.result) for op in batch if isinstance(op, Completion)]
         deferrals = [op for op in batch if isinstance(op, Deferral)]
         if completions:
-            await self._land("complete", completions, self._transport.complete)
+            landed = await self._land("complete", completions, self._transport.complete)
+            self._observe(landed)
         if deferrals:
             await self._land("defer", deferrals, self._transport.defer)
 
     async def _land(
         self, what: str, items: Sequence[T], write: Callable[[Sequence[T]], Awaitable[None]]
-    ) -> None:
+    ) -> list[T]:
         """Write a batch; if it keeps failing while the broker is up, one item is to blame.
 
         Then each item is written on its own, and one that still fails is left to its lease
         (the broker hands it out again later) instead of stalling every result behind it.
+        Returns the items written.
         """
         if len(items) > 1 and await self._attempt(what, partial(write, items), SPLIT_AFTER):
-            return
+            return list(items)
+        landed = []
         for item in items:
-            if not await self._attempt(what, partial(write, [item]), ABANDON_AFTER):
+            if await self._attempt(what, partial(write, [item]), ABANDON_AFTER):
+                landed.append(item)
+            else:
                 log.error("result_write_abandoned", op=what, item=_describe(item))
+        return landed
+
+    def _observe(self, written: Sequence[tuple[Delivery, Result]]) -> None:
+        if self._metrics is None:
+            return
+        now = time.time()
+        for delivery, result in written:
+            q = delivery.queue
+            request = delivery.envelope.request if delivery.envelope is not None else None
+            self._metrics.queue(q.id, q.name, q.pool).result_written(result, request, now)
 
     async def _attempt(self, what: str, call: Callable[[], Awaitable[None]], limit: int) -> bool:
         """Retry until it lands (True), or until ``limit`` failures with the broker up (False).

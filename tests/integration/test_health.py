@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gzip
 import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -115,6 +116,25 @@ async def test_metrics_bearer_token() -> None:
         assert status == 401
         status, _, body = await get(f"{base}/metrics", {"Authorization": "Bearer s3cret"})
         assert status == 200 and "llm_d_async_async_request_total 3.0" in body
+
+
+async def test_metrics_negotiates_openmetrics_and_gzip_behind_the_token() -> None:
+    """prometheus-client's handler: OpenMetrics on request, gzip on request; token first."""
+    openmetrics = "application/openmetrics-text; version=1.0.0"
+    auth = {"Authorization": "Bearer s3cret"}
+    async with (
+        running(health.serve_metrics, "127.0.0.1", 0, _registry(), bearer_token="s3cret") as base,
+        aiohttp.ClientSession(auto_decompress=False) as session,
+    ):
+        async with session.get(f"{base}/metrics", headers={"Accept": openmetrics}) as r:
+            assert r.status == 401  # negotiation does not get around the token
+        headers = {**auth, "Accept": openmetrics, "Accept-Encoding": "gzip"}
+        async with session.get(f"{base}/metrics", headers=headers) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+            assert r.headers["Content-Encoding"] == "gzip"
+            body = gzip.decompress(await r.read()).decode()
+    assert "llm_d_async_async_request_total 3.0" in body and body.endswith("# EOF\n")
 
 
 async def test_a_non_utf8_authorization_header_is_401_not_500() -> None:

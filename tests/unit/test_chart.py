@@ -47,6 +47,7 @@ from async_processor.durations import parse_duration
 from async_processor.gates import load_all
 from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.health import serve_metrics
+from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
 from tests.fixtures.servers import free_port, stop_process
 from tests.fixtures.simulator import SimulatorProcess
@@ -129,6 +130,8 @@ def populated_metrics() -> Metrics:
     queue.dead_letter("no_id")
     queue.message_latency.observe(1)  # registered by the first Pub/Sub ack
     queue.gate_gauges("pool")
+    queue.result_written(Result.failure("r", ErrorCode.GATE_DROPPED, ""), None, 0.0)
+    m.set_build_info("0", "redis-sortedset")
     m.pool_worker_limit.labels("default").set(1)
     # Gate gauges register when their gate is built: build one of each kind that has them.
     load_all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import anyio
@@ -87,3 +88,41 @@ async def test_one_bad_item_is_left_to_its_lease_and_the_rest_land() -> None:
     transport = FlakyTransport(poison="bad")
     await _run(transport, ["a", "bad", "c"])
     assert transport.written == ["a", "c", "defer:later"]
+
+
+async def test_landed_results_are_measured_abandoned_ones_are_not() -> None:
+    """Error code, time since creation and deadline slack, once per result written."""
+    from prometheus_client import CollectorRegistry
+
+    from async_processor.messages import ErrorCode
+    from async_processor.metrics import Metrics
+
+    metrics = Metrics(CollectorRegistry())
+    writer = ResultWriter(FlakyTransport(poison="bad"), metrics=metrics)  # type: ignore[arg-type]
+    sender = writer.sender()
+    writer.close()
+    now = time.time()
+    created = _delivery("ok")
+    created.envelope.request.created = int(now - 30)  # type: ignore[union-attr]
+    created.envelope.request.deadline = int(now + 90)  # type: ignore[union-attr]
+    async with sender:
+        await sender.send(Completion(created, Result.http("ok", 200, b"")))
+        late = Result.failure("late", ErrorCode.DEADLINE_EXCEEDED, "too late")
+        await sender.send(Completion(_delivery("late"), late))
+        await sender.send(
+            Completion(_delivery("bad"), Result.failure("bad", ErrorCode.GATE_DROPPED, ""))
+        )
+    with anyio.fail_after(10):
+        await writer.run()
+    labels = {"queue_id": "q", "queue_name": "q", "pool_name": "default"}
+    sample = metrics.registry.get_sample_value
+    codes = {c: sample("llm_d_async_async_error_results_total", {**labels, "error_code": c})
+             for c in ("DEADLINE_EXCEEDED", "GATE_DROPPED")}  # fmt: skip
+    assert codes == {"DEADLINE_EXCEEDED": 1.0, "GATE_DROPPED": None}  # "bad" never landed
+    slack = "llm_d_async_async_deadline_slack_time_millis"
+    assert sample(f"{slack}_count", labels) == 2.0
+    assert sample(f"{slack}_bucket", {**labels, "le": "60000.0"}) == 0.0  # ok: 90 s left
+    assert sample(f"{slack}_bucket", {**labels, "le": "300000.0"}) == 1.0
+    latency = "llm_d_async_async_submit_to_result_time_millis"
+    assert sample(f"{latency}_count", labels) == 1.0  # only "ok" said when it was created
+    assert 29_000 <= sample(f"{latency}_sum", labels) <= 35_000
