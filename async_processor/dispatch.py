@@ -180,8 +180,12 @@ def _fully_unquoted(path: str) -> str:
     return path
 
 
-async def send(session: aiohttp.ClientSession, out: Outgoing, *, timeout: float) -> Attempt:
-    """One POST; any failure to get a complete answer becomes a no-response ``Attempt``."""
+async def send(
+    session: aiohttp.ClientSession, out: Outgoing, *, timeout: float, limit: int | None = None
+) -> Attempt:
+    """One POST; any failure to get a complete answer becomes a no-response ``Attempt``.
+
+    An answer over ``limit`` bytes (default ``MAX_RESPONSE_BYTES``) is a fatal attempt."""
     headers = out.headers
     if out.body_claimed:  # a transform rewrote the body, and its content type goes with it
         headers = dict(headers)
@@ -194,7 +198,7 @@ async def send(session: aiohttp.ClientSession, out: Outgoing, *, timeout: float)
             timeout=aiohttp.ClientTimeout(total=max(0.001, timeout)),
             allow_redirects=False,  # a 3xx is the result; never resend body and headers
         ) as response:
-            body = await _read_capped(response, MAX_RESPONSE_BYTES)
+            body = await _read_capped(response, limit or MAX_RESPONSE_BYTES)
             return Attempt(
                 status=response.status,
                 body=body,
@@ -220,12 +224,14 @@ async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
     length = response.content_length
     if length is not None and length <= limit:
         return await response.read()
+    if length is not None:
+        raise ResponseTooLarge(f"gateway answer of {length} bytes is larger than {limit} bytes")
     chunks: list[bytes] = []
     size = 0
     async for chunk in response.content.iter_chunked(1 << 16):
         size += len(chunk)
         if size > limit:
-            raise ResponseTooLarge(f"response body larger than {limit} bytes")
+            raise ResponseTooLarge(f"gateway answer larger than {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -279,6 +285,11 @@ Outcome = Final | Retry | HandBack
 CANCEL_RECHECK = 1.0  # s since fetch after which the worker asks the broker again
 SETTLE_TIMEOUT = 10.0
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+# The largest encoded result a transport can carry, where that is less than the above.
+# Pub/Sub refuses publish requests over 10 MB (10^7 bytes); the headroom is for the
+# request's own fields. A bigger answer becomes an INFERENCE_ERROR naming its size
+# instead of a publish that fails on every retry until the deadline.
+RESULT_LIMITS = {"gcp-pubsub": 10_000_000 - 64 * 1024}
 
 
 class Aborter:
@@ -389,9 +400,10 @@ class Worker:
         timeout = attempt_timeout(request.deadline, self.settings.request_timeout)
         if timeout <= 0:
             return expired(request.id, last_answer(envelope.routing))
+        limit = RESULT_LIMITS.get(self.transport.kind)
         started = time.monotonic()
         with tracing.http_request(out) as span:
-            attempt = await send(self.session, out, timeout=timeout)
+            attempt = await send(self.session, out, timeout=timeout, limit=limit)
             span.answered(attempt)
         latency = time.monotonic() - started
         work.metrics.inference_latency.observe(latency * 1000)
@@ -417,14 +429,29 @@ class Worker:
                 delay=round(decision.delay, 3),
                 cause=attempt.describe(),
             )
-        elif attempt.status == 0 or attempt.status >= 400:
+            return decision
+        if limit is not None:
+            decision = self._fitting(decision, limit)
+        if attempt.status == 0 or attempt.status >= 400 or decision.result.error_code:
             log.info(
                 "request_failed",
                 request_id=request.id,
                 queue=work.queue.name,
-                cause=attempt.describe(),
+                cause=decision.result.error_message or attempt.describe(),
             )
         return decision
+
+    def _fitting(self, final: Final, limit: int) -> Final:
+        """``final``, or an INFERENCE_ERROR naming the size when the transport can't carry it
+        (a gateway answer that JSON escaping made larger than ``limit``)."""
+        size = len(final.result.encode())
+        if size <= limit:
+            return final
+        text = (
+            f"result of {size} bytes is larger than the {limit} bytes "
+            f"a {self.transport.kind} result can carry"
+        )
+        return _failure(final.result.id, ErrorCode.INFERENCE_ERROR, text, Counter.FAILED)
 
     def _feedback(self, envelope: Envelope, attempt: Attempt, latency: float) -> None:
         """Gates that learn from outcomes (adaptive-concurrency) get every attempt."""

@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from async_processor.messages import Result
+from tests.fixtures.http import served
 from tests.fixtures.inprocess import running, sortedset_config, submit
 
 pytestmark = pytest.mark.anyio
@@ -51,15 +52,8 @@ async def gateway() -> AsyncIterator[Gateway]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", record)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with served(app) as state.url:
         yield state
-    finally:
-        await runner.cleanup()
 
 
 def _req(request_id: str, **extra: Any) -> dict[str, Any]:
