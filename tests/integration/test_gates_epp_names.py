@@ -94,15 +94,16 @@ async def test_every_epp_gate_reads_the_same_budget_from_any_epp_generation(
         return seen == expected
 
     for requests, expected in (IDLE, HALF, FULL, IDLE):
-        stop = anyio.Event()
+        stop, followed = anyio.Event(), True
         async with anyio.create_task_group() as tg:
             if requests:
                 tg.start_soon(load, simulator.url, requests, stop)
             try:
                 await until(lambda e=expected: reads(e), timeout=20)  # type: ignore[misc]
             except AssertionError:
-                pytest.fail(f"{names}: expected {expected}, last read {seen}")
+                followed = False  # fail outside the task group, once the load has stopped
             stop.set()
+        assert followed, f"{names}: expected {expected}, last read {seen}"
 
 
 STAGED = """\
