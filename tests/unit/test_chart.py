@@ -518,6 +518,8 @@ def rules_of(objects: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 ALERTS = {
+    "AsyncProcessorDown": "absent(up{",
+    "AsyncProcessorScrapeFailing": "== 0",
     "AsyncProcessorHighRetryRate": "0.5",
     "AsyncProcessorHighDeadlineExceededRate": "0.1",
     "AsyncProcessorLowSuccessRate": "0.9",
@@ -535,9 +537,48 @@ def test_rules_carry_the_reference_alerts_and_ours() -> None:
     assert set(by_name) == set(ALERTS)
     for name, threshold in ALERTS.items():
         assert threshold in by_name[name]["expr"], name
-        assert f'namespace="{NAMESPACE}"' in by_name[name]["expr"]
+        # Every selector is scoped to the release as well as the namespace.
+        for selector in re.findall(
+            r"(?:llm_d_async_[a-z0-9_]+|up)\{([^}]*)\}", by_name[name]["expr"]
+        ):
+            assert selector.startswith(f'namespace="{NAMESPACE}",release="demo"'), (name, selector)
     assert by_name["AsyncProcessorLowSuccessRate"]["labels"]["severity"] == "critical"
     assert by_name["AsyncProcessorHighRetryRate"]["for"] == "15m"
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, spaces to dashes, punctuation dropped."""
+    headings = re.findall(r"^#+ (.+)$", markdown, flags=re.MULTILINE)
+    return {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_rule_has_a_runbook_section_in_operations_md() -> None:
+    values = with_ap(prometheusRule={"enabled": True, "runbookBaseURL": "https://docs/ops.md"})
+    rules = rules_of(render(values))
+    sections = anchors((ROOT / "docs" / "operations.md").read_text())
+    for rule in rules:
+        base, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+        assert base == "https://docs/ops.md"
+        assert anchor == rule["alert"].lower() and anchor in sections, rule["alert"]
+
+
+def test_rules_scope_by_namespace_only_when_asked() -> None:
+    values = with_ap(prometheusRule={"enabled": True, "scopeByRelease": False})
+    for rule in rules_of(render(values)):
+        assert "release=" not in rule["expr"], rule["alert"]
+
+
+def test_pod_monitor_labels_series_with_the_release() -> None:
+    endpoint = render(with_ap(podMonitor={"enabled": True}))["PodMonitor"]["spec"][
+        "podMetricsEndpoints"
+    ][0]
+    assert endpoint["relabelings"] == [
+        {
+            "action": "replace",
+            "sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"],
+            "targetLabel": "release",
+        }
+    ]
 
 
 def test_each_alert_can_be_turned_off_or_retuned() -> None:
@@ -575,7 +616,8 @@ def test_promtool_accepts_the_rendered_rules(tmp_path: Path) -> None:
 
 
 def series(name: str, values: str, **labels: str) -> dict[str, str]:
-    text = ",".join(f'{k}="{v}"' for k, v in {"namespace": NAMESPACE, **labels}.items())
+    scope = {"namespace": NAMESPACE, "release": "demo"}  # render()'s release name
+    text = ",".join(f'{k}="{v}"' for k, v in {**scope, **labels}.items())
     return {"series": f"{name}{{{text}}}", "values": values}
 
 
@@ -607,6 +649,10 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
         series(p + "gate_metric_source_available", "1x10 0x50", **q, inference_pool="ip", pod="a"),
         series(p + "gate_metric_source_available", "1x60", **q, inference_pool="ip", pod="b"),
         series(p + "gate_metric_source_available", "1x10 0 1x49", **blip, inference_pool="ip"),
+        # Replica a crash-loops from minute 20; b is fine; another release's pod is ignored.
+        series("up", "1x20 0x40", pod="a"),
+        series("up", "1x60", pod="b"),
+        series("up", "0x60", pod="other", release="other"),
     ]
     queue = {"queue_id": "q", "queue_name": "q"}
     cases = [
@@ -622,6 +668,9 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
                    inference_pool="ip")]),
         ("AsyncProcessorDeadLetters", "25m",
          [expected(rules["AsyncProcessorDeadLetters"], queue_name="q", reason="no_id")]),
+        ("AsyncProcessorScrapeFailing", "30m",
+         [expected(rules["AsyncProcessorScrapeFailing"], pod="a")]),
+        ("AsyncProcessorDown", "30m", []),  # b is still up
     ]  # fmt: skip
     suite = {
         "rule_files": ["rules.yaml"],
@@ -676,13 +725,29 @@ def test_dashboard_queries_only_metrics_the_daemon_exports() -> None:
         assert "llm_d_async_async_" + wanted in families, wanted
 
 
-def test_every_dashboard_query_is_scoped_to_the_namespace_variable() -> None:
+def test_every_dashboard_query_is_scoped_to_the_dashboard_variables() -> None:
     board = dashboard()
+    scope = '{namespace="$namespace", release=~"$release", pod=~"$pod"'
     for expr in dashboard_exprs(board):
-        for selector in re.findall(r"llm_d_async_[a-z0-9_]+(\{[^}]*\})?", expr):
-            assert selector == '{namespace="$namespace"}', expr
-    variables = {v["name"] for v in board["templating"]["list"]}
-    assert {"namespace", "datasource"} <= variables
+        for name, selector in re.findall(r"(llm_d_async_[a-z0-9_]+)(\{[^}]*\})?", expr):
+            assert selector.startswith(scope), expr
+            if name.removesuffix("_bucket") in QUEUE_FAMILIES:
+                assert selector.endswith(', queue_name=~"$queue", pool_name=~"$pool"}'), expr
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert {"namespace", "datasource", "release", "pod", "queue", "pool"} <= set(variables)
+    for name in ("release", "pod", "queue", "pool"):  # "All" must match series without it
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+
+
+# Families with the (queue_id, queue_name, pool_name) labels.
+QUEUE_FAMILIES = {
+    f.name if f.type != "counter" else f.name + "_total"
+    for f in Metrics().registry.collect()
+    if f.name.startswith("llm_d_async_async_")
+    and f.name != "llm_d_async_async_pool_worker_limit"
+    and not f.name.startswith("llm_d_async_async_drain_limit")
+    and not f.name.startswith("llm_d_async_async_adaptive")
+}
 
 
 def test_alert_rules_query_only_metrics_the_daemon_exports() -> None:
@@ -832,10 +897,14 @@ def test_rendered_pod_spec_runs_and_serves_every_queried_metric(
         assert http_get(f"http://127.0.0.1:{named[liveness['port']]}{liveness['path']}")[0] == 200
         service_port = objects["Service"]["spec"]["ports"][0]["targetPort"]
         scrape = f"http://127.0.0.1:{named[service_port]}/metrics"
-        # One message with no usable id, so the dead-letter series exists too.
-        redis.Redis.from_url(redis_url).zadd(queue, {b"not json": time.time() + 600})
+        # One message with no usable id, so the dead-letter series exists too, and one past
+        # its deadline, for the error-result series.
+        late = b'{"id":"late","deadline":1,"payload":{}}'
+        redis.Redis.from_url(redis_url).zadd(queue, {b"not json": time.time() + 600, late: 1})
         wait_for(lambda: "llm_d_async_async_dead_letter_total{" in http_get(scrape)[1],
                  "a dead-letter series", proc, log)  # fmt: skip
+        wait_for(lambda: "llm_d_async_async_error_results_total{" in http_get(scrape)[1],
+                 "an error-result series", proc, log)  # fmt: skip
         wait_for(lambda: "llm_d_async_async_gate_metric_value{" in http_get(scrape)[1],
                  "the gate gauges", proc, log)  # fmt: skip
         families = text_string_to_metric_families(http_get(scrape)[1])

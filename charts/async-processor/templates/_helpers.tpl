@@ -140,3 +140,12 @@ Helm has no duration parser, so the parts are summed here; values.schema.json pi
 {{- fail "ap.keda.minReplicaCount must be >= 1: the backlog metric is exported by running replicas, so zero replicas would never scale up" -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Scrape relabeling shared by the PodMonitor and ServiceMonitor: the pod's release
+becomes the series label `release`, which the PrometheusRule and the dashboard select on. */}}
+{{- define "async-processor.releaseRelabeling" -}}
+relabelings:
+  - action: replace
+    sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_instance]
+    targetLabel: release
+{{- end -}}
