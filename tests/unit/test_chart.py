@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.health import serve_metrics
 from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
+from tests.fixtures.redis_modes import require_binary
 from tests.fixtures.servers import free_port, stop_process
 from tests.fixtures.simulator import SimulatorProcess
 
@@ -592,10 +592,7 @@ def test_each_alert_can_be_turned_off_or_retuned() -> None:
 
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool not installed (Debian package prometheus)")
-    return path
+    return require_binary("promtool")  # skips locally, fails under CI=true
 
 
 def write_rules(tmp_path: Path) -> list[dict[str, Any]]:
