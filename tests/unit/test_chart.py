@@ -199,8 +199,7 @@ def test_deployment_args_env_mounts_and_probes() -> None:
         f"--transport-config-file={CONFIG_DIR}/transport-config.json",
         f"--pool-config-file={CONFIG_DIR}/worker-pools.json",
         f"--request-merge-policy-config-file={CONFIG_DIR}/request-merge-policy.json",
-        "--concurrency=64",
-        "--drain-timeout=3m",
+        "--drain-timeout=3m",  # no --concurrency: the pools size themselves
         "--request-timeout=10m",
         "--prometheus-url=http://prometheus-operated.monitoring.svc:9090",
         "--prometheus-cache-ttl=5s",
@@ -227,6 +226,39 @@ def test_deployment_args_env_mounts_and_probes() -> None:
     assert pod["serviceAccountName"] == objects["ServiceAccount"]["metadata"]["name"]
     # The metrics Service would otherwise inject ASYNC_PROCESSOR_METRICS_PORT=tcp://...
     assert pod["enableServiceLinks"] is False
+
+
+def test_concurrency_is_passed_only_without_pools() -> None:
+    assert "--concurrency=12" in container(render(with_ap(concurrency=12)))["args"]
+    pools = [{"id": "default", "workers": 8}]
+    args = container(render(with_ap(concurrency=12, workerPools=pools)))["args"]
+    assert not [a for a in args if a.startswith("--concurrency")]
+
+
+def test_env_from_whole_secrets_and_config_maps() -> None:
+    env_from = [{"secretRef": {"name": "gate-creds"}}, {"configMapRef": {"name": "flags"}}]
+    assert container(render(with_ap(envFrom=env_from)))["envFrom"] == env_from
+    assert "envFrom" not in container(render(MINIMAL))
+
+
+def test_service_monitor_scrapes_the_metrics_service_with_the_release_label() -> None:
+    values = with_ap(
+        serviceMonitor={"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
+        metrics={"service": {"enabled": False}, "bearerToken": {"secretName": "tok"}},
+    )
+    objects = render(values)
+    monitor = objects["ServiceMonitor"]
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    service = objects["Service"]  # rendered for the ServiceMonitor although disabled
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    [endpoint] = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"] == "metrics"
+    assert endpoint["interval"] == "15s"
+    assert endpoint["relabelings"][0]["targetLabel"] == "release"
+    assert endpoint["bearerTokenSecret"] == {"name": "tok", "key": "token"}
+    assert "ServiceMonitor" not in render(MINIMAL)
 
 
 def test_container_runs_non_root_with_a_read_only_root_filesystem() -> None:
