@@ -11,13 +11,14 @@ import argparse
 import os
 import time
 
-from bench import littles_law, memory, overhead, simulator_capacity
+from bench import littles_law, memory, overhead, pubsub, simulator_capacity
 
 BENCHES = {
     "simulator_capacity": simulator_capacity.main,
     "littles_law": littles_law.main,
     "overhead": overhead.main,
     "memory": memory.main,
+    "pubsub": pubsub.main,
 }
 
 

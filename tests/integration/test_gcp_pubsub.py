@@ -194,6 +194,36 @@ async def test_nack_on_close_redelivers_at_once(admin: PubSubAdmin, names: dict[
     assert json.loads(again.message.data)["id"] == "held"
 
 
+async def test_pull_in_flight_at_shutdown_hands_its_messages_back_at_once(
+    admin: PubSubAdmin, names: dict[str, str]
+) -> None:
+    """Shutdown cancels a pull the server is about to answer: its messages are nacked."""
+    t = transport_for(names)
+    fetched: list[Delivery] = []
+    shutdown = anyio.CancelScope()
+
+    async def pull() -> None:
+        with shutdown:
+            fetched.extend(await t.fetch(t.queues[0], 5, 5.0))
+
+    try:
+        await t.fetch(t.queues[0], 1, 0.1)  # learns the ack deadline: the next call pulls at once
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pull)
+            await anyio.sleep(0.5)  # the pull is waiting on the server now
+            shutdown.cancel()
+            await admin.publish(names["requests"], [request("in-flight")])
+        assert fetched == []  # cancelled: nothing reached the caller...
+        assert len(t._leases) == 0  # ... nor is anything still held
+        started = time.monotonic()
+        # ... and it is redelivered at once, not after the 10 s ack deadline.
+        [again] = await admin.pull_until(names["sub"], 1, timeout=5.0)
+        assert time.monotonic() - started < 5.0
+        assert json.loads(again.message.data)["id"] == "in-flight"
+    finally:
+        await t.aclose()
+
+
 async def test_more_than_ten_held_at_once(admin: PubSubAdmin, names: dict[str, str]) -> None:
     t = transport_for(names, batch_size=100)
     try:
