@@ -31,6 +31,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import structlog
@@ -38,7 +39,13 @@ from anyio.abc import TaskStatus
 from google.api_core import exceptions as gexc
 from google.auth.exceptions import GoogleAuthError
 from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
-from google.pubsub_v1.types import PubsubMessage, ReceivedMessage
+from google.pubsub_v1.types import (
+    AcknowledgeRequest,
+    PublishRequest,
+    PubsubMessage,
+    PullResponse,
+)
+from prometheus_client import Histogram
 
 from async_processor.config import GcpPubSubConfig
 from async_processor.errors import TransportError
@@ -72,6 +79,10 @@ HEALTH_WINDOW = 30.0  # a pull/publish outcome newer than this decides readiness
 PUBLISH_CHUNK_COUNT = 1000  # Pub/Sub's per-request limits: 1000 messages, 10 MB
 PUBLISH_CHUNK_BYTES = 9 * 1024 * 1024
 DEDUP_MEMORY = 65536  # message ids whose result this process published
+# The raw protobuf classes behind proto-plus: built and read without marshalling per field.
+RAW_MESSAGE: Any = PubsubMessage.pb()
+RAW_PUBLISH: Any = PublishRequest.pb()
+RAW_ACK: Any = AcknowledgeRequest.pb()
 DEAD_LETTER_RETRY = 5.0  # an uncopied dead letter comes back after this, not in a hot loop
 ATTRIBUTE_BYTES = 1024  # Pub/Sub's limit on an attribute value
 
@@ -178,7 +189,10 @@ class GcpPubSubTransport:
                 )
             except gexc.DeadlineExceeded:
                 return []
-        deliveries = [self._hold(queue, subscription, m, lease) for m in response.received_messages]
+        lease_until = time.monotonic() + lease
+        # The raw protobuf: each proto-plus field access costs a marshalling step.
+        received = PullResponse.pb(response).received_messages
+        deliveries = [self._hold(queue, subscription, m, lease_until) for m in received]
         try:
             await anyio.lowlevel.checkpoint_if_cancelled()
         except anyio.get_cancelled_exc_class():
@@ -219,22 +233,21 @@ class GcpPubSubTransport:
         return deadline
 
     def _hold(
-        self, queue: QueueSpec, subscription: str, received: ReceivedMessage, lease: int
+        self, queue: QueueSpec, subscription: str, received: Any, lease_until: float
     ) -> Delivery:
+        """Every field read once from the raw ``ReceivedMessage`` protobuf."""
         message = received.message
+        published = message.publish_time
         held = Receipt(
             ack_id=received.ack_id,
             subscription=subscription,
             message_id=message.message_id,
             delivery_attempt=received.delivery_attempt,
-            publish_time=message.publish_time.timestamp(),
-            lease_until=time.monotonic() + lease,
+            publish_time=published.seconds + published.nanos / 1e9,
+            lease_until=lease_until,
         )
         delivery = Delivery(
-            queue=queue,
-            raw=bytes(message.data),
-            handle=held,
-            attributes=dict(message.attributes),
+            queue=queue, raw=message.data, handle=held, attributes=dict(message.attributes)
         )
         self._leases.hold(delivery)
         return delivery
@@ -267,7 +280,7 @@ class GcpPubSubTransport:
             return
         pending = [(d, r.encode()) for d, r in items if not self._already_published(receipt(d))]
         for chunk in _publish_chunks(pending):
-            await self._publish(self._result_topic, [PubsubMessage(data=data) for _, data in chunk])
+            await self._publish(self._result_topic, [RAW_MESSAGE(data=data) for _, data in chunk])
             for delivery, _ in chunk:
                 self._remember_published(receipt(delivery))
         await self._acknowledge([d for d, _ in items])
@@ -286,18 +299,19 @@ class GcpPubSubTransport:
         if len(self._published) > DEDUP_MEMORY:
             self._published.popitem(last=False)
 
-    async def _publish(self, topic: str, messages: list[PubsubMessage]) -> None:
+    async def _publish(self, topic: str, messages: list[Any]) -> None:
+        """Publish raw ``PubsubMessage`` protobufs (built without proto-plus, sent as is)."""
         _, publisher = self._clients()
+        request = PublishRequest.wrap(RAW_PUBLISH(topic=topic, messages=messages))
         with self._rpc(topic, "publish"):
-            await publisher.publish(topic=topic, messages=messages, timeout=RPC_TIMEOUT, retry=None)
+            await publisher.publish(request=request, timeout=RPC_TIMEOUT, retry=None)
 
     async def _acknowledge(self, deliveries: Sequence[Delivery]) -> None:
         subscriber, _ = self._clients()
         for subscription, ack_ids in ack_groups(deliveries):
+            request = AcknowledgeRequest.wrap(RAW_ACK(subscription=subscription, ack_ids=ack_ids))
             with unless_hopeless(ack_ids), self._rpc(subscription, "acknowledge"):
-                await subscriber.acknowledge(
-                    subscription=subscription, ack_ids=ack_ids, timeout=RPC_TIMEOUT, retry=None
-                )
+                await subscriber.acknowledge(request=request, timeout=RPC_TIMEOUT, retry=None)
         self._leases.forget(deliveries)
 
     def _observe_latency(self, deliveries: Iterable[Delivery]) -> None:
@@ -305,9 +319,12 @@ class GcpPubSubTransport:
         if self._ctx.metrics is None:
             return
         now = time.time()
+        histograms: dict[str, Histogram] = {}
         for delivery in deliveries:
             q = delivery.queue
-            histogram = self._ctx.metrics.queue(q.id, q.name, q.pool).message_latency
+            if (histogram := histograms.get(q.name)) is None:
+                histogram = self._ctx.metrics.queue(q.id, q.name, q.pool).message_latency
+                histograms[q.name] = histogram
             histogram.observe(max(0.0, now - receipt(delivery).publish_time) * 1000)
 
     async def defer(self, items: Sequence[Deferral]) -> None:
@@ -342,7 +359,7 @@ class GcpPubSubTransport:
         topic = dead_letter_topic(held.subscription)
         attributes = {"reason": reason, "detail": _attribute(detail), "message_id": held.message_id}
         try:
-            await self._publish(topic, [PubsubMessage(data=delivery.raw, attributes=attributes)])
+            await self._publish(topic, [RAW_MESSAGE(data=delivery.raw, attributes=attributes)])
         except TransportError as exc:
             if not isinstance(exc.__cause__, gexc.NotFound):
                 await self._redeliver_later(delivery, DEAD_LETTER_RETRY)

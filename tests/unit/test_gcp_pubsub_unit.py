@@ -62,7 +62,7 @@ class Rejecting(Denied):
         self.published = 0
 
     async def publish(self, **kwargs: Any) -> None:
-        self.published += len(kwargs["messages"])
+        self.published += len(kwargs["request"].messages)
 
     async def acknowledge(self, **_: Any) -> None:
         raise self.error
