@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from async_processor.errors import ConfigError
+from async_processor.logs import mask_url
 
 READINESS_TIMEOUT = 3.0
 SHUTDOWN_TIMEOUT = 5.0
@@ -47,7 +48,8 @@ async def serve_health(
         reason = await _check(readiness)
         if reason is None:
             return web.json_response({"status": "ready"})
-        return web.json_response({"status": "not ready", "error": reason}, status=503)
+        # The reason may quote a driver's error, and with it a URL's credentials.
+        return web.json_response({"status": "not ready", "error": mask_url(reason)}, status=503)
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)

@@ -5,9 +5,13 @@ from libraries using stdlib ``logging``. Output: one line per event on stderr, J
 production (or when stderr is not a TTY) and a readable console line on a terminal.
 
 Redaction happens at render time, so no stage has to remember it: values under secret
-keys (password, token, authorization, ...) become ``***``, passwords inside URLs become
-``scheme://user:***@host``, and ``payload`` / ``body`` fields are dropped unless
-``ASYNC_PROCESSOR_LOG_PAYLOADS=1``. ``redact`` is reused by ``check-config``.
+keys (password, token, authorization, ...) become ``***``, and so do static header values
+whose names look secret (under a ``headers`` key: also ``*key*``, e.g. ``x-access-key``);
+passwords inside URLs become ``scheme://user:***@host`` and secret-looking query
+parameters ``?password=***`` (also ``token``, ``*key*``, ``*sig*``, ...), wherever a URL
+appears in text; ``payload`` / ``body`` fields are dropped unless
+``ASYNC_PROCESSOR_LOG_PAYLOADS=1``. ``redact`` and ``mask_url`` are reused by
+``check-config``, config errors and ``/readyz``.
 """
 
 from __future__ import annotations
@@ -40,17 +44,34 @@ _SECRET_KEYS = (
     "cookie",
     "credential",
 )
+# Header names and URL query parameters are secret by these fragments too: ``x-access-key``,
+# ``?sig=``, ``?pwd=``. (Not config keys in general: ``metadata_key`` names no secret.)
+_SECRET_NAME_EXTRA = ("key", "sig", "pwd", "auth")
 _PAYLOAD_KEYS = frozenset(("payload", "body"))
 # userinfo password in any URL, also inside free text: scheme://user:PASSWORD@host
 _URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*:)(\S*)@")
+# a query parameter (after ? & or ;) and its value, also inside free text
+_QUERY_PARAM = re.compile(r"([?&;]([^=&;#\s?]+)=)([^&;#\s\"']*)")
 _MAX_DEPTH = 8
 
 
 def mask_url(text: str) -> str:
-    """``redis://user:pw@host`` -> ``redis://user:***@host`` (anywhere in ``text``)."""
-    if "@" not in text:
-        return text
-    return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}{MASK}@" if m.group(2) else m.group(0), text)
+    """``redis://user:pw@host/?password=pw`` -> ``redis://user:***@host/?password=***``
+    (anywhere in ``text``: also error messages and readiness reasons)."""
+    if "@" in text:
+        text = _URL_PASSWORD.sub(_masked_password, text)
+    if "=" in text:
+        text = _QUERY_PARAM.sub(_masked_param, text)
+    return text
+
+
+def _masked_password(match: re.Match[str]) -> str:
+    return f"{match.group(1)}{MASK}@" if match.group(2) else match.group(0)
+
+
+def _masked_param(match: re.Match[str]) -> str:
+    secret = match.group(3) and is_secret_name(match.group(2))
+    return match.group(1) + MASK if secret else match.group(0)
 
 
 def is_secret_key(key: object) -> bool:
@@ -58,8 +79,19 @@ def is_secret_key(key: object) -> bool:
     return any(fragment in lowered for fragment in _SECRET_KEYS)
 
 
-def redact(value: Any, *, drop_payloads: bool = False, _depth: int = 0) -> Any:
-    """A copy of ``value`` with secrets masked (and payload fields dropped if asked)."""
+def is_secret_name(name: object) -> bool:
+    """A header or query-parameter name that looks secret (wider than a config key)."""
+    lowered = str(name).lower()
+    return is_secret_key(lowered) or any(f in lowered for f in _SECRET_NAME_EXTRA)
+
+
+def redact(
+    value: Any, *, drop_payloads: bool = False, _depth: int = 0, _headers: bool = False
+) -> Any:
+    """A copy of ``value`` with secrets masked (and payload fields dropped if asked).
+
+    Under a key ending in ``headers`` the keys are header names, judged by
+    ``is_secret_name`` (a static ``x-access-key`` value is a credential)."""
     if isinstance(value, str):
         return mask_url(value)
     if _depth >= _MAX_DEPTH:
@@ -69,10 +101,12 @@ def redact(value: Any, *, drop_payloads: bool = False, _depth: int = 0) -> Any:
         for key, item in value.items():
             if drop_payloads and str(key).lower() in _PAYLOAD_KEYS:
                 continue
-            if is_secret_key(key) and item not in ("", None):
+            secret = is_secret_name(key) if _headers else is_secret_key(key)
+            if secret and item not in ("", None):
                 out[key] = MASK
             else:
-                out[key] = redact(item, drop_payloads=drop_payloads, _depth=_depth + 1)
+                out[key] = redact(item, drop_payloads=drop_payloads, _depth=_depth + 1,
+                                  _headers=str(key).lower().endswith("headers"))  # fmt: skip
         return out
     if isinstance(value, list | tuple):
         return [redact(item, drop_payloads=drop_payloads, _depth=_depth + 1) for item in value]

@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from async_processor.errors import ConfigError
+from async_processor.logs import MASK, is_secret_key, is_secret_name, mask_url
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -76,4 +77,19 @@ def describe_validation(exc: ValidationError) -> str:
     errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     where = ".".join(str(part) for part in first["loc"]) or "value"
-    return f"{where}: {first['msg'].removeprefix('Value error, ')}"
+    message = first["msg"].removeprefix("Value error, ")
+    return mask_url(f"{where}: {_unechoed(message, first['loc'], first.get('input'))}")
+
+
+def _unechoed(message: str, loc: tuple[int | str, ...], value: Any) -> str:
+    """``message`` without the bad value in it when the field looks secret (a validator
+    quoting ``'Bearer ...\n'`` would print the credential in a startup error)."""
+    names = [str(part) for part in loc]
+    secret = any(is_secret_key(n) for n in names) or any(
+        is_secret_name(n) for i, n in enumerate(names) if i and names[i - 1].endswith("headers")
+    )
+    leaves = value.values() if isinstance(value, Mapping) else [value]
+    for leaf in leaves if secret else ():
+        if isinstance(leaf, str) and leaf:
+            message = message.replace(repr(leaf), MASK).replace(leaf, MASK)
+    return message

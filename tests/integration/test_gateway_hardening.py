@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from async_processor.health import listening
 from async_processor.messages import Result
-from tests.fixtures.http import served
 from tests.fixtures.inprocess import running, sortedset_config, submit
 
 pytestmark = pytest.mark.anyio
@@ -52,7 +52,8 @@ async def gateway() -> AsyncIterator[Gateway]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", record)
-    async with served(app) as state.url:
+    async with listening(app, "127.0.0.1", 0) as port:
+        state.url = f"http://127.0.0.1:{port}"
         yield state
 
 

@@ -90,6 +90,23 @@ async def test_readiness_that_raises_or_hangs_is_not_ready(
         assert status == 503 and "timed out" in body
 
 
+async def test_readiness_reasons_never_show_credentials() -> None:
+    async def readiness() -> str | None:
+        # What a driver's error may quote: the URL it was given, credentials and all.
+        raise RuntimeError(
+            "cannot reach rediss://app:hunter2@redis:6380/0?password=hunter2&db=0 "
+            "or https://gw/v1?token=tok-1&sig=s1&x-api-key=k1"
+        )
+
+    async with running(health.serve_health, "127.0.0.1", 0, readiness) as base:
+        status, _, body = await get(f"{base}/readyz")
+    assert status == 503
+    for secret in ("hunter2", "tok-1", "s1", "k1"):
+        assert secret not in body
+    assert "rediss://app:***@redis:6380/0?password=***&db=0" in body
+    assert "https://gw/v1?token=***&sig=***&x-api-key=***" in body
+
+
 def _registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     Counter("llm_d_async_async_request", "doc", registry=registry).inc(3)

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
+from async_processor.health import listening
 from tests.contract.harness import Submission, open_harness
-from tests.fixtures.http import served
 from tests.fixtures.inprocess import running
 from tests.fixtures.pubsub import PubSubEmulator
 
@@ -42,8 +42,8 @@ async def gateway() -> AsyncIterator[tuple[str, list[str]]]:
 
     app = web.Application()
     app.router.add_post("/v1/completions", answer)
-    async with served(app) as url:
-        yield url, asked
+    async with listening(app, "127.0.0.1", 0) as port:
+        yield f"http://127.0.0.1:{port}", asked
 
 
 async def test_an_answer_pubsub_cannot_carry_is_an_inference_error_naming_its_size(

@@ -93,6 +93,51 @@ def test_check_config_masks_secrets(
     assert fake_processor.calls["validated"].transport == "redis-sortedset"
 
 
+def test_check_config_masks_query_passwords_and_secret_static_headers(
+    tmp_path: Path, fake_processor: types.SimpleNamespace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transport = {"url": "redis://redis:6379/0?password=hunter2", "queues": [QUEUE]}
+    headers = {"x-access-key": {"value": "ak-1"}, "Authorization": {"value": "Bearer b-1"},
+               "x-tenant": {"value": "t1"}}  # fmt: skip
+    transforms = {"requestTransforms": [
+        {"name": "h", "type": "set_headers", "parameters": {"headers": headers}}]}  # fmt: skip
+    (tmp_path / "t.json").write_text(json.dumps(transport))
+    (tmp_path / "x.json").write_text(json.dumps(transforms))
+    argv = ["check-config", "--transport-config-file", str(tmp_path / "t.json"),
+            "--transform-config-file", str(tmp_path / "x.json")]  # fmt: skip
+    assert cli.main(argv, {}) == 0
+    out = capsys.readouterr().out
+    for secret in ("hunter2", "ak-1", "b-1"):
+        assert secret not in out
+    printed = json.loads(out)
+    assert printed["transport_config"]["url"] == "redis://redis:6379/0?password=***"
+    shown = printed["transforms"]["requestTransforms"][0]["parameters"]["headers"]
+    assert shown == {"x-access-key": "***", "Authorization": "***", "x-tenant": {"value": "t1"}}
+
+
+@pytest.mark.parametrize(
+    ("headers", "shown"),
+    [
+        ({"x-access-key": {"value": "ak-1\n"}}, "headers.x-access-key: *** is not a legal"),
+        ({"Authorization": {"value": "Bearer b-1\r"}}, "headers.Authorization: *** is not"),
+    ],
+)
+def test_config_errors_do_not_echo_secret_values(
+    tmp_path: Path, headers: dict[str, Any], shown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transforms = {"requestTransforms": [
+        {"name": "h", "type": "set_headers", "parameters": {"headers": headers}}]}  # fmt: skip
+    (tmp_path / "x.json").write_text(json.dumps(transforms))
+    argv = ["check-config", "--transport-config",
+            json.dumps({"url": "redis://h:1/0?password=hunter2", "queues": [QUEUE]}),
+            "--transform-config-file", str(tmp_path / "x.json")]  # fmt: skip
+    assert cli.main(argv, {}) == 2
+    err = capsys.readouterr().err
+    assert shown in err
+    for secret in ("ak-1", "b-1", "hunter2"):
+        assert secret not in err
+
+
 def test_check_config_reports_plugin_errors(
     transport_file: str, fake_processor: types.SimpleNamespace, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -75,6 +75,25 @@ def test_secrets_and_payloads_never_rendered(stream: io.StringIO) -> None:
     assert "redis://:***@10.0.0.1:6379" in text and "rediss://u:***@cache:6380" in text
 
 
+def test_query_passwords_and_secret_static_headers_never_rendered(stream: io.StringIO) -> None:
+    configure_logging("debug", "json", stream=stream)
+    log = structlog.get_logger("async_processor.test")
+    log.info(
+        "starting",
+        url="redis://redis:6379/0?password=hunter2&db=1",
+        transforms={"headers": {"x-access-key": {"value": "ak-1"}, "X-Model": {"value": "m"}}},
+        gate_params={"headers": {"Cookie": "c-1", "x-session-token": "st-1"}},
+    )
+    logging.getLogger("aiohttp").error("GET https://store/o?X-Goog-Signature=sig-1&a=b failed")
+    text = stream.getvalue()
+    for secret in ("hunter2", "ak-1", "c-1", "st-1", "sig-1"):
+        assert secret not in text
+    first = lines(stream)[0]
+    assert first["url"] == "redis://redis:6379/0?password=***&db=1"
+    assert first["transforms"] == {"headers": {"x-access-key": "***", "X-Model": {"value": "m"}}}
+    assert "X-Goog-Signature=***&a=b" in text
+
+
 def test_payloads_logged_only_when_asked(
     stream: io.StringIO, monkeypatch: pytest.MonkeyPatch
 ) -> None:
