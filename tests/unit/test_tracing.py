@@ -57,6 +57,8 @@ def exporter() -> Iterator[InMemorySpanExporter]:
 
 
 class _NeverCancelled:
+    kind = "redis-sortedset"  # the worker reads it for the result size limit
+
     async def is_cancelled(self, delivery: Delivery) -> bool:
         return False
 
