@@ -14,16 +14,19 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Annotated, Any, NoReturn, TypeVar, cast, get_args
 from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -64,7 +67,31 @@ def _json_object_or_string(value: Any) -> Any:
     return {} if value is None else value
 
 
-GateParams = Annotated[dict[str, Any], BeforeValidator(_json_object_or_string)]
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _env_refs(params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+    """A gate param whose whole value is ``${NAME}`` takes the environment variable NAME.
+
+    So a credential (a Redis URL with a password) comes from a Secret through the
+    environment, not from the config file, which the chart keeps in a ConfigMap. The
+    environment is the loader's (validation context ``env``), else the process's.
+    """
+    env: Mapping[str, str] = (info.context or {}).get("env", os.environ)
+    out = dict(params)
+    for key, value in params.items():
+        match = _ENV_REF.fullmatch(value) if isinstance(value, str) else None
+        if match is None:
+            continue
+        if not env.get(match.group(1)):
+            raise ValueError(f"{key}: environment variable {match.group(1)} is not set")
+        out[key] = env[match.group(1)]
+    return out
+
+
+GateParams = Annotated[
+    dict[str, Any], BeforeValidator(_json_object_or_string), AfterValidator(_env_refs)
+]
 
 
 def _zero_is_default(default: int) -> Any:
@@ -576,7 +603,7 @@ def load_config(argv: Sequence[str], env: Mapping[str, str]) -> AppConfig:
 def build_config(settings: Settings, env: Mapping[str, str]) -> AppConfig:
     transport = settings.get("transport")
     transport_config, source = _transport_config(settings, transport, env)
-    pools = _pools(settings)
+    pools = _pools(settings, env)
     _check_pools(transport_config, pools, source)
     merge_path = settings.get("request_merge_policy_config_file")
     transforms_path = settings.get("transform_config_file")
@@ -611,7 +638,8 @@ def _transport_config(
         raw = {**raw, "url": env.get("REDIS_URL", "")}
         if not raw["url"]:
             raise ConfigError(f"{source}: url is required for {transport} (or set REDIS_URL)")
-    config = cast(TransportConfig, _validate(model.model_validate, source, raw))
+    validate = partial(model.model_validate, context={"env": env})
+    config = cast(TransportConfig, _validate(validate, source, raw))
     return config, source
 
 
@@ -649,13 +677,13 @@ def redis_connection_file(path: str, url: str) -> RedisConnection:
     return _validate(RedisTransportBase.model_validate, source, fields).redis_connection()
 
 
-def _pools(settings: Settings) -> list[PoolConfig]:
+def _pools(settings: Settings, env: Mapping[str, str]) -> list[PoolConfig]:
     path = settings.get("pool_config_file")
     if not path:
         return []
     source = f"--pool-config-file {path}"
     pools = _validate(
-        TypeAdapter(list[PoolConfig]).validate_python,
+        partial(TypeAdapter(list[PoolConfig]).validate_python, context={"env": env}),
         source,
         _read_json("--pool-config-file", path),
     )

@@ -187,6 +187,41 @@ def test_example_renders_args_and_files_the_daemon_accepts(example: Path, tmp_pa
     assert config.runtime.drain_timeout == parse_duration(ap.get("drainTimeout", "2m"))
 
 
+def test_gate_secrets_reach_the_gate_params_through_the_environment(tmp_path: Path) -> None:
+    """The ConfigMap holds "${QUOTA_URL}"; the Secret's value arrives through the env."""
+    quota = {"address": "${QUOTA_URL}", "attribute": "user", "limit": 4}
+    queue = {"queue_name": "q", "gate_type": "redis-quota", "gate_params": quota}
+    secret = {"env": "QUOTA_URL", "secretName": "quota-redis", "secretKey": "url"}
+    objects = render(with_ap(transportConfig={"queues": [queue]}, gateSecrets=[secret]))
+    assert env_of(container(objects))["QUOTA_URL"] == {
+        "secretKeyRef": {"name": "quota-redis", "key": "url"}
+    }
+    files = objects["ConfigMap:config"]["data"]
+    assert "${QUOTA_URL}" in files["transport-config.json"] and "@" not in str(files)
+    (tmp_path / "t.json").write_text(files["transport-config.json"])
+    env = {"REDIS_URL": "redis://redis:6379", "QUOTA_URL": "redis://app:pw@quota:6379/0"}
+    argv = ["--transport", "redis-sortedset", "--transport-config-file", str(tmp_path / "t.json")]
+    config = load_config(argv, env)
+    assert config.transport_config.queues[0].gate_params["address"] == env["QUOTA_URL"]
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        {"transportConfig": {"queues": [{"queue_name": "q", "gate_type": "redis-quota",
+                                         "gate_params": {"address": "redis://u:pw@h:6379/0"}}]}},
+        {"workerPools": [{"id": "default", "workers": 1, "gate_type": "redis",
+                          "gate_params": '{"address": "rediss://:pw@h:6379"}'}]},
+    ],
+    ids=["queue", "pool-json-string"],
+)  # fmt: skip
+def test_a_password_in_gate_params_fails_the_render(where: dict[str, Any]) -> None:
+    with pytest.raises(Exception, match=r"carries a password.*ap\.gateSecrets"):
+        render(with_ap(**where))
+    without = json.loads(re.sub(r"//[^/@]*:pw@", "//", json.dumps(where)))  # no password
+    render(with_ap(**without))
+
+
 # ------------------------------------------------------------------ the Deployment shape
 
 

@@ -318,3 +318,27 @@ def test_merge_policy_file_without_type_is_a_startup_error(tmp_path: Path, conte
     message = error_of([*sortedset_args(tmp_path), "--request-merge-policy-config-file", merge])
     assert message.startswith("--request-merge-policy-config-file ")
     assert "type: Field required" in message
+
+
+def test_a_gate_param_of_exactly_env_name_comes_from_the_environment(tmp_path: Path) -> None:
+    """So a gate's Redis password can come from a Secret, not the (ConfigMap) file."""
+    params = {"address": "${QUOTA_URL}", "note": "cost ${QUOTA_URL}", "limit": 3}
+    queue = {**QUEUE, "gate_type": "redis-quota", "gate_params": params}
+    pool = {"id": "default", "workers": 2, "gate_type": "redis"}
+    pools = write(tmp_path, "pools.json", [{**pool, "gate_params": '{"address": "${POOL_URL}"}'}])
+    argv = [
+        *sortedset_args(tmp_path, {**SORTEDSET, "queues": [queue]}),
+        "--pool-config-file",
+        pools,
+    ]
+    env = {"QUOTA_URL": "redis://u:secret@quota:6379/0", "POOL_URL": "redis://pool:6379/1"}
+    cfg = load_config(argv, env)
+    assert cfg.transport_config.queues[0].gate_params == {
+        "address": env["QUOTA_URL"],
+        "note": "cost ${QUOTA_URL}",
+        "limit": 3,
+    }
+    assert cfg.pools[0].gate_params == {"address": env["POOL_URL"]}
+    message = error_of(argv, {"QUOTA_URL": env["QUOTA_URL"]})
+    assert "POOL_URL is not set" in message and "--pool-config-file" in message
+    assert "QUOTA_URL is not set" in error_of(argv, {"QUOTA_URL": "", "POOL_URL": "x"})

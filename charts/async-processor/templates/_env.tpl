@@ -29,6 +29,13 @@
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: "k8s.namespace.name=$(NAMESPACE),k8s.pod.name=$(POD_NAME),service.version={{ $.Chart.AppVersion }}"
 {{- end }}
+{{- range .Values.ap.gateSecrets }}
+- name: {{ .env }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .secretName }}
+      key: {{ .secretKey }}
+{{- end }}
 {{- with .Values.ap.extraEnv }}
 {{- toYaml . | nindent 0 }}
 {{- end }}

@@ -124,6 +124,7 @@ Helm has no duration parser, so the parts are summed here; values.schema.json pi
 {{- fail "ap.transportConfig.result_topic_id is required for gcp-pubsub" -}}
 {{- end -}}
 {{- end -}}
+{{- include "async-processor.validateGateParams" . -}}
 {{- if eq (int $ap.health.port) (int $ap.metrics.port) -}}
 {{- fail (printf "ap.health.port and ap.metrics.port are both %d: the health and metrics servers need their own ports" (int $ap.health.port)) -}}
 {{- end -}}
@@ -148,4 +149,23 @@ relabelings:
   - action: replace
     sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_instance]
     targetLabel: release
+{{- end -}}
+
+{{/* No password in a gate param: the config files are a ConfigMap. A gate param of exactly
+"${NAME}" reads the environment variable NAME instead; ap.gateSecrets fills it from a Secret. */}}
+{{- define "async-processor.validateGateParams" -}}
+{{- $key := include "async-processor.queueKey" . -}}
+{{- $owners := dict -}}
+{{- range $i, $q := (get (.Values.ap.transportConfig | default dict) $key | default list) -}}
+{{- $_ := set $owners (printf "ap.transportConfig.%s[%d]" $key $i) $q -}}
+{{- end -}}
+{{- range $i, $p := .Values.ap.workerPools -}}
+{{- $_ := set $owners (printf "ap.workerPools[%d]" $i) $p -}}
+{{- end -}}
+{{- range $owner, $entry := $owners -}}
+{{- $params := $entry.gate_params | default dict -}}
+{{- if regexMatch "[A-Za-z][A-Za-z0-9+.-]*://[^/@\"\\s]*:[^/@\"\\s]+@" (kindIs "string" $params | ternary $params (toJson $params)) -}}
+{{- fail (printf "%s.gate_params carries a password, which would land in a ConfigMap: put the URL in a Secret, list it in ap.gateSecrets and write \"${NAME}\" as the param" $owner) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
