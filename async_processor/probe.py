@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 
 from async_processor.config import AppConfig
-from async_processor.gates.base import Gate, GateContext, GateOwner, build_gate
+from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.gates.basic import CompositeGate
 from async_processor.gates.metric import CascadeSource, MetricGate, Reading
 from async_processor.gates.shared import InnerGate
@@ -71,7 +71,7 @@ def _gate_entries(config: AppConfig) -> Iterator[tuple[str, str, dict[str, Any],
             yield f"pool {pool.id!r}", pool.gate_type, dict(pool.gate_params), owner
 
 
-def _metric_gates(gate: Gate | object, where: str) -> Iterator[tuple[str, MetricGate]]:
+def _metric_gates(gate: object, where: str) -> Iterator[tuple[str, MetricGate]]:
     if isinstance(gate, MetricGate):
         yield where, gate
     elif isinstance(gate, CompositeGate):
