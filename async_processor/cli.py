@@ -54,6 +54,7 @@ COMMANDS: dict[str, Command] = {
     "cancel": Command("cancel requests by id", "producer_cli", True),
     "status": Command("queue depths, in flight, retries, dead letters", "status"),
     "dead-letters": Command("list, show, replay or purge dead letters", "deadletters"),
+    "exporter": Command("serve the queues' backlog for autoscalers (KEDA)", "exporter"),
 }
 # A first argument among these is the top-level parser's, not a flag of ``run``.
 TOP_LEVEL_FLAGS = ("-h", "--help", "--version")

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 
 import anyio
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
@@ -63,26 +64,30 @@ async def serve_metrics(
     registry: CollectorRegistry,
     *,
     bearer_token: str = "",
+    routes: Mapping[str, Handler] | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """GET /metrics, ``Bearer <token>`` required if set.
+    """GET /metrics (and any extra GET ``routes``), ``Bearer <token>`` required if set.
 
     The handler is prometheus-client's own for aiohttp: the text format, or OpenMetrics
     when the scraper asks for it (``Accept``), gzip when it accepts that, ``name[]``
     filters. This only puts the token check in front.
     """
     expected = f"Bearer {bearer_token}".encode()
-    exposition = make_aiohttp_handler(registry)
 
-    async def metrics(request: web.Request) -> web.StreamResponse:
-        if bearer_token and not _authorized(request, expected):
-            return web.Response(
-                status=401, text="unauthorized\n", headers={"WWW-Authenticate": "Bearer"}
-            )
-        return await exposition(request)
+    def guarded(handler: Handler) -> Handler:
+        async def check(request: web.Request) -> web.StreamResponse:
+            if bearer_token and not _authorized(request, expected):
+                return web.Response(
+                    status=401, text="unauthorized\n", headers={"WWW-Authenticate": "Bearer"}
+                )
+            return await handler(request)
+
+        return check
 
     app = web.Application()
-    app.router.add_get("/metrics", metrics)
+    for path, handler in {"/metrics": make_aiohttp_handler(registry), **(routes or {})}.items():
+        app.router.add_get(path, guarded(handler))
     await _serve(app, host, port, "metrics", task_status)
 
 

@@ -1,0 +1,134 @@
+"""``async-processor exporter`` against a real redis-server, over real HTTP.
+
+What KEDA reads must follow the broker (the backlog rises and falls with the queue, the
+retry set and the claims), survive a broker outage as "unknown", never as 0, and keep the
+daemon's bearer token in front of /metrics and /backlog.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import anyio
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from async_processor.cli import main
+from async_processor.config import AppConfig, load_config
+from async_processor.exporter import serve
+from tests.fixtures.servers import RedisServer
+
+GW = "http://gw.test:8000"
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
+
+def config(tmp_path: Path, url: str, queue: str, *extra: str) -> AppConfig:
+    raw = {"url": url, "retry_queue_name": f"{queue}-retry",
+           "queues": [{"queue_name": queue, "igw_base_url": GW}]}  # fmt: skip
+    path = tmp_path / "transport.json"
+    path.write_text(json.dumps(raw))
+    ports = ["--health-port", "0", "--metrics-port", "0", "--bind-address", "127.0.0.1"]
+    argv = ["--transport", "redis-sortedset", "--transport-config-file", str(path), *ports]
+    return load_config([*argv, *extra], {})
+
+
+@asynccontextmanager
+async def exporting(cfg: AppConfig) -> AsyncIterator[tuple[str, str]]:
+    async with anyio.create_task_group() as tg:
+        health, metrics = await tg.start(serve, cfg, 0.05)
+        yield f"http://127.0.0.1:{health}", f"http://127.0.0.1:{metrics}"
+        tg.cancel_scope.cancel()
+
+
+async def get(url: str, token: str = "") -> tuple[int, str]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as r:
+        return r.status, await r.text()
+
+
+async def backlog_becomes(url: str, want: int) -> None:
+    with anyio.fail_after(10):
+        while True:
+            status, body = await get(url)
+            if status == 200 and json.loads(body)["backlog"] == want:
+                return
+            await anyio.sleep(0.05)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_backlog_follows_the_queue_retries_and_claims(
+    tmp_path: Path, redis_url: str, unique: str
+) -> None:
+    queue = f"{unique}-q"
+    r = redis.Redis.from_url(redis_url)
+    deadline = time.time() + 600
+    r.zadd(queue, {f"m{i}": deadline for i in range(3)})
+    async with exporting(config(tmp_path, redis_url, queue)) as (health, metrics):
+        assert (await get(f"{health}/readyz"))[0] == 200
+        await backlog_becomes(f"{metrics}/backlog", 3)
+        r.zadd(f"{queue}-retry", {"later": time.time() + 60})  # a parked retry is work too
+        r.zadd(f"{queue}:inflight", {"claim": time.time() + 30})  # so is a held claim
+        await backlog_becomes(f"{metrics}/backlog", 5)
+        r.delete(queue, f"{queue}-retry", f"{queue}:inflight")
+        await backlog_becomes(f"{metrics}/backlog", 0)  # what lets KEDA scale to zero
+        r.zadd(queue, {"m": deadline})
+        r.lpush(f"{queue}:dead-letter", "x")
+        await backlog_becomes(f"{metrics}/backlog", 1)
+        _, text = await get(f"{metrics}/metrics")
+    samples = {(s.name, s.labels.get("queue_name")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+    assert samples[("llm_d_async_exporter_queue_depth", queue)] == 1
+    assert samples[("llm_d_async_exporter_dead_letters", queue)] == 1
+    assert samples[("llm_d_async_exporter_oldest_deadline_seconds", queue)] == deadline
+    assert samples[("llm_d_async_exporter_backlog", None)] == 1
+    assert samples[("llm_d_async_exporter_up", None)] == 1
+
+
+@pytest.mark.anyio
+async def test_an_unreachable_broker_is_unknown_not_zero(
+    tmp_path: Path, private_redis: RedisServer, unique: str
+) -> None:
+    queue = f"{unique}-q"
+    redis.Redis.from_url(private_redis.url).zadd(queue, {"m": time.time() + 600})
+    async with exporting(config(tmp_path, private_redis.url, queue)) as (health, metrics):
+        await backlog_becomes(f"{metrics}/backlog", 1)
+        private_redis.stop()
+        with anyio.fail_after(10):
+            while (await get(f"{metrics}/backlog"))[0] != 503:
+                await anyio.sleep(0.05)
+        assert (await get(f"{health}/readyz"))[0] == 503
+        assert "llm_d_async_exporter_up 0.0" in (await get(f"{metrics}/metrics"))[1]
+
+
+@pytest.mark.anyio
+async def test_the_metrics_token_guards_backlog_too(
+    tmp_path: Path, redis_url: str, unique: str
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    cfg = config(tmp_path, redis_url, f"{unique}-q", "--metrics-bearer-token-file", str(token))
+    async with exporting(cfg) as (_, metrics):
+        assert (await get(f"{metrics}/backlog"))[0] == 401
+        assert (await get(f"{metrics}/metrics"))[0] == 401
+        status, body = await get(f"{metrics}/backlog", "s3cret")
+        assert (status, json.loads(body)) == (200, {"backlog": 0})
+
+
+def test_interval_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"url": "redis://127.0.0.1:9/0",
+                                "queues": [{"queue_name": "q", "igw_base_url": GW}]}))  # fmt: skip
+    argv = ["exporter", "--transport", "redis-sortedset", "--transport-config-file", str(path)]
+    assert main([*argv, "--interval", "0"]) == 2
+    assert "--interval must be > 0" in capsys.readouterr().err
