@@ -7,6 +7,13 @@ objects read from the result list. It connects like the daemon (``redis_conn``: 
 sentinel, TLS, ACL users). Behaves like the Go reference's producer (DESIGN.md §4):
 each submission gets a fresh 32-hex ``request_token``; ``request-active:<id>`` holds it
 until the deadline; ``cancel`` copies it to ``request-cancel:<id>`` for 7 days.
+
+Reading results loses none: each is moved (``BLMOVE``, Redis >= 6.2) into this consumer's
+processing list ``<result list>:processing:<consumer>`` and removed from there only once
+it is handed to the caller. A move whose reply was lost (the connection dropped, redis-py
+sent the command again) leaves its result there, and the next read returns it first; so
+does a consumer that restarts with the same ``consumer`` name. An entry that is not a
+result is returned as an ``UndecodableResult`` (its raw bytes), not dropped.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -28,6 +36,17 @@ from async_processor.transports.redis_conn import RedisConnection, connect
 from async_processor.transports.redis_keys import redis_errors
 
 SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many
+# The latest deadline a submission may carry: 9999-12-31T23:59:59Z. Larger ones made the
+# marker's SET EX fail inside the MULTI while the ZADD still ran (a half-written submit).
+MAX_DEADLINE = 253_402_300_799
+
+
+@dataclass(slots=True)
+class UndecodableResult(Result):
+    """A result-list entry that is not a result: its bytes as popped, and why."""
+
+    raw: bytes = b""
+    error: str = ""
 
 
 class SortedSetClient:
@@ -41,9 +60,13 @@ class SortedSetClient:
         redis: str | RedisConnection,
         request_queue: str = keys.DEFAULT_REQUEST_QUEUE,
         result_queue: str = keys.DEFAULT_RESULT_LIST,
+        *,
+        consumer: str = "",
     ) -> None:
         self.request_queue = request_queue
         self.result_queue = result_queue
+        # Names this reader's processing lists; give a stable one to resume after a crash.
+        self.consumer = consumer or secrets.token_hex(8)
         # No socket timeout: BRPOP blocks for as long as the caller asked.
         conn = RedisConnection(url=redis) if isinstance(redis, str) else redis
         self._redis: Redis = connect(conn.check(), socket_timeout=None)
@@ -159,11 +182,26 @@ class SortedSetClient:
         return out
 
     async def _pop(self, result_queue: str | None, wait: float | None) -> Result | None:
-        """One BRPOP (0 = block forever, so a finite wait is at least 10 ms)."""
+        """The oldest result left in our processing list, else one BLMOVE into it (0 =
+        block forever, so a finite wait is at least 10 ms); removed once decoded."""
+        source = result_queue or self.result_queue
+        processing = processing_key(source, self.consumer)
         seconds = 0.0 if wait is None else max(wait, 0.01)
         with redis_errors("result read"):
-            popped = await self._redis.brpop([result_queue or self.result_queue], timeout=seconds)
-        return None if popped is None else Result.decode(popped[1])
+            raw = await self._oldest(processing)
+            if raw is None:
+                # Redis takes a fractional timeout; redis-py's stubs say int.
+                moved = await self._redis.blmove(source, processing, seconds, "RIGHT", "LEFT")  # type: ignore[arg-type]
+                raw = cast(bytes | None, moved)
+            if raw is None:  # a move whose reply was lost may have left one after all
+                raw = await self._oldest(processing)
+            if raw is None:
+                return None
+            await self._redis.lrem(processing, -1, raw)  # type: ignore[arg-type]  # bytes
+        return _decoded(raw)
+
+    async def _oldest(self, processing: str) -> bytes | None:
+        return cast(bytes | None, await self._redis.lindex(processing, -1))
 
     # ------------------------------------------------------------------ depths
 
@@ -189,6 +227,20 @@ class SortedSetClient:
             await self._redis.delete(*targets)
 
 
+def processing_key(result_queue: str, consumer: str) -> str:
+    """The consumer's processing list, in the result list's cluster hash slot."""
+    tagged = result_queue if "{" in result_queue else f"{{{result_queue}}}"
+    return f"{tagged}:processing:{consumer}"
+
+
+def _decoded(raw: bytes) -> Result:
+    try:
+        return Result.decode(raw)
+    except (ValueError, TypeError) as exc:
+        text = raw.decode("utf-8", errors="replace")
+        return UndecodableResult(id="", payload=text, raw=raw, error=f"not a result: {exc}")
+
+
 def _as_request(request: dict[str, Any] | Request) -> Request:
     """A validated ``Request``; a dict's payload is encoded once, then kept verbatim."""
     if isinstance(request, dict):
@@ -199,8 +251,9 @@ def _as_request(request: dict[str, Any] | Request) -> Request:
             raise ValueError(f"invalid request: {exc}") from exc
     if not request.id:
         raise ValueError("request id must not be empty")
-    if request.deadline <= time.time():
+    if not time.time() < request.deadline <= MAX_DEADLINE:
         raise ValueError(
-            f"request {request.id!r}: deadline {request.deadline} is not in the future"
+            f"request {request.id!r}: deadline {request.deadline} is not between now and "
+            f"{MAX_DEADLINE} (9999-12-31, Unix seconds)"
         )
     return request

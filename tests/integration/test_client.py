@@ -10,14 +10,15 @@ import anyio
 import pytest
 from redis.asyncio import Redis
 
-from async_processor.client import SortedSetClient
+from async_processor.client import SortedSetClient, UndecodableResult
 from async_processor.config import SortedSetConfig
 from async_processor.errors import TransportError
 from async_processor.messages import ErrorCode, Request, Result, decode_envelope
 from async_processor.transports import redis_keys
 from async_processor.transports.base import TransportContext
 from async_processor.transports.redis_sortedset import SortedSetTransport
-from tests.fixtures.servers import free_port
+from tests.fixtures.lossy_proxy import lossy_proxy
+from tests.fixtures.servers import RedisServer, free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -172,3 +173,59 @@ async def test_client_raises_transport_error_when_redis_is_down() -> None:
             await down.submit(request("nobody-home"))
         with pytest.raises(TransportError):
             await down.request_depth()
+
+
+# ------------------------------------------------------------ nothing lost, nothing half-done
+
+
+@pytest.mark.parametrize("deadline", [2**62, 253_402_300_800, 2**63 - 1])
+async def test_submit_with_an_out_of_range_deadline_writes_nothing(
+    client: SortedSetClient, r: Redis, unique: str, deadline: int
+) -> None:
+    # 2**62 made the marker's SET EX fail inside the MULTI while the ZADD went through.
+    valid = request(f"{unique}-ok")
+    with pytest.raises(ValueError, match="deadline"):
+        await client.submit_many([valid, {**request(f"{unique}-far"), "deadline": deadline}])
+    assert await r.zcard(f"{unique}-q") == 0
+    assert await r.exists(f"request-active:{unique}-ok", f"request-active:{unique}-far") == 0
+
+
+async def test_a_result_whose_pop_reply_was_lost_is_still_returned(
+    redis_server: RedisServer, r: Redis, unique: str
+) -> None:
+    results = f"{unique}-results"
+    await r.lpush(results, Result.http("first", 200, b"1").encode())
+    await r.lpush(results, Result.http("second", 200, b"2").encode())
+    async with (
+        lossy_proxy(redis_server.port) as proxy,
+        SortedSetClient(proxy.url, f"{unique}-q", results) as client,
+    ):
+        await client.result_depth()  # connected: the next reply is the read's
+        proxy.lose_next_reply()  # Redis pops "first"; redis-py re-sends the pop
+        got = await client.drain_results(3, timeout=1.0)
+    assert proxy.replies_lost == 1
+    assert sorted(x.id for x in got) == ["first", "second"]
+    assert await r.llen(results) == 0
+    assert await r.keys(f"*{unique}*processing*") == []  # each removed once handed over
+
+
+async def test_a_consumer_resumes_what_it_had_moved_but_not_returned(
+    redis_url: str, r: Redis, unique: str
+) -> None:
+    results = f"{unique}-results"
+    await r.lpush(results, Result.http("moved", 200, b"1").encode())
+    # What a consumer that crashed after its move left behind, under its own name.
+    await r.lmove(results, f"{{{results}}}:processing:c1", "RIGHT", "LEFT")
+    async with SortedSetClient(redis_url, f"{unique}-q", results, consumer="c1") as client:
+        [result] = await client.drain_results(2, timeout=0.3)
+    assert result.id == "moved"
+
+
+async def test_an_undecodable_result_is_returned_raw_not_dropped(
+    client: SortedSetClient, r: Redis, unique: str
+) -> None:
+    await r.lpush(f"{unique}-results", b"not json \xff", Result.http("ok", 200, b"{}").encode())
+    first, second = await client.drain_results(2, timeout=2)
+    assert isinstance(first, UndecodableResult)
+    assert first.raw == b"not json \xff" and first.error.startswith("not a result:")
+    assert second.id == "ok" and not isinstance(second, UndecodableResult)
