@@ -142,3 +142,18 @@ def test_mask_url_and_redact_helpers() -> None:
     }  # fmt: skip
     assert redact({"payload": 1}, drop_payloads=True) == {}
     assert redact({"payload": 1}) == {"payload": 1}
+
+
+def test_a_logger_used_before_capture_logs_is_still_captured(stream: io.StringIO) -> None:
+    # A module logger used once after configure_logging was cached with that chain; once
+    # logging was configured again (another test, another CLI run), structlog's
+    # capture_logs saw nothing from it: an order-dependent test under xdist.
+    from structlog.testing import capture_logs
+
+    configure_logging("info", "json", stream=stream)
+    log = structlog.get_logger("async_processor.test.cached")
+    log.info("first")
+    configure_logging("info", "json", stream=stream)
+    with capture_logs() as captured:
+        log.warning("second", detail="d")
+    assert [e["event"] for e in captured] == ["second"]
