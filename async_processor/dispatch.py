@@ -54,7 +54,7 @@ from async_processor.retry import (
     remember_answer,
 )
 from async_processor.transforms.base import Outgoing
-from async_processor.transports.base import Deferral, Transport
+from async_processor.transports.base import Deferral, Transport, abandon
 from async_processor.work import PoolCapacity, Work, put, take
 
 log = structlog.get_logger(__name__)
@@ -365,9 +365,13 @@ class Worker:
                 Counter.FAILED,
             )
         finally:
-            # Shielded, but bounded: if the broker is gone the lease brings the message back.
-            with anyio.move_on_after(SETTLE_TIMEOUT, shield=True):
+            # Shielded, but bounded: a writer that cannot take it in time gets the message
+            # abandoned (lease no longer renewed, logged and counted), so it comes back.
+            with anyio.move_on_after(SETTLE_TIMEOUT, shield=True) as settling:
                 await self._settle(work, outcome)
+            if settling.cancelled_caught:
+                log.error("settle_timed_out", request_id=work.envelope.id)
+                abandon(self.transport, work.delivery, "settle_timeout")
 
     async def _process(self, work: Work) -> Outcome:
         envelope = work.envelope

@@ -78,6 +78,12 @@ class Metrics:
             ("queue_name", "reason"),
             registry=r,
         )
+        self.abandoned_total = Counter(
+            PREFIX + "abandoned_claims",
+            "Claims given up after a write failed (lease left to expire), by reason.",
+            ("queue_name", "reason"),
+            registry=r,
+        )
         self.gate_decisions_total = counter(
             "gate_decisions", "Gate decisions other than continue.", (*Q_LABELS, "reason")
         )

@@ -33,7 +33,7 @@ from async_processor.messages import (
 from async_processor.metrics import QueueMetrics
 from async_processor.results import Completion, Op
 from async_processor.retry import REFUSE_DELAY, expired, last_answer
-from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport
+from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport, abandon
 from async_processor.work import PoolCapacity, Work, put
 
 log = structlog.get_logger(__name__)
@@ -202,8 +202,9 @@ class Poller:
         try:
             await self._transport.dead_letter(delivery, exc.reason, str(exc))
         except TransportError as err:
-            # The lease brings it back later; it will be dead-lettered then.
+            # Given up at once, not kept leased: the lease brings it back for another try.
             self._log.warning("dead_letter_failed", error=str(err))
+            abandon(self._transport, delivery, "dead_letter_failed")
         self._capacity.release()
 
     async def _cancelled(self, delivery: Delivery) -> bool:

@@ -5,13 +5,18 @@ workers, through one bounded stream. Output: ``transport.complete`` / ``transpor
 calls, one per batch, and per landed result its metrics (error code, time since
 submission, deadline slack). A failed write is retried with backoff until it lands: the
 message stays leased on the broker meanwhile, so a crash loses nothing (DESIGN.md §5.1).
-A batch that keeps failing while the broker answers is split, and the one item to blame
-is left to its lease rather than stalling every result behind it.
+A batch that keeps failing while the broker answers is split, and an item that still
+fails is abandoned (DESIGN.md §5.15): its lease is no longer renewed, so the broker hands
+the message out again (this replica or another finishes it), and a result is kept and
+retried with backoff (at most ``HELD_MAX`` of them) instead of thrown away. Failures with
+the broker up are what Redis refusing writes looks like (NOREPLICAS, READONLY, MISCONF,
+OOM): PING still answers.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -24,7 +29,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
-from async_processor.transports.base import Deferral, Delivery, Transport
+from async_processor.transports.base import Deferral, Delivery, Transport, abandon
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +37,9 @@ BATCH = 64
 BUFFER = 1024
 SPLIT_AFTER = 3  # failures of a whole batch (broker up) before items are tried one by one
 ABANDON_AFTER = 5  # failures of one item (broker up) before it is left to its lease
+HELD_MAX = 1024  # abandoned results kept for later writes; beyond, the oldest is dropped
+HELD_ATTEMPTS = 60  # writes of one held result before it is dropped (its lease is back)
+HELD_FIRST_DELAY, HELD_MAX_DELAY = 0.5, 5.0  # backoff between passes over held results
 T = TypeVar("T")
 
 
@@ -55,6 +63,9 @@ class ResultWriter:
         # A transport with slow round trips (Pub/Sub) may take larger batches than BATCH.
         self._batch: int = getattr(transport, "write_batch", BATCH)
         self._send, self._receive = anyio.create_memory_object_stream[Op](buffer)
+        # Abandoned results with their failed write count, oldest first; set while any.
+        self._held: deque[tuple[Completion, int]] = deque()
+        self._holding = anyio.Event()
 
     def sender(self) -> ObjectSendStream[Op]:
         """A sender for one producer task; the writer stops when all are closed."""
@@ -65,6 +76,13 @@ class ResultWriter:
         self._send.close()
 
     async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._retry_held)
+            await self._drain()
+            tg.cancel_scope.cancel()
+        await self._write_held()  # a last try; what is left comes back with its lease
+
+    async def _drain(self) -> None:
         async with self._receive:
             while True:
                 try:
@@ -95,11 +113,16 @@ class ResultWriter:
         if len(items) > 1 and await self._attempt(what, partial(write, items), SPLIT_AFTER):
             return list(items)
         landed = []
+        limit = ABANDON_AFTER
         for item in items:
-            if await self._attempt(what, partial(write, [item]), ABANDON_AFTER):
+            if await self._attempt(what, partial(write, [item]), limit):
                 landed.append(item)
-            else:
-                log.error("result_write_abandoned", op=what, item=_describe(item))
+                limit = ABANDON_AFTER
+                continue
+            self._abandon(what, item)
+            # Redis refusing every write looks the same: the items behind it get one try
+            # each, so a batch is given up in seconds, not a minute.
+            limit = 1
         return landed
 
     def _observe(self, written: Sequence[tuple[Delivery, Result]]) -> None:
@@ -110,6 +133,56 @@ class ResultWriter:
             q = delivery.queue
             request = delivery.envelope.request if delivery.envelope is not None else None
             self._metrics.queue(q.id, q.name, q.pool).result_written(result, request, now)
+
+    def _abandon(self, what: str, item: object) -> None:
+        log.error("result_write_abandoned", op=what, item=_describe(item))
+        if isinstance(item, Deferral):
+            abandon(self._transport, item.delivery, "write_failed")
+            return
+        held = Completion(*item)  # type: ignore[misc]  # a (delivery, result) pair
+        abandon(self._transport, held.delivery, "write_failed")
+        if len(self._held) >= HELD_MAX:
+            self._drop_held("held_full")
+        self._held.append((held, 0))
+        self._holding.set()
+
+    def _drop_held(self, why: str) -> None:
+        completion, attempts = self._held.popleft()
+        log.warning(
+            "held_result_dropped",
+            item=_describe(completion),
+            reason=why,
+            attempts=attempts,
+        )
+
+    async def _retry_held(self) -> None:
+        """Write held results with backoff while there are any."""
+        delay = HELD_FIRST_DELAY
+        while True:
+            await self._holding.wait()
+            await anyio.sleep(delay)
+            landed = await self._write_held()
+            delay = HELD_FIRST_DELAY if landed else min(HELD_MAX_DELAY, delay * 2)
+
+    async def _write_held(self) -> bool:
+        """One pass, oldest first, stopping at the first failure (which goes to the back)."""
+        while self._held:
+            completion, attempts = self._held[0]
+            try:
+                await self._transport.complete([(completion.delivery, completion.result)])
+            except Exception as exc:  # a crash here would stop every later write
+                log.warning("held_result_write_failed", attempt=attempts + 1, error=str(exc))
+                if attempts + 1 >= HELD_ATTEMPTS:
+                    self._drop_held("attempts")
+                else:
+                    self._held[0] = (completion, attempts + 1)
+                    self._held.rotate(-1)
+                return False
+            self._held.popleft()
+            self._observe([(completion.delivery, completion.result)])
+            log.info("held_result_written", item=_describe(completion))
+        self._holding = anyio.Event()
+        return True
 
     async def _attempt(self, what: str, call: Callable[[], Awaitable[None]], limit: int) -> bool:
         """Retry until it lands (True), or until ``limit`` failures with the broker up (False).
@@ -148,6 +221,7 @@ def _take_ready(stream: MemoryObjectReceiveStream[Op], limit: int) -> list[Op]:
 
 
 def _describe(item: object) -> str:
-    delivery = item.delivery if isinstance(item, Deferral) else item[0]  # type: ignore[index]
+    is_op = isinstance(item, Deferral | Completion)
+    delivery: Delivery = item.delivery if is_op else item[0]  # type: ignore[attr-defined,index]
     envelope = delivery.envelope
     return envelope.id if envelope is not None else f"<undecoded message on {delivery.queue.name}>"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import anyio
 from anyio.abc import TaskStatus
@@ -121,6 +121,23 @@ class TransportContext:
     metrics: Metrics | None = None
     # The pools' gate parameters: their Redis keys are the daemon's own (never a result list).
     gate_params: Sequence[Mapping[str, Any]] = ()
+
+
+@runtime_checkable
+class Abandons(Protocol):
+    """A transport that keeps its deliveries leased itself (heartbeats, lease extension)."""
+
+    def abandon(self, delivery: Delivery, reason: str) -> None:
+        """Stop keeping ``delivery`` leased (logged and counted): its lease expires and the
+        broker hands the message out again, so another attempt finishes it."""
+        ...
+
+
+def abandon(transport: Transport, delivery: Delivery, reason: str) -> None:
+    """Give a delivery whose write was given up back to the broker's redelivery
+    (DESIGN.md §5.15); a transport that holds no leases of its own needs nothing done."""
+    if isinstance(transport, Abandons):
+        transport.abandon(delivery, reason)
 
 
 TRANSPORTS: Registry[Transport, TransportContext] = Registry("transport")

@@ -56,6 +56,8 @@ log = structlog.get_logger(__name__)
 FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on an empty queue
 RETRY_MOVE_INTERVAL = 0.2  # seconds between checks of the retry set for due members
 CHUNK = 500  # members per reaper / retry-mover / heartbeat script call
+ROUTE_REJECTIONS = ("reserved_key", "pattern_mismatch", "wrong_type")
+ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed")
 EXPIRE_INTERVAL = 0.5  # seconds between deadline sweeps: results within ~1 s of a deadline
 EXPIRE_CHUNK = 20  # members decoded per sweep round trip (each up to --max-message-bytes)
 UPKEEP_MAX_BACKOFF = 5.0
@@ -100,6 +102,12 @@ class SortedSetTransport:
             [*(q.gate_params for q in self.queues), *ctx.gate_params],
             config.result_queue_pattern,
         )
+        if ctx.metrics is not None:  # every series at 0 from the start, so alerts see a rise
+            for queue in self.queues:
+                for reason in ROUTE_REJECTIONS:
+                    ctx.metrics.result_route_rejected_total.labels(queue.name, reason)
+                for reason in ABANDON_REASONS:
+                    ctx.metrics.abandoned_total.labels(queue.name, reason)
 
     # ------------------------------------------------------------------ fetch and decode
 
@@ -326,6 +334,16 @@ class SortedSetTransport:
             yield
         finally:
             self._settling -= ids
+
+    def abandon(self, delivery: Delivery, reason: str) -> None:
+        """Stop renewing a claim whose write was given up: its lease expires within
+        ``lease_seconds`` and any replica's reaper puts the message back (DESIGN.md §5.15)."""
+        self._release(delivery)
+        queue = delivery.queue.name
+        request_id = delivery.envelope.id if delivery.envelope else None
+        log.warning("claim_abandoned", queue=queue, request_id=request_id, reason=reason)
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.abandoned_total.labels(queue, reason).inc()
 
     def _release(self, delivery: Delivery) -> None:
         self._held.get(delivery.queue.name, {}).pop(_claim(delivery).id, None)

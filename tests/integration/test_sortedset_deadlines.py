@@ -94,7 +94,7 @@ async def test_expired_message_is_answered_while_every_worker_is_busy(
         result, at = await wait_for_result(r, f"{unique}:results", 6)
         assert result.id == "late"
         assert result.error_code == ErrorCode.DEADLINE_EXCEEDED
-        assert at - deadline < 1.2, f"answered {at - deadline:.2f} s after its deadline"
+        assert at - deadline < 2.0, f"answered {at - deadline:.2f} s after its deadline"
         assert metric(processor, "llm_d_async_async_exceeded_deadline_requests_total") == 1
         assert metric(processor, "llm_d_async_async_inflight_requests") == 1  # still busy
         await client.aclose()

@@ -132,6 +132,8 @@ def populated_metrics() -> Metrics:
     queue.gate_gauges("pool")
     queue.result_written(Result.failure("r", ErrorCode.GATE_DROPPED, ""), None, 0.0)
     m.set_build_info("0", "redis-sortedset")
+    m.result_route_rejected_total.labels("q", "reserved_key")  # made by the sorted-set transport
+    m.abandoned_total.labels("q", "write_failed")
     m.pool_worker_limit.labels("default").set(1)
     # Gate gauges register when their gate is built: build one of each kind that has them.
     load_all()

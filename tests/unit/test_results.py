@@ -126,3 +126,54 @@ async def test_landed_results_are_measured_abandoned_ones_are_not() -> None:
     latency = "llm_d_async_async_submit_to_result_time_millis"
     assert sample(f"{latency}_count", labels) == 1.0  # only "ok" said when it was created
     assert 29_000 <= sample(f"{latency}_sum", labels) <= 35_000
+
+
+class RefusingTransport(FlakyTransport):
+    """Refuses the first ``refusals`` writes while PING answers (NOREPLICAS, READONLY...)."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__()
+        self.refusals = refusals
+        self.abandoned: list[tuple[str, str]] = []
+
+    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise TransportError("NOREPLICAS Not enough good replicas to write.")
+        await super().complete(items)
+
+    async def health(self) -> None:
+        return None
+
+    def abandon(self, delivery: Delivery, reason: str) -> None:
+        self.abandoned.append((delivery.envelope.id, reason))  # type: ignore[union-attr]
+
+
+async def test_an_abandoned_result_stops_its_lease_and_is_written_later() -> None:
+    # Used to be logged and thrown away, while the claim stayed leased until the deadline.
+    transport = RefusingTransport(refusals=3 + 5 + 1 + 4)  # batch, item a, item b, held tries
+    writer = ResultWriter(transport)  # type: ignore[arg-type]
+    sender = writer.sender()
+    writer.close()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(writer.run)
+        async with sender:
+            for request_id in ("a", "b"):
+                await sender.send(
+                    Completion(_delivery(request_id), Result.http(request_id, 200, b""))
+                )
+            with anyio.fail_after(5):  # written by the held retries, the writer still open
+                while len(transport.written) < 2:
+                    await anyio.sleep(0.01)
+    assert transport.abandoned == [("a", "write_failed"), ("b", "write_failed")]
+    assert sorted(transport.written) == ["a", "b"]
+    assert transport.refusals == 0
+
+
+async def test_held_results_are_bounded_oldest_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(results_mod, "HELD_MAX", 2)
+    monkeypatch.setattr(results_mod, "HELD_ATTEMPTS", 1)  # held results fail once: dropped
+    transport = RefusingTransport(refusals=10_000)
+    await _run(transport, ["a", "b", "c"])
+    assert [request_id for request_id, _ in transport.abandoned] == ["a", "b", "c"]
+    assert transport.written == ["defer:later"]

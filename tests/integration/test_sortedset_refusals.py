@@ -1,0 +1,122 @@
+"""Redis refusing writes while PING answers (issue #9.2): nothing stays leased for nothing.
+
+A private redis-server refuses writes with NOREPLICAS (``min-replicas-to-write 1`` with
+no replica) for 8 s while a request is in flight. Whatever the daemon then gives up on
+(a result write, a hand-back) stops being renewed at once, and a result it already holds
+is written later: the producer gets its 200 within 3 x lease_seconds of the refusal
+ending, not at deadline + 300 s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+
+from async_processor.config import AppConfig
+from async_processor.transports import redis_keys
+from async_processor.transports.base import TransportContext
+from async_processor.transports.redis_sortedset import SortedSetTransport
+from tests.fixtures.inprocess import metric, running, sortedset_config, submit
+from tests.fixtures.servers import RedisServer
+from tests.fixtures.simulator import SimulatorProcess
+
+pytestmark = pytest.mark.anyio
+LEASE = 10.0  # long enough that no lease expires during the refusal by itself
+REFUSAL = 8.0
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def admin(private_redis: RedisServer) -> AsyncIterator[Redis]:
+    client = Redis.from_url(private_redis.url)
+    yield client
+    await client.aclose()
+
+
+def leased_config(redis_url: str, gateway: str, queue: str, **runtime: str) -> AppConfig:
+    config = sortedset_config(redis_url, gateway, queue, **runtime)
+    transport = config.transport_config.model_copy(update={"lease_seconds": LEASE})
+    return config.model_copy(update={"transport_config": transport})
+
+
+async def refuse_writes_while_in_flight(admin: Redis, processor_metric: object) -> float:
+    """Refuse writes for REFUSAL s; the time the refusal ended."""
+    await admin.config_set("min-replicas-to-write", 1)
+    try:
+        with pytest.raises(Exception, match="NOREPLICAS"):
+            await admin.set("probe", "x")
+        await anyio.sleep(REFUSAL)
+    finally:
+        await admin.config_set("min-replicas-to-write", 0)
+    return time.monotonic()
+
+
+async def in_flight(processor: object) -> None:
+    with anyio.fail_after(5):
+        while not metric(processor, "llm_d_async_async_inflight_requests"):  # type: ignore[arg-type]
+            await anyio.sleep(0.05)
+
+
+async def test_a_result_refused_by_redis_is_kept_and_written_after_the_refusal(
+    private_redis: RedisServer, admin: Redis, unique: str, simulator: SimulatorProcess
+) -> None:
+    simulator.configure(latency=2.0)  # the answer comes back while writes are refused
+    config = leased_config(private_redis.url, simulator.url, unique)
+    async with running(config) as processor:
+        request = {"id": "kept", "deadline": int(time.time()) + 3600, "payload": {"p": 1}}
+        client = await submit(private_redis.url, unique, request)
+        await in_flight(processor)
+        ended = await refuse_writes_while_in_flight(admin, processor)
+        [result] = await client.drain_results(1, 3 * LEASE)
+        took = time.monotonic() - ended
+        assert result.status_code == 200
+        assert took < 3 * LEASE
+        abandoned = metric(processor, "llm_d_async_async_abandoned_claims_total")
+        assert abandoned >= 1
+        await client.aclose()
+    assert await admin.zcard(redis_keys.inflight_key(unique)) == 0
+    print(f"200 result {took:.1f} s after the refusal ended (lease {LEASE} s)")
+
+
+async def test_a_hand_back_refused_by_redis_is_not_renewed_and_comes_back(
+    private_redis: RedisServer, admin: Redis, unique: str, simulator: SimulatorProcess
+) -> None:
+    # The attempt times out (a retry) while writes are refused: the hand-back fails and is
+    # given up. Its claim used to be renewed until deadline + 300 s.
+    simulator.configure(latency=60.0)
+    config = leased_config(private_redis.url, simulator.url, unique, request_timeout="2s")
+    async with running(config) as processor:
+        request = {"id": "back", "deadline": int(time.time()) + 3600, "payload": {"p": 1}}
+        client = await submit(private_redis.url, unique, request)
+        await in_flight(processor)
+        ended = await refuse_writes_while_in_flight(admin, processor)
+        simulator.configure(latency=0.0)
+        [result] = await client.drain_results(1, 3 * LEASE)
+        took = time.monotonic() - ended
+        assert result.status_code == 200
+        assert took < 3 * LEASE
+        await client.aclose()
+    print(f"200 result {took:.1f} s after the refusal ended (lease {LEASE} s)")
+
+
+async def test_an_abandoned_claim_is_not_renewed(private_redis: RedisServer, admin: Redis) -> None:
+    config = leased_config(private_redis.url, "http://gw.test", "q").transport_config
+    await admin.zadd("q", {b'{"no": "id"}': 1})
+    transport = SortedSetTransport(config, TransportContext())  # type: ignore[arg-type]
+    try:
+        [delivery] = await transport.fetch(transport.queues[0], 1, 0)
+        [(claim, expiry)] = await admin.zrange("q:inflight", 0, -1, withscores=True)
+        transport.abandon(delivery, "dead_letter_failed")
+        await anyio.sleep(0.05)
+        await transport.heartbeat()
+        assert await admin.zscore("q:inflight", claim) == expiry
+    finally:
+        await transport.aclose()
