@@ -78,6 +78,10 @@ class Metrics:
             ("queue_name", "reason"),
             registry=r,
         )
+        self.duplicates_suppressed_total = counter(
+            "duplicates_suppressed",
+            "Results not written because the submission was already answered (dedup marker).",
+        )
         self.abandoned_total = Counter(
             PREFIX + "abandoned_claims",
             "Claims given up after a write failed (lease left to expire), by reason.",

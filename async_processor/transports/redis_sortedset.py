@@ -216,12 +216,21 @@ class SortedSetTransport:
             items, targets, scripts, strict=True
         ):
             if not written and (held or not queued):
-                log.info(
-                    "duplicate_result_skipped", request_id=result.id, queue=delivery.queue.name
-                )
+                self._duplicate(delivery, result)
             if fell_back:
                 self._route_rejected(delivery, target, "wrong_type")
         return [tuple(reply) for reply in scripts]
+
+    def _duplicate(self, delivery: Delivery, result: Result) -> None:
+        """A second delivery of a submission already answered (a redelivery, or the same
+        bytes submitted again within ``dedup_ttl_seconds``): no second result, but never
+        silent (the producer may be resubmitting on purpose and waiting in vain)."""
+        queue = delivery.queue
+        log.warning("duplicate_suppressed", request_id=result.id, queue=queue.name)
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.duplicates_suppressed_total.labels(
+                queue.id, queue.name, queue.pool
+            ).inc()
 
     def _check_replicas(self, waited: list[int]) -> None:
         """The results are written either way; fewer replicas than asked means a failover

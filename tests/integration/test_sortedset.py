@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 from redis.asyncio import Redis
+from structlog.testing import capture_logs
 
 from async_processor.config import SortedSetConfig
 from async_processor.errors import TransportError
@@ -725,3 +726,29 @@ async def test_different_id_and_token_pairs_never_share_a_dedup_marker(
             await transport.complete([(delivery, Result.http(envelope.id, 200, b"{}"))])
     ids = sorted(x.id for x in await results_of(r, config.result_queue_name))
     assert ids == sorted([f"{unique}:b", unique])
+
+
+async def test_an_identical_resubmission_is_counted_and_logged_not_silent(
+    make_config, r, unique
+) -> None:
+    # The same bytes submitted again within the dedup TTL: one result (as before), but
+    # the producer waiting for a second one must be able to see why (issue #9.6).
+    config = make_config()
+    q = config.queues[0].queue_name
+    metrics = Metrics()
+    raw = member(f"{unique}-again", future())
+    transport = SortedSetTransport(config, TransportContext(metrics=metrics))
+    try:
+        with capture_logs() as logs:
+            for _ in range(2):
+                await r.zadd(q, {raw: 1})
+                delivery = await fetch_one(transport)
+                await transport.complete([(delivery, Result.http(f"{unique}-again", 200, b""))])
+    finally:
+        await transport.aclose()
+    assert await r.llen(config.result_queue_name) == 1
+    labels = {"queue_id": "qid", "queue_name": q, "pool_name": "default"}
+    sample = "llm_d_async_async_duplicates_suppressed_total"
+    assert metrics.registry.get_sample_value(sample, labels) == 1
+    [warned] = [x for x in logs if x["event"] == "duplicate_suppressed"]
+    assert warned["log_level"] == "warning" and warned["request_id"] == f"{unique}-again"
