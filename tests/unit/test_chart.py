@@ -101,7 +101,7 @@ def render(values: dict[str, Any], name: str = "demo") -> dict[str, dict[str, An
         for obj in parse_docs(text):
             key = obj["kind"]
             suffix = obj["metadata"]["name"].rsplit("-", 1)[-1]
-            if key == "ConfigMap" or (key == "PodMonitor" and suffix in ("epp", "modelserver")):
+            if key == "ConfigMap" or suffix in ("epp", "modelserver", "exporter"):
                 key += ":" + suffix
             assert key not in objects, f"two {key} objects"
             objects[key] = obj
@@ -413,6 +413,71 @@ def test_keda_example_scales_on_the_broker_backlog() -> None:
     }
 
 
+SCALE_TO_ZERO = CHART / "ci" / "scale-to-zero-values.yaml"
+
+
+def test_scale_to_zero_reads_the_exporters_backlog() -> None:
+    objects = render(load_values(SCALE_TO_ZERO))
+    scaled = objects["ScaledObject"]["spec"]
+    assert scaled["minReplicaCount"] == 0
+    [trigger] = scaled["triggers"]
+    assert trigger["type"] == "metrics-api"
+    service = objects["Service:exporter"]
+    port = service["spec"]["ports"][0]["port"]
+    name = service["metadata"]["name"]
+    assert trigger["metadata"]["url"] == f"http://{name}.{NAMESPACE}.svc:{port}/backlog"
+    assert trigger["metadata"]["valueLocation"] == "backlog"
+    assert trigger["metadata"]["targetValue"] == "300"
+    assert trigger["metadata"]["authMode"] == "bearer"  # the exporter checks the metrics token
+    assert trigger["authenticationRef"] == {"name": "async-processor-exporter-token"}
+    # Zero daemons is normal here: no absent() alert.
+    assert "AsyncProcessorDown" not in {r["alert"] for r in rules_of(objects)}
+
+
+def test_exporter_is_one_replica_of_the_same_image_on_the_same_config(tmp_path: Path) -> None:
+    from async_processor.config import parse_settings
+    from async_processor.exporter import _flags
+
+    objects = render(load_values(SCALE_TO_ZERO))
+    exporter = objects["Deployment:exporter"]
+    assert exporter["spec"]["replicas"] == 1
+    [c] = exporter["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == container(objects)["image"]
+    assert env_of(c)["REDIS_URL"] == env_of(container(objects))["REDIS_URL"]
+    assert c["args"][0] == "exporter"
+    # Its args go through the exporter's own parser and the daemon's config loader.
+    for name, text in objects["ConfigMap:config"]["data"].items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "token").write_text("t")
+    mounts = (CONFIG_DIR, "/etc/async-processor/metrics-token")
+    local = [re.sub("|".join(map(re.escape, mounts)), str(tmp_path), a) for a in c["args"][1:]]
+    settings = parse_settings(local, {}, extend=_flags)
+    assert settings.extra["interval"] == 10.0
+    config = load_config(
+        [a for a in local if not a.startswith("--interval")], {"REDIS_URL": "redis://r"}
+    )
+    assert config.runtime.metrics_bearer_token == "t"
+    # The daemon's selectors (Service, PDB, PodMonitor) never pick the exporter's pod.
+    pod_labels = exporter["spec"]["template"]["metadata"]["labels"]
+    daemon = objects["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert not daemon.items() <= pod_labels.items()
+    service = objects["Service:exporter"]["spec"]["selector"]
+    assert service.items() <= pod_labels.items()
+
+
+def test_gcp_scales_on_keda_own_pubsub_scaler_per_subscription() -> None:
+    values = load_values(CHART / "ci" / "gcp-pubsub-values.yaml")
+    values["ap"]["keda"] = {"enabled": True, "minReplicaCount": 0, "authenticationRef": "gcp"}
+    scaled = render(values)["ScaledObject"]["spec"]
+    topics = values["ap"]["transportConfig"]["topics"]
+    project = values["ap"]["transportConfig"]["project_id"]
+    assert [t["type"] for t in scaled["triggers"]] == ["gcp-pubsub"] * len(topics)
+    names = [t["metadata"]["subscriptionName"] for t in scaled["triggers"]]
+    assert names == [f"projects/{project}/subscriptions/{t['subscriber_id']}" for t in topics]
+    assert all(t["metadata"]["mode"] == "SubscriptionSize" for t in scaled["triggers"])
+    assert all(t["authenticationRef"] == {"name": "gcp"} for t in scaled["triggers"])
+
+
 def test_metrics_bearer_token_reaches_daemon_and_pod_monitor() -> None:
     objects = render(load_values(CHART / "ci" / "keda-values.yaml"))
     args = container(objects)["args"]
@@ -523,7 +588,15 @@ def test_metrics_service_targets_the_pods() -> None:
         ({"eppMonitor": {"enabled": True}}, "ap.eppMonitor.selector is empty"),
         (
             {"keda": {"enabled": True, "serverAddress": "http://p", "minReplicaCount": 0}},
-            "minReplicaCount must be >= 1",
+            "minReplicaCount 0 needs ap.exporter.enabled",
+        ),
+        (
+            {
+                "transport": "redis-pubsub",
+                "exporter": {"enabled": True},
+                "keda": {"enabled": True, "minReplicaCount": 0},
+            },
+            "not possible with redis-pubsub",
         ),
     ],
     ids=lambda v: v if isinstance(v, str) else None,

@@ -134,11 +134,16 @@ Helm has no duration parser, so the parts are summed here; values.schema.json pi
 {{- if and (or $ap.tls.caCertKey $ap.tls.certKey) (not $ap.tls.secretName) -}}
 {{- fail "ap.tls.caCertKey/certKey/keyKey name files in ap.tls.secretName, which is empty" -}}
 {{- end -}}
-{{- if and $ap.keda.enabled (not $ap.keda.serverAddress) -}}
-{{- fail "ap.keda.enabled needs ap.keda.serverAddress (the Prometheus URL KEDA queries)" -}}
+{{- /* KEDA reads the backlog from Prometheus, unless the exporter or (GCP) Pub/Sub reports it. */ -}}
+{{- $prometheusTrigger := and (ne $ap.transport "gcp-pubsub") (not $ap.exporter.enabled) -}}
+{{- if and $ap.keda.enabled $prometheusTrigger (not $ap.keda.serverAddress) -}}
+{{- fail "ap.keda.enabled needs ap.keda.serverAddress (the Prometheus URL KEDA queries), or ap.exporter.enabled" -}}
 {{- end -}}
-{{- if and $ap.keda.enabled (lt (int $ap.keda.minReplicaCount) 1) -}}
-{{- fail "ap.keda.minReplicaCount must be >= 1: the backlog metric is exported by running replicas, so zero replicas would never scale up" -}}
+{{- if and $ap.keda.enabled $prometheusTrigger (lt (int $ap.keda.minReplicaCount) 1) -}}
+{{- fail "ap.keda.minReplicaCount 0 needs ap.exporter.enabled: without it the backlog metric comes from running replicas, so zero replicas would never scale up" -}}
+{{- end -}}
+{{- if and $ap.keda.enabled (eq $ap.transport "redis-pubsub") (lt (int $ap.keda.minReplicaCount) 1) -}}
+{{- fail "ap.keda.minReplicaCount 0 is not possible with redis-pubsub: a message published while no replica subscribes is lost" -}}
 {{- end -}}
 {{- end -}}
 
@@ -168,4 +173,39 @@ relabelings:
 {{- fail (printf "%s.gate_params carries a password, which would land in a ConfigMap: put the URL in a Secret, list it in ap.gateSecrets and write \"${NAME}\" as the param" $owner) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The config-file flags, shared by the daemon and the exporter (which loads the same
+config, so it looks at the same keys). */}}
+{{- define "async-processor.configArgs" -}}
+{{- $ap := .Values.ap -}}
+{{- $dir := include "async-processor.configDir" . -}}
+- --transport={{ $ap.transport }}
+- --transport-config-file={{ $dir }}/transport-config.json
+{{- if $ap.workerPools }}
+- --pool-config-file={{ $dir }}/worker-pools.json
+{{- end }}
+{{- if $ap.requestMergePolicyConfig }}
+- --request-merge-policy-config-file={{ $dir }}/request-merge-policy.json
+{{- end }}
+{{- if $ap.transformConfig }}
+- --transform-config-file={{ $dir }}/transform-config.json
+{{- end }}
+{{- end -}}
+
+{{/* The exporter's names and labels: its own app name, so the daemon's selectors (Service,
+PodMonitor, PodDisruptionBudget) never pick its pod. */}}
+{{- define "async-processor.exporterName" -}}
+{{- printf "%s-exporter" (include "async-processor.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "async-processor.exporterSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "async-processor.name" . }}-exporter
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* A subscription's full path from (project_id, subscriber_id); a full path stays as is. */}}
+{{- define "async-processor.subscription" -}}
+{{- $project := index . 0 -}}{{- $id := index . 1 -}}
+{{- if hasPrefix "projects/" $id -}}{{ $id }}{{- else -}}{{ printf "projects/%s/subscriptions/%s" $project $id }}{{- end -}}
 {{- end -}}
