@@ -17,13 +17,18 @@ Real limits (Redis pub/sub itself, not fixable here; use redis-sortedset instead
 Within those limits: no message is dropped by our own buffers (one bounded buffer per
 channel; when it is full the subscriber stops reading the socket), due retries go back
 within 250 ms straight into this process's buffer (no fan-out, no 30 s idle sleep), and
-a lost subscription is re-made within a second.
+a lost subscription is re-made within a second. Moving due retries is idempotent (a pop
+re-sent by redis-py after a lost reply gets the same batch), and a dead letter Redis
+refuses is held and written again, not dropped.
 """
 
 from __future__ import annotations
 
+import itertools
+import uuid
 from collections import deque
 from collections.abc import Sequence
+from contextlib import suppress
 
 import anyio
 import structlog
@@ -52,6 +57,10 @@ RETRY_CHECK_INTERVAL = 0.25  # seconds between looks at the retry set when nothi
 RETRY_SCAN = 200  # due members examined per look
 READ_TIMEOUT = 1.0  # a subscriber's read wakes this often (to notice cancellation)
 RESUBSCRIBE_MAX_BACKOFF = 1.0
+POP_RECORD_TTL = 60  # s a pop's record answers a re-sent pop (deleted once handed over)
+# Dead letters Redis refused, held and written again (oldest first) by the retry mover;
+# when this many wait, dead_letter waits too (backpressure onto the poller, not a drop).
+DEAD_LETTER_HOLD = 1000
 DEDUP_TTL_SECONDS = 86400
 CLOSE_TIMEOUT = 10.0
 DEPRECATION = (
@@ -80,13 +89,20 @@ return 1
 
 # Pop due retries of our channels, at most ``room`` per channel (what our buffers can take);
 # others' retries are left for the replicas that subscribe to their channel.
-# KEYS[1] retry set; ARGV[1] members to examine, then pairs (channel, room).
-# Returns a flat list {channel, member, ...}.
+# KEYS[1] retry set, KEYS[2] this pop's record (named by a pop id unique per process and
+# pop); ARGV[1] members to examine, ARGV[2] record TTL, then pairs (channel, room).
+# Returns a flat list {channel, member, ...}. The record makes it idempotent: redis-py
+# sends the same call again when the reply was lost, and gets the same batch back
+# instead of the next one (the first would be gone: popped, and nobody got it).
 POP_DUE = """
+local done = redis.call('LRANGE', KEYS[2], 0, -1)
+if #done > 0 then
+  return done
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local room = {}
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   room[ARGV[i]] = tonumber(ARGV[i + 1])
 end
 local out = {}
@@ -102,6 +118,10 @@ for _, member in ipairs(due) do
       out[#out + 1] = member
     end
   end
+end
+if #out > 0 then
+  redis.call('RPUSH', KEYS[2], unpack(out))
+  redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
 end
 return out
 """
@@ -125,6 +145,9 @@ class RedisPubSubTransport:
         for queue in self.queues:
             self._buffers[queue.name] = _Buffer(queue.batch_size)
         self._subscribed = {q.name: False for q in self.queues}
+        self._owner = uuid.uuid4().hex
+        self._pops = itertools.count()
+        self._held: deque[tuple[str, str]] = deque()  # (dead-letter key, entry) to write
         log.warning("redis_pubsub_deprecated", message=DEPRECATION)
 
     # ------------------------------------------------------------------ fetch and decode
@@ -192,10 +215,30 @@ class RedisPubSubTransport:
         return envelope.encode()
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
-        """Park on ``<channel>:dead-letter`` as {reason, detail, raw, time, queue}."""
-        entry = keys.dead_letter_entry(delivery, reason, detail)
-        with redis_errors("dead_letter"):
-            await self._redis.lpush(keys.dead_letter_key(delivery.queue.name), entry)
+        """Park on ``<channel>:dead-letter`` as {reason, detail, raw, time, queue}.
+
+        A channel keeps nothing: if Redis refuses the write, the entry is held and written
+        again by the retry mover (a raise would lose the message)."""
+        while len(self._held) >= DEAD_LETTER_HOLD:
+            if await self.write_held():
+                break
+            await anyio.sleep(RETRY_CHECK_INTERVAL)
+        self._held.append((keys.dead_letter_key(delivery.queue.name),
+                           keys.dead_letter_entry(delivery, reason, detail)))  # fmt: skip
+        await self.write_held()
+
+    async def write_held(self) -> bool:
+        """Write the held dead letters, oldest first; False while Redis refuses."""
+        while self._held:
+            key, entry = self._held[0]
+            try:
+                with redis_errors("dead_letter"):
+                    await self._redis.lpush(key, entry)
+            except TransportError as exc:
+                log.warning("dead_letter_held", held=len(self._held), error=str(exc))
+                return False
+            self._held.popleft()
+        return True
 
     # ------------------------------------------------------------------ queries
 
@@ -223,6 +266,8 @@ class RedisPubSubTransport:
                     log.info("buffered_messages_handed_back", count=len(left))
                 except TransportError as exc:
                     log.warning("hand_back_on_close_failed", count=len(left), error=str(exc))
+            if not await self.write_held():
+                log.error("dead_letters_unwritten_at_close", count=len(self._held))
         await self._redis.aclose()
 
     # ------------------------------------------------------------------ upkeep
@@ -276,14 +321,18 @@ class RedisPubSubTransport:
             await buffer.put(Delivery(queue=queue, raw=bytes(message["data"])))
 
     async def _retry_mover(self) -> None:
+        """Held dead letters first, then due retries; backs off while Redis refuses."""
         failures = 0
         while True:
+            moved = 0
             try:
-                moved = await self.move_due()
-                failures = 0
+                if await self.write_held():
+                    moved = await self.move_due()
+                    failures = 0
+                else:
+                    failures += 1
             except TransportError as exc:
                 failures += 1
-                moved = 0
                 log.warning("retry_move_failed", error=str(exc), failures=failures)
             if not moved:
                 await anyio.sleep(min(5.0, RETRY_CHECK_INTERVAL * 2**failures))
@@ -291,17 +340,22 @@ class RedisPubSubTransport:
     async def move_due(self) -> int:
         """Pop due retries of our channels (as many as our buffers can take) into them."""
         room = [(name, buffer.room()) for name, buffer in self._buffers.items()]
-        args: list[str | int] = [RETRY_SCAN]
+        args: list[str | int] = [RETRY_SCAN, POP_RECORD_TTL]
         for name, free in room:
             args += [name, int(free)]
         if not any(free for _, free in room):
             return 0
+        retry = self.config.retry_queue_name
+        record = f"{retry}:pop:{self._owner}:{next(self._pops)}"
         # Shielded: cancelled between Redis popping and the reply arriving (the transport
         # stopping), the popped retries would be gone.
         with anyio.CancelScope(shield=True), redis_errors("retry move"):
-            flat = await self._pop_due(keys=[self.config.retry_queue_name], args=args)
+            flat = await self._pop_due(keys=[retry, record], args=args)
         popped = [(flat[i].decode(), bytes(flat[i + 1])) for i in range(0, len(flat), 2)]
         await self._hand_over(popped)
+        if popped:
+            with suppress(RedisError, OSError):  # else it expires
+                await self._redis.delete(record)
         return len(popped)
 
     async def _hand_over(self, popped: list[tuple[str, bytes]]) -> None:

@@ -20,6 +20,7 @@ from async_processor.messages import Envelope, Request, Result, Routing
 from async_processor.transports import build_transport
 from async_processor.transports.base import Deferral, Delivery, TransportContext
 from async_processor.transports.redis_pubsub import RedisPubSubTransport
+from tests.fixtures.lossy_proxy import lossy_proxy
 from tests.fixtures.servers import RedisServer
 
 pytestmark = pytest.mark.anyio
@@ -198,11 +199,7 @@ async def test_buffered_messages_are_handed_back_on_close(redis_url: str, unique
 
 
 async def test_retries_of_other_channels_are_left_alone(redis_url: str, unique: str) -> None:
-    other = Envelope(
-        Request(id="x", deadline=int(time.time()) + 300),
-        Routing(request_queue_name=f"{unique}-elsewhere"),
-        "redis",
-    ).encode()
+    other = routed("x", f"{unique}-elsewhere")
     publisher = Redis.from_url(redis_url)
     await publisher.zadd(f"{unique}-retry", {other: 0})
     t = transport_for(redis_url, unique)
@@ -251,3 +248,53 @@ async def test_not_ready_before_subscribing_and_deprecation_logged(
         await t.aclose()
     [warning] = [e for e in logs if e["event"] == "redis_pubsub_deprecated"]
     assert "redis-sortedset" in warning["message"] and "fan-out" in warning["message"]
+
+
+def routed(request_id: str, channel: str) -> bytes:
+    """A retry-set member routed back to ``channel``."""
+    routing = Routing(request_queue_name=channel)
+    return Envelope(
+        Request(id=request_id, deadline=int(time.time()) + 300), routing, "redis"
+    ).encode()
+
+
+async def test_a_retry_move_whose_reply_was_lost_still_delivers_its_batch(
+    redis_server: RedisServer, redis_url: str, unique: str
+) -> None:
+    r = Redis.from_url(redis_url)
+    async with lossy_proxy(redis_server.port) as proxy:
+        t = transport_for(proxy.url, unique)
+        try:
+            assert await t.move_due() == 0  # script loaded: the next reply is a pop's
+            await r.zadd(f"{unique}-retry", {routed("due", f"{unique}-in"): 0})
+            proxy.lose_next_reply()  # Redis pops "due"; redis-py sends the pop again
+            assert await t.move_due() == 1
+            assert proxy.replies_lost == 1
+            [delivery] = await t.fetch(t.queues[0], 10, 0.5)
+            assert t.decode(delivery).id == "due"
+            assert await r.zcard(f"{unique}-retry") == 0
+            assert await r.keys(f"{unique}-retry:pop:*") == []  # the record, once handed over
+        finally:
+            await t.aclose()
+            await r.aclose()
+
+
+async def test_a_refused_dead_letter_is_held_and_written_once_redis_accepts(
+    redis_url: str, unique: str
+) -> None:
+    r = Redis.from_url(redis_url)
+    key = f"{unique}-in:dead-letter"
+    await r.set(key, "wrong type")  # every LPUSH to it fails (WRONGTYPE); PING still works
+    async with running(transport_for(redis_url, unique)) as t:
+        await r.publish(f"{unique}-in", b"not json")
+        [delivery] = await fetch_n(t, 1)
+        await t.dead_letter(delivery, "malformed", "not json")  # refused: held, not raised
+        await anyio.sleep(0.5)
+        assert await r.get(key) == b"wrong type"
+        await r.delete(key)
+        with anyio.fail_after(10):  # the retry mover writes it (backing off meanwhile)
+            while not await r.exists(key):
+                await anyio.sleep(0.05)
+        [entry] = await r.lrange(key, 0, -1)
+        assert json.loads(entry)["raw"] == "not json"
+    await r.aclose()
