@@ -94,9 +94,7 @@ def run(argv: Sequence[str], env: Mapping[str, str]) -> int:
 
 def check_config(argv: Sequence[str], env: Mapping[str, str]) -> int:
     """Validate flags, files and plugin types; print the effective config as JSON."""
-    probe = "--probe" in argv  # then run each metric gate's query once (async_processor.probe)
-    argv = [arg for arg in argv if arg != "--probe"]
-    settings = parse_settings(argv, env, prog=f"{PROG} check-config")
+    settings = parse_settings(argv, env, prog=f"{PROG} check-config", extend=_probe_flag)
     configure_logging(settings.log_level, settings.log_format)  # stderr: stdout is the JSON
     config = build_config(settings, env)
     validate_plugins: Callable[[AppConfig], Any] | None = getattr(
@@ -105,7 +103,14 @@ def check_config(argv: Sequence[str], env: Mapping[str, str]) -> int:
     if validate_plugins is not None:
         validate_plugins(config)
     print(json.dumps(effective_config(config), indent=2, sort_keys=False))
-    return int(_import("probe", "main").main(config)) if probe else 0
+    return int(_import("probe", "main").main(config)) if settings.extra["probe"] else 0
+
+
+def _probe_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--probe", action="store_true",
+        help="then run each metric gate's query once and print what it would use",
+    )  # fmt: skip
 
 
 def effective_config(config: AppConfig) -> dict[str, Any]:
