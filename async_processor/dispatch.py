@@ -11,7 +11,7 @@ from __future__ import annotations
 import posixpath
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -85,6 +85,18 @@ RESERVED_HEADERS = frozenset(
 class DispatchSettings:
     request_timeout: float = 300.0
     deadline_header: str = "x-request-deadline"
+    # Header names the merge policy is configured to stamp (its ``*_header`` parameters),
+    # refused from messages like the default names even when not stamped on one.
+    stamped_names: frozenset[str] = frozenset()
+
+
+def stamped_header_names(merge_parameters: Mapping[str, object]) -> frozenset[str]:
+    """The lower-cased names of a merge policy's ``*_header`` parameters."""
+    return frozenset(
+        value.lower()
+        for key, value in merge_parameters.items()
+        if key.endswith("_header") and isinstance(value, str) and value
+    )
 
 
 def build_request(work: Work, settings: DispatchSettings) -> Outgoing:
@@ -122,7 +134,8 @@ def _check_caller_headers(work: Work, settings: DispatchSettings) -> None:
     deadline, objective, priority and fairness headers are the daemon's to set.
     """
     request = work.envelope.request
-    reserved = RESERVED_HEADERS | {name.lower() for name, _ in work.stamped_headers}
+    reserved = RESERVED_HEADERS | settings.stamped_names
+    reserved |= {name.lower() for name, _ in work.stamped_headers}
     if settings.deadline_header:
         reserved |= {settings.deadline_header.lower()}
     for name, value in request.headers.items():

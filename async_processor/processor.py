@@ -30,6 +30,7 @@ from async_processor.dispatch import (
     TransformChain,
     Worker,
     make_session,
+    stamped_header_names,
 )
 from async_processor.errors import ConfigError
 from async_processor.gates.base import Gate, GateContext, GateOwner, build_gate
@@ -205,7 +206,11 @@ class Processor:
         transforms: TransformChain,
     ) -> list[Poller]:
         rt = self.config.runtime
-        settings = DispatchSettings(rt.request_timeout, rt.deadline_header)
+        settings = DispatchSettings(
+            rt.request_timeout,
+            rt.deadline_header,
+            stamped_header_names(self.config.merge_policy.parameters),
+        )
         pollers: list[Poller] = []
         for pool in self.pools:
             sink, merged = anyio.create_memory_object_stream[Work](max(1, len(pool.queues)))

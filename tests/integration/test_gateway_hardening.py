@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from async_processor.config import MergePolicyConfig
 from async_processor.health import listening
 from async_processor.messages import Result
 from tests.fixtures.inprocess import running, sortedset_config, submit
@@ -62,9 +63,16 @@ def _req(request_id: str, **extra: Any) -> dict[str, Any]:
 
 
 async def _results(
-    redis_url: str, queue: str, base: str, *requests: dict[str, Any]
+    redis_url: str,
+    queue: str,
+    base: str,
+    *requests: dict[str, Any],
+    merge: MergePolicyConfig | None = None,
 ) -> dict[str, Result]:
-    async with running(sortedset_config(redis_url, base, queue)):
+    config = sortedset_config(redis_url, base, queue)
+    if merge is not None:
+        config = config.model_copy(update={"merge_policy": merge})
+    async with running(config):
         client = await submit(redis_url, queue, *requests)
         results = await client.drain_results(len(requests), 20)
         await client.aclose()
@@ -101,6 +109,27 @@ async def test_hostile_headers_are_invalid_request_and_never_sent(
     assert results["fine"].status_code == 200
     assert list(gateway.headers) == ["fine"]  # nothing hostile went out
     assert gateway.headers["fine"]["Host"] == gateway.url.removeprefix("http://")
+
+
+async def test_headers_the_merge_policy_is_configured_to_stamp_are_refused_too(
+    redis_url: str, unique: str, gateway: Gateway
+) -> None:
+    # No "userid" in metadata, so no fairness header is stamped on these messages: the
+    # configured name is the daemon's all the same.
+    merge = MergePolicyConfig(
+        type="tier-priority",
+        parameters={"fairness_header": "x-my-tenant", "priority_header": "x-my-priority"},
+    )
+    requests = [
+        _req("tenant", headers={"X-My-Tenant": "someone-else"}),
+        _req("priority", headers={"x-my-priority": "0"}),
+        _req("fine", headers={"x-test-id": "fine"}),
+    ]
+    results = await _results(redis_url, unique, gateway.url, *requests, merge=merge)
+    assert results["tenant"].error_code == results["priority"].error_code == "INVALID_REQUEST"
+    assert results["fine"].status_code == 200
+    assert list(gateway.headers) == ["fine"]
+    assert gateway.headers["fine"]["x-my-priority"] != "0"
 
 
 async def test_a_redirect_is_the_result_and_never_followed(
