@@ -138,3 +138,28 @@ def test_status_without_redis_exits_1_with_one_line(
     assert main(["status", "--transport-config-file", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("async-processor status: redis status failed") and err.count("\n") == 1
+
+
+def test_status_of_gcp_pubsub_lists_each_subscription_unknown_on_the_emulator(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cloud Monitoring is not reachable from the emulator: depth is unknown, not 0."""
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", "127.0.0.1:9")
+    topics = [{"subscriber_id": "s1", "igw_base_url": GW},
+              {"subscriber_id": "s2", "igw_base_url": GW, "worker_pool_id": "batch"}]  # fmt: skip
+    raw = {"project_id": "p", "result_topic_id": "results", "topics": topics}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(raw))
+    pools = tmp_path / "pools.json"
+    pools.write_text(json.dumps([{"id": "default", "workers": 1}, {"id": "batch", "workers": 1}]))
+    args = ["--transport", "gcp-pubsub", "--transport-config-file", str(path),
+            "--pool-config-file", str(pools)]  # fmt: skip
+    code, out = status(capsys, *args, "--json")
+    assert code == 0
+    queues = json.loads(out)["queues"]
+    assert [(q["queue"], q["pool"], q["depth"]) for q in queues] == [
+        ("s1", "default", None),
+        ("s2", "batch", None),
+    ]
+    code, table = status(capsys, *args)
+    assert "s2" in table and "-" in table.splitlines()[-1]
