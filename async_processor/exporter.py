@@ -5,8 +5,9 @@ daemon between 0 and N: at zero replicas nobody else reports the backlog). Input
 daemon's own flags and config. Output, refreshed every ``--interval``:
 
 - ``/metrics`` on ``--metrics-port``: per queue ``llm_d_async_exporter_queue_depth``,
-  ``_in_flight``, ``_retry_due``, ``_retry_parked``, ``_dead_letters``,
-  ``_oldest_deadline_seconds``; per result list ``_result_list_length``; the total
+  ``_in_flight``, ``_dead_letters``, ``_oldest_deadline_seconds``; per retry set
+  ``_retries{state="due"|"parked"}`` (counted by score, so cheap at any size); per result
+  list ``_result_list_length``; the total
   ``llm_d_async_exporter_backlog`` and ``llm_d_async_exporter_up`` (1 when the last
   refresh reached the broker);
 - ``/backlog`` on the same port: ``{"backlog": N}`` for KEDA's ``metrics-api`` trigger
@@ -45,17 +46,16 @@ DEFAULT_INTERVAL = 5.0
 QUEUE_GAUGES = {
     "depth": ("queue_depth", "Requests waiting on the broker, not claimed."),
     "in_flight": ("in_flight", "Requests claimed under a lease."),
-    "retry_due": ("retry_due", "Retries due now."),
-    "retry_parked": ("retry_parked", "Retries waiting for their backoff."),
     "dead_letters": ("dead_letters", "Entries on the dead-letter list."),
     "oldest_deadline": ("oldest_deadline_seconds", "Deadline of the most urgent waiting request."),
 }
-BACKLOG_PARTS = ("depth", "in_flight", "retry_due", "retry_parked")
 
 
 def backlog(status: Status) -> int:
-    """Work not yet answered, over every queue (unknown figures count as 0)."""
-    return sum(getattr(q, part) or 0 for q in status.queues for part in BACKLOG_PARTS)
+    """Work not yet answered: waiting and in flight on every queue, plus the retry sets
+    (unknown figures count as 0)."""
+    queued = sum((q.depth or 0) + (q.in_flight or 0) for q in status.queues)
+    return queued + sum(sum(counts.values()) for counts in status.retry_sets.values())
 
 
 class Exporter:
@@ -70,6 +70,8 @@ class Exporter:
             attr: Gauge(PREFIX + name, doc, labels, registry=registry)
             for attr, (name, doc) in QUEUE_GAUGES.items()
         }
+        self._retries = Gauge(PREFIX + "retries", "Retry-set members, due now or parked.",
+                              ("retry_set", "state"), registry=registry)  # fmt: skip
         self._results = Gauge(PREFIX + "result_list_length", "Results waiting to be read.",
                               ("result_list",), registry=registry)  # fmt: skip
         self._backlog = Gauge(PREFIX + "backlog", "Waiting + in flight + retries.",
@@ -79,7 +81,8 @@ class Exporter:
 
     async def refresh(self) -> None:
         try:
-            status = await collect(self.config)
+            # Totals only: attributing each retry to its queue reads the whole retry set.
+            status = await collect(self.config, per_queue_retries=False)
         except TransportError as exc:
             if self.error is None:
                 log.warning("exporter_refresh_failed", error=str(exc))
@@ -92,6 +95,9 @@ class Exporter:
         self._backlog.set(self.backlog)
         for queue in status.queues:
             self._set_queue(queue)
+        for retry_set, counts in status.retry_sets.items():
+            for state, count in counts.items():
+                self._retries.labels(retry_set, state).set(count)
         for name, length in status.result_lists.items():
             if length is not None:
                 self._results.labels(name).set(length)

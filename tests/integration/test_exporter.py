@@ -80,6 +80,9 @@ async def test_backlog_follows_the_queue_retries_and_claims(
         r.zadd(f"{queue}-retry", {"later": time.time() + 60})  # a parked retry is work too
         r.zadd(f"{queue}:inflight", {"claim": time.time() + 30})  # so is a held claim
         await backlog_becomes(f"{metrics}/backlog", 5)
+        _, text = await get(f"{metrics}/metrics")
+        retries = f'llm_d_async_exporter_retries{{retry_set="{queue}-retry",state="parked"}} 1.0'
+        assert retries in text
         r.delete(queue, f"{queue}-retry", f"{queue}:inflight")
         await backlog_becomes(f"{metrics}/backlog", 0)  # what lets KEDA scale to zero
         r.zadd(queue, {"m": deadline})

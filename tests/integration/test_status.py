@@ -95,12 +95,14 @@ def test_status_of_a_sorted_set_counts_every_state(
     assert abs(a["oldest_deadline"] - (now + 400)) < 2  # a1..a3 were claimed; a4 is next
     assert abs(b["oldest_deadline"] - (now + 900)) < 2
     assert got["result_lists"] == {f"{unique}-results": 2, f"{unique}-rb": 1}
+    assert got["retry_sets"] == {f"{unique}-retry": {"due": 2, "parked": 1}}
 
     code, table = status(capsys, "--transport", "redis-sortedset", "--transport-config-file", path)
     assert code == 0
     row = next(line for line in table.splitlines() if line.startswith(f"{unique}-a "))
     assert row.split()[2:6] == ["2", "1", "1", "1"] and "in 6m" in row
     assert f"{unique}-rb  1" in table
+    assert f"retry set {unique}-retry: 2 due, 1 parked" in table
 
 
 async def _claim_one(config: SortedSetConfig) -> None:
