@@ -34,6 +34,7 @@ from async_processor.messages import Envelope, Request, Result, Routing, decode_
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.redis_conn import RedisConnection, connect
 from async_processor.transports.redis_keys import redis_errors
+from async_processor.transports.redis_keyspace import KeySpace, cluster_problem
 
 SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many
 # The latest deadline a submission may carry: 9999-12-31T23:59:59Z. Larger ones made the
@@ -52,7 +53,9 @@ class UndecodableResult(Result):
 class SortedSetClient:
     """Producer and result consumer over one Redis connection pool.
 
-    ``redis`` is a URL (standalone) or a ``RedisConnection`` (any mode, TLS files).
+    ``redis`` is a URL (standalone) or a ``RedisConnection`` (any mode, TLS files). In
+    cluster mode the markers carry the queue's hash tag (``redis_keyspace``), so
+    ``cancel`` needs the queue, and a result list outside the queue's slot is refused.
     """
 
     def __init__(
@@ -70,7 +73,8 @@ class SortedSetClient:
         # No socket timeout: BRPOP blocks for as long as the caller asked.
         conn = RedisConnection(url=redis) if isinstance(redis, str) else redis
         self._redis: Redis = connect(conn.check(), socket_timeout=None)
-        self._cancel = self._redis.register_script(keys.script_source("cancel"))
+        self._keys = KeySpace(cluster=conn.mode == "cluster")
+        self._cancel = self._keys.scripts(self._redis)["cancel"]
 
     async def __aenter__(self) -> SortedSetClient:
         return self
@@ -109,6 +113,8 @@ class SortedSetClient:
         """Enqueue many requests, one MULTI/EXEC round trip per chunk; returns the tokens."""
         target = queue or self.request_queue
         results_to = result_queue or self.result_queue
+        if self._keys.cluster and (problem := cluster_problem(target, results_to)):
+            raise ValueError(problem)
         tokens: list[str] = []
         batch = [_as_request(r) for r in requests]
         for start in range(0, len(batch), SUBMIT_CHUNK):
@@ -131,13 +137,14 @@ class SortedSetClient:
             kind="redis",
         )
         ttl = max(1, request.deadline - int(time.time()))
-        pipe.delete(keys.cancel_key(request.id))
-        pipe.set(keys.active_key(request.id), token, ex=ttl)
+        pipe.delete(self._keys.cancel(queue, request.id))
+        pipe.set(self._keys.active(queue, request.id), token, ex=ttl)
         pipe.zadd(queue, {envelope.encode(): request.deadline})
         return token
 
-    async def cancel(self, ids: Iterable[str]) -> int:
+    async def cancel(self, ids: Iterable[str], *, queue: str | None = None) -> int:
         """Mark requests cancelled (idempotent); returns how many were still active."""
+        target = queue or self.request_queue
         id_list = list(ids)
         if not id_list:
             return 0
@@ -145,7 +152,10 @@ class SortedSetClient:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for request_id in id_list:
                     await self._cancel(
-                        keys=[keys.active_key(request_id), keys.cancel_key(request_id)],
+                        keys=[
+                            self._keys.active(target, request_id),
+                            self._keys.cancel(target, request_id),
+                        ],
                         args=[keys.CANCEL_TTL_SECONDS],
                         client=pipe,
                     )
@@ -213,7 +223,7 @@ class SortedSetClient:
     async def inflight_depth(self, queue: str | None = None) -> int:
         """Requests claimed by a processor and not yet answered or handed back."""
         with redis_errors("depth"):
-            return int(await self._redis.zcard(keys.inflight_key(queue or self.request_queue)))
+            return int(await self._redis.zcard(self._keys.inflight(queue or self.request_queue)))
 
     async def result_depth(self, result_queue: str | None = None) -> int:
         with redis_errors("depth"):
@@ -222,7 +232,12 @@ class SortedSetClient:
     async def clear(self, names: Sequence[str] | None = None) -> None:
         """Delete the request queue, its in-flight keys and the result list (or ``names``)."""
         q = self.request_queue
-        targets = names or [q, keys.inflight_key(q), keys.inflight_meta_key(q), self.result_queue]
+        targets = names or [
+            q,
+            self._keys.inflight(q),
+            self._keys.inflight_meta(q),
+            self.result_queue,
+        ]
         with redis_errors("clear"):
             await self._redis.delete(*targets)
 

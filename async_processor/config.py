@@ -43,6 +43,7 @@ from async_processor.transports.redis_conn import (
     RedisConnectionFields,
     check_url,
 )
+from async_processor.transports.redis_keyspace import cluster_problem
 
 DEFAULT_POOL = "default"
 DEFAULT_REQUEST_PATH = "/v1/completions"
@@ -184,6 +185,19 @@ class SortedSetConfig(RedisTransportBase):
         _require_unique("queues[].queue_name", [q.queue_name for q in self.queues])
         return self
 
+    @model_validator(mode="after")
+    def _one_slot_per_queue(self) -> SortedSetConfig:
+        """Cluster mode: each queue's result list must share its hash slot (docs/transports.md)."""
+        if self.mode != "cluster":
+            return self
+        if self.wait_replicas:
+            raise ValueError("wait_replicas is not supported in mode cluster")
+        for q in self.queues:
+            problem = cluster_problem(q.queue_name, q.result_queue_name or self.result_queue_name)
+            if problem:
+                raise ValueError(problem)
+        return self
+
     def queue_specs(self) -> list[QueueSpec]:
         return [
             _spec(
@@ -209,6 +223,8 @@ class RedisPubSubConfig(RedisTransportBase):
     @model_validator(mode="after")
     def _unique(self) -> RedisPubSubConfig:
         _require_unique("queues[].queue_name", [q.queue_name for q in self.queues])
+        if self.mode == "cluster":
+            raise ValueError("mode cluster is for redis-sortedset (redis-pubsub is deprecated)")
         return self
 
     def queue_specs(self) -> list[QueueSpec]:

@@ -27,6 +27,7 @@ from async_processor.gates.params import Float, Str
 from async_processor.gates.redis import RedisAddress, redis_client
 from async_processor.gates.shared import Throttle, owner_gauge
 from async_processor.messages import Envelope
+from async_processor.transports.redis_keyspace import slot
 
 log = structlog.get_logger(__name__)
 
@@ -72,6 +73,11 @@ class LeasedRateParams(RedisAddress):
     def _state_key(self) -> Self:
         if not self.state_key:
             object.__setattr__(self, "state_key", f"{self.control_key}:state")
+        if self.redis_mode == "cluster" and slot(self.state_key) != slot(self.control_key):
+            raise ValueError(
+                "redis_mode cluster: control_key and state_key must share a hash slot "
+                "(one script reads both), e.g. '{rate}:control' and '{rate}:state'"
+            )
         return self
 
 

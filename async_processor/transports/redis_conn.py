@@ -8,6 +8,8 @@ client whose failures the callers map to their own errors.
   URL carries only credentials, db and TLS. The pool asks the sentinels again whenever a
   connection fails, so after a failover the next call reaches the new master, and while no
   master is known every call fails (the daemon's /readyz turns 503).
+- ``cluster``: the URL names any node; redis-py's asyncio cluster client finds the rest
+  and follows slot moves (``redis_keyspace`` keeps each queue's keys in one slot).
 - TLS (``rediss://``) takes a CA file, a client certificate and key, or skips verification;
   the sentinels are spoken to with the same TLS settings. ACL users and passwords come in
   the URL (``redis://user:password@host``) and are masked wherever a URL is logged.
@@ -16,10 +18,11 @@ client whose failures the callers map to their own errors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, BeforeValidator
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
@@ -29,7 +32,7 @@ DEFAULT_URL = "redis://localhost:6379/0"
 SCHEMES = ("redis://", "rediss://", "unix://")
 CONNECT_TIMEOUT = 5.0
 
-Mode = Literal["standalone", "sentinel"]
+Mode = Literal["standalone", "sentinel", "cluster"]
 
 
 def _host_ports(value: Any) -> Any:
@@ -84,6 +87,8 @@ class RedisConnection:
             raise ValueError("tls_cert and tls_key must be given together")
         if self.mode == "sentinel":
             self._check_sentinel()
+        elif self.mode == "cluster" and self.url.startswith("unix://"):
+            raise ValueError("mode cluster needs a redis:// or rediss:// url")
         elif self.sentinels or self.sentinel_master:
             raise ValueError(f"sentinels and sentinel_master need mode sentinel, not {self.mode}")
         return self
@@ -132,6 +137,10 @@ def connect(
     }
     if conn.mode == "sentinel":
         return _sentinel_master(conn, options)
+    if conn.mode == "cluster":
+        # Typed as Redis: callers use only commands both clients have (keys, scripts,
+        # pipelines); the cluster tests run the transport and the client on a real cluster.
+        return cast(Redis, RedisCluster.from_url(conn.url, **options))
     return Redis.from_url(conn.url or DEFAULT_URL, **options)
 
 

@@ -50,13 +50,14 @@ from async_processor.transports.base import (
 )
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keys import redis_errors as redis_errors
+from async_processor.transports.redis_keyspace import KeySpace
 
 log = structlog.get_logger(__name__)
 
 FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on an empty queue
 RETRY_MOVE_INTERVAL = 0.2  # seconds between checks of the retry set for due members
 CHUNK = 500  # members per reaper / retry-mover / heartbeat script call
-ROUTE_REJECTIONS = ("reserved_key", "pattern_mismatch", "wrong_type")
+ROUTE_REJECTIONS = ("reserved_key", "pattern_mismatch", "wrong_type", "cross_slot")
 ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed")
 EXPIRE_INTERVAL = 0.5  # seconds between deadline sweeps: results within ~1 s of a deadline
 EXPIRE_CHUNK = 20  # members decoded per sweep round trip (each up to --max-message-bytes)
@@ -89,19 +90,22 @@ class SortedSetTransport:
         self.queues: Sequence[QueueSpec] = config.queue_specs()
         self._ctx = ctx
         self._redis = client if client is not None else connect(config.redis_connection())
-        self._scripts = keys.register_scripts(self._redis)
+        self._keys = KeySpace(cluster=config.mode == "cluster")
+        self._scripts = self._keys.scripts(self._redis)
         self._owner = uuid.uuid4().hex  # claim ids are unique per process and fetch
         self._fetches = itertools.count()
         # Claims this process holds, per queue name: the heartbeat extends them.
         self._held: dict[str, dict[str, Delivery]] = {q.name: {} for q in self.queues}
         # Claims whose ack is on its way: a heartbeat that misses them is not a lost lease.
         self._settling: set[str] = set()
-        self._own_keys = keys.own_keys(
-            [q.name for q in self.queues],
+        names = [q.name for q in self.queues]
+        own = keys.own_keys(
+            names,
             config.retry_queue_name,
             [*(q.gate_params for q in self.queues), *ctx.gate_params],
             config.result_queue_pattern,
         )
+        self._own_keys = self._keys.own_keys(own, names)
         if ctx.metrics is not None:  # every series at 0 from the start, so alerts see a rise
             for queue in self.queues:
                 for reason in ROUTE_REJECTIONS:
@@ -129,8 +133,8 @@ class SortedSetTransport:
             flat = await self._scripts["claim"](
                 keys=[
                     queue.name,
-                    keys.inflight_key(queue.name),
-                    keys.inflight_meta_key(queue.name),
+                    self._keys.inflight(queue.name),
+                    self._keys.inflight_meta(queue.name),
                 ],
                 args=[limit, self.config.lease_seconds, prefix],
             )
@@ -152,7 +156,7 @@ class SortedSetTransport:
             return
         try:
             with redis_errors("cancel check"):
-                markers = await self._redis.mget([_cancel_key(d) for d in tokened])
+                markers = await self._redis.mget([self._cancel_key(d) for d in tokened])
         except TransportError:
             return
         for delivery, marker in zip(tokened, markers, strict=True):
@@ -245,12 +249,12 @@ class SortedSetTransport:
     ) -> list[str]:
         name = delivery.queue.name
         return [
-            keys.done_key(result.id, keys.fingerprint(delivery)),
+            self._keys.done(name, result.id, keys.fingerprint(delivery)),
             target,
-            name if queued else keys.inflight_key(name),
-            keys.inflight_meta_key(name),
-            keys.active_key(result.id),
-            keys.cancel_key(result.id),
+            name if queued else self._keys.inflight(name),
+            self._keys.inflight_meta(name),
+            self._keys.active(name, result.id),
+            self._keys.cancel(name, result.id),
             self._configured_list(delivery),
         ]
 
@@ -263,6 +267,8 @@ class SortedSetTransport:
         if delivery.queue.result_queue_name or not routed:
             return configured
         reason = self._own_keys.rejection(routed)
+        if reason is None and not self._keys.routable(delivery.queue.name, routed):
+            reason = "cross_slot"
         if reason is not None:
             self._route_rejected(delivery, routed, reason)
             return configured
@@ -316,12 +322,13 @@ class SortedSetTransport:
                 log.warning("defer_skipped_lease_lost", queue=item.delivery.queue.name)
 
     def _defer_target(self, item: Deferral) -> str:
-        return item.delivery.queue.name if item.delay <= 0 else self.config.retry_queue_name
+        queue = item.delivery.queue.name
+        return queue if item.delay <= 0 else self._keys.retry(queue, self.config.retry_queue_name)
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Park on ``<queue>:dead-letter`` as {reason, detail, raw, time, queue}; ack it."""
         entry = keys.dead_letter_entry(delivery, reason, detail)
-        target = keys.dead_letter_key(delivery.queue.name)
+        target = self._keys.dead_letter(delivery.queue.name)
         with self._acking([delivery]), redis_errors("dead_letter"):
             parked = await self._scripts["dead_letter"](
                 keys=self._ack_keys(delivery, target),
@@ -333,7 +340,7 @@ class SortedSetTransport:
 
     def _ack_keys(self, delivery: Delivery, target: str) -> list[str]:
         name = delivery.queue.name
-        return [keys.inflight_key(name), keys.inflight_meta_key(name), target]
+        return [self._keys.inflight(name), self._keys.inflight_meta(name), target]
 
     @contextmanager
     def _acking(self, deliveries: Iterable[Delivery]) -> Iterator[None]:
@@ -354,6 +361,10 @@ class SortedSetTransport:
         if self._ctx.metrics is not None:
             self._ctx.metrics.abandoned_total.labels(queue, reason).inc()
 
+    def _cancel_key(self, delivery: Delivery) -> str:
+        request_id = delivery.envelope.id if delivery.envelope else ""
+        return self._keys.cancel(delivery.queue.name, request_id)
+
     def _release(self, delivery: Delivery) -> None:
         self._held.get(delivery.queue.name, {}).pop(_claim(delivery).id, None)
 
@@ -369,7 +380,7 @@ class SortedSetTransport:
             delivery.handle = replace(claim, cancelled=None)
             return claim.cancelled
         with redis_errors("cancel check"):
-            marker = await self._redis.get(_cancel_key(delivery))
+            marker = await self._redis.get(self._cancel_key(delivery))
         return marker == token.encode()
 
     async def backlog(self, queue: QueueSpec) -> int | None:
@@ -403,7 +414,7 @@ class SortedSetTransport:
             for start in range(0, len(claim_ids), CHUNK):
                 with redis_errors("heartbeat"):
                     lost = await self._scripts["extend"](
-                        keys=[keys.inflight_key(name)],
+                        keys=[self._keys.inflight(name)],
                         args=[self.config.lease_seconds, *claim_ids[start : start + CHUNK]],
                     )
                 # A claim acked while the extend was on its way is not lost, only done.
@@ -428,13 +439,20 @@ class SortedSetTransport:
         """Put every expired claim of every configured queue back with its deadline score."""
         for queue in self.queues:
             name = queue.name
-            inflight = [name, keys.inflight_key(name), keys.inflight_meta_key(name)]
+            inflight = [name, self._keys.inflight(name), self._keys.inflight_meta(name)]
             await _drain("reap", self._scripts["reap"], inflight)
 
     async def move_due(self) -> None:
-        """Move every due retry back to its origin queue, scored by its deadline."""
-        retry_keys = [self.config.retry_queue_name, *(q.name for q in self.queues)]
-        await _drain("retry_move", self._scripts["move_due"], retry_keys)
+        """Move every due retry back to its origin queue, scored by its deadline (in
+        cluster mode each queue's own retry set, one slot per call)."""
+        names = [q.name for q in self.queues]
+        groups = (
+            [[self._keys.retry(n, ""), n] for n in names]
+            if self._keys.cluster
+            else [[self.config.retry_queue_name, *names]]
+        )
+        for retry_keys in groups:
+            await _drain("retry_move", self._scripts["move_due"], retry_keys)
 
     async def expire_due(self) -> None:
         """Answer every queued member past its deadline with its DEADLINE_EXCEEDED result
@@ -515,10 +533,6 @@ def _claim(delivery: Delivery) -> Claim:
 
 def _token(delivery: Delivery) -> str:
     return delivery.envelope.routing.request_token if delivery.envelope else ""
-
-
-def _cancel_key(delivery: Delivery) -> str:
-    return keys.cancel_key(delivery.envelope.id if delivery.envelope else "")
 
 
 def _deadline(delivery: Delivery) -> float:

@@ -41,6 +41,8 @@ from async_processor.config import (
 )
 from async_processor.messages import Envelope, Request, Routing
 from async_processor.transports import redis_keys as keys
+from async_processor.transports.redis_conn import RedisConnection, connect
+from async_processor.transports.redis_keyspace import KeySpace
 from tests.fixtures.inprocess import runtime_config
 from tests.fixtures.pubsub import PubSubAdmin, pubsub_admin
 
@@ -148,8 +150,11 @@ class _RedisHarness:
             ],
         }
 
+    def dead_letter_key(self) -> str:
+        return keys.dead_letter_key(self.queue_name)
+
     async def dead_letters(self, n: int, timeout: float) -> list[bytes]:
-        key = keys.dead_letter_key(self.queue_name)
+        key = self.dead_letter_key()
 
         async def fetch() -> list[bytes]:
             entry: bytes | None = await self.redis.rpop(key)  # type: ignore[assignment]
@@ -202,6 +207,24 @@ class SortedSetHarness(_RedisHarness):
         return int(await self.redis.zcard(self.queue_name)) + int(
             await self.redis.zcard(self.retry_name)
         )
+
+
+class ClusterSortedSetHarness(SortedSetHarness):
+    """redis-sortedset in ``mode: cluster``: the queue carries a hash tag its result list
+    shares; its dead letters and retries sit beside it in the same slot."""
+
+    def __init__(self, url: str, unique: str) -> None:
+        super().__init__(url, unique)
+        self.redis = connect(RedisConnection(url=url, mode="cluster"))
+        self.queue_name = f"{{{unique}}}-q"
+        self.result_name = f"{{{unique}}}-results"
+        self.retry_name = KeySpace(cluster=True).retry(self.queue_name, "")
+
+    def _transport(self, gateway: str, objective: str) -> dict[str, Any]:
+        return {**super()._transport(gateway, objective), "mode": "cluster"}
+
+    def dead_letter_key(self) -> str:
+        return KeySpace(cluster=True).dead_letter(self.queue_name)
 
 
 class RedisPubSubHarness(_RedisHarness):
@@ -330,10 +353,12 @@ async def open_harness(
             await gcp.open()
             yield gcp
         return
-    harness: SortedSetHarness | RedisPubSubHarness
+    harness: _RedisHarness
     if name == "redis-pubsub":
         harness = RedisPubSubHarness(redis_url, unique)
         await harness.open()
+    elif name == "redis-sortedset-cluster":
+        harness = ClusterSortedSetHarness(redis_url, unique)
     else:
         harness = SortedSetHarness(redis_url, unique)
     try:

@@ -31,6 +31,7 @@ M = "llm_d_async_async_"
 
 TRANSPORTS = [
     pytest.param("redis-sortedset", id="sortedset"),
+    pytest.param("redis-sortedset-cluster", id="sortedset-cluster"),
     pytest.param("redis-pubsub", id="redis-pubsub"),
     # One xdist worker runs every emulator case: one JVM for the session. (pytest 9.2 with
     # pytest-xdist 3.8 ignores xdist_group, pytest-xdist#1386: then each worker starts one.)
@@ -61,6 +62,8 @@ def broker(request: pytest.FixtureRequest) -> Broker:
     if name == "gcp-pubsub":
         emulator = request.getfixturevalue("pubsub_env")
         return Broker(name, project=emulator.project)
+    if name == "redis-sortedset-cluster":
+        return Broker(name, redis_url=request.getfixturevalue("redis_cluster").url)
     return Broker(name, redis_url=request.getfixturevalue("redis_url"))
 
 

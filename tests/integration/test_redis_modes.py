@@ -18,11 +18,22 @@ from typing import Any
 import anyio
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
 from structlog.testing import capture_logs
 
 from async_processor.client import SortedSetClient
+from async_processor.gates.base import (
+    CONTINUE,
+    REFUSE,
+    GateContext,
+    GateOwner,
+    Releases,
+    build_gate,
+)
+from async_processor.messages import Envelope, Request
+from async_processor.metrics import Metrics
 from async_processor.processor import Processor
 from async_processor.producer_cli import main as producer_main
 from async_processor.transports.redis_conn import RedisConnection, connect
@@ -31,6 +42,7 @@ from tests.fixtures.inprocess import running, sortedset_config
 from tests.fixtures.redis_modes import (
     MASTER_NAME,
     Certs,
+    RedisClusterNodes,
     SentinelGroup,
     TlsRedis,
     acl_lines,
@@ -271,3 +283,31 @@ async def test_wait_replicas_waits_for_a_replica_and_warns_without_one(
         warnings.append([e for e in logs if e["event"] == "results_not_replicated"])
     assert warnings[0] == []
     assert warnings[1] and warnings[1][0]["replicas"] == 0
+
+
+# ------------------------------------------------------------------------------ gates
+
+
+async def test_quota_gates_work_on_a_cluster_and_behind_sentinels(
+    redis_cluster: RedisClusterNodes, sentinel_group: SentinelGroup, unique: str
+) -> None:
+    """The concurrency quota (two scripts) over each mode's client: the limit holds and a
+    release gives the slot back."""
+    modes = [
+        {"address": redis_cluster.url, "redis_mode": "cluster"},
+        {"address": "redis://x:1/0", **_sentinel_fields(sentinel_group)},
+    ]
+    for fields in modes:
+        if "mode" in fields:
+            fields["redis_mode"] = fields.pop("mode")
+        ctx = GateContext(owner=GateOwner("q", "q", "p"), metrics=Metrics(CollectorRegistry()))
+        params = {**fields, "mode": "concurrency", "limit": 1, "prefix": f"{unique}:"}
+        gate = build_gate("redis-quota", params, ctx)
+        message = Envelope(Request(id="r", deadline=2_000_000_000, metadata={"userid": "u"}))
+        first = Releases()
+        assert await gate.apply(message, first) == CONTINUE
+        assert await gate.apply(message, Releases()) == REFUSE
+        await first.release_all()
+        assert await gate.apply(message, Releases()) == CONTINUE
+        for close in ctx.closers:
+            await close()

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from async_processor.config import SortedSetConfig, redis_connection_file
 from async_processor.errors import ConfigError
+from async_processor.gates.leased_rate import LeasedRateParams
 from async_processor.gates.redis import QuotaParams, RedisBudgetParams
 from async_processor.transports.redis_conn import RedisConnection, connect
 
@@ -111,3 +112,11 @@ def test_producer_commands_read_the_daemons_transport_config(tmp_path: Path) -> 
     path.write_text(json.dumps({"mode": "sentinel", "queues": QUEUES}))
     with pytest.raises(ConfigError, match="needs sentinels"):
         redis_connection_file(str(path), "redis://h")
+
+
+def test_leased_rate_keys_must_share_a_slot_in_cluster_mode() -> None:
+    base = {"address": "redis://h:1", "redis_mode": "cluster"}
+    with pytest.raises(ValidationError, match="share a hash slot"):
+        LeasedRateParams.model_validate({**base, "control_key": "rate", "state_key": "other"})
+    ok = LeasedRateParams.model_validate({**base, "control_key": "{rate}:control"})
+    assert ok.state_key == "{rate}:control:state"

@@ -1,0 +1,132 @@
+"""Where a queue's derived keys live: today's names (standalone, sentinel) or the queue's
+hash slot (cluster).
+
+Input: the connection mode and queue names. Output: key names for the redis-sortedset
+transport and the client library, the startup check that a queue's result list shares
+its slot, and scripts that also run inside a cluster pipeline.
+
+In cluster mode every Lua step must touch one slot, so every key derived for queue ``Q``
+carries Q's hash tag: ``{Q}:inflight``, ``{Q}:inflight:meta``, ``{Q}:dead-letter``,
+``{Q}:retry`` (a retry set per queue; ``retry_queue_name`` is not used), and the markers
+``{Q}:request-active:<id>``, ``{Q}:request-cancel:<id>``, ``{Q}:request-done:<id>:<fp>``.
+A queue whose name already has a tag (``{t}requests``) keeps it: its own keys are
+today's names (``{t}requests:inflight``, which hash on ``t``), its markers ``{t}:…``.
+Standalone and sentinel names stay exactly the Go daemon's (``redis_keys``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterPipeline
+from redis.commands.core import AsyncScript
+from redis.crc import key_slot
+
+from async_processor.transports import redis_keys as keys
+
+
+def hash_tag(queue: str) -> str:
+    """The part of ``queue`` Redis Cluster hashes: its own ``{tag}``, else the whole name."""
+    start = queue.find("{")
+    end = queue.find("}", start + 1) if start >= 0 else -1
+    return queue[start + 1 : end] if start >= 0 and end > start + 1 else queue
+
+
+def slot(key: str) -> int:
+    return int(key_slot(key.encode()))
+
+
+def cluster_problem(queue: str, result_list: str) -> str | None:
+    """Cluster mode: why ``queue``'s keys or its ``result_list`` would not share one slot."""
+    if slot(KeySpace(cluster=True).inflight(queue)) != slot(queue):
+        return f"queue {queue!r}: braces in the name must hold a hash tag, e.g. '{{t}}{queue}'"
+    if slot(result_list) == slot(queue):
+        return None
+    return (
+        f"queue {queue!r}: result list {result_list!r} is in another hash slot, so the "
+        f"result+ack step could not be atomic; use a name in the queue's slot, "
+        f"e.g. '{{{hash_tag(queue)}}}:results'"
+    )
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Key names for one connection mode (``cluster`` puts them in each queue's slot)."""
+
+    cluster: bool = False
+
+    def _own(self, queue: str, suffix: str) -> str:
+        if self.cluster and hash_tag(queue) == queue:
+            return f"{{{queue}}}:{suffix}"
+        return f"{queue}:{suffix}"
+
+    def _marker(self, queue: str, name: str) -> str:
+        return f"{{{hash_tag(queue)}}}:{name}" if self.cluster else name
+
+    def inflight(self, queue: str) -> str:
+        return self._own(queue, "inflight") if self.cluster else keys.inflight_key(queue)
+
+    def inflight_meta(self, queue: str) -> str:
+        return self._own(queue, "inflight:meta") if self.cluster else keys.inflight_meta_key(queue)
+
+    def dead_letter(self, queue: str) -> str:
+        return self._own(queue, "dead-letter") if self.cluster else keys.dead_letter_key(queue)
+
+    def retry(self, queue: str, configured: str) -> str:
+        """The retry set ``queue``'s deferrals go to: the shared one, or per queue (cluster)."""
+        return self._own(queue, "retry") if self.cluster else configured
+
+    def active(self, queue: str, request_id: str) -> str:
+        return self._marker(queue, keys.active_key(request_id))
+
+    def cancel(self, queue: str, request_id: str) -> str:
+        return self._marker(queue, keys.cancel_key(request_id))
+
+    def done(self, queue: str, request_id: str, fingerprint: str) -> str:
+        return self._marker(queue, keys.done_key(request_id, fingerprint))
+
+    def routable(self, queue: str, result_list: str) -> bool:
+        """Whether a message-named result list can be written with ``queue``'s ack."""
+        return not self.cluster or slot(result_list) == slot(queue)
+
+    def own_keys(self, own: keys.OwnKeys, queues: Iterable[str]) -> keys.OwnKeys:
+        """``own`` plus the cluster names of each queue's keys and markers."""
+        if not self.cluster:
+            return own
+        names = list(queues)
+        exact = {f(q) for q in names for f in (self.inflight, self.inflight_meta)}
+        exact |= {f(q) for q in names for f in (self.dead_letter, lambda q: self.retry(q, ""))}
+        prefixes = {self._marker(q, p) for q in names for p in keys.OWN_PREFIXES}
+        return replace(own, exact=own.exact | exact, prefixes=(*own.prefixes, *prefixes))
+
+    def scripts(self, client: Redis) -> dict[str, AsyncScript]:
+        """Every script on ``client``; in cluster mode they also run inside a pipeline."""
+        if not self.cluster:
+            return keys.register_scripts(client)
+        return {
+            name: _ClusterScript(client, keys.script_source(name)) for name in keys.SCRIPT_NAMES
+        }
+
+
+class _ClusterScript(AsyncScript):
+    """A cluster pipeline cannot load a missing script before it runs (redis-py does that
+    only for ``Pipeline``), so inside one the script goes as EVAL: Redis caches it by its
+    digest, and a node that restarted or was added still runs it."""
+
+    def __init__(self, client: Redis, source: str) -> None:
+        super().__init__(client, source)
+        self.source = source
+
+    async def __call__(
+        self,
+        keys: Sequence[Any] | None = None,
+        args: Iterable[Any] | None = None,
+        client: Any = None,
+    ) -> Any:
+        if isinstance(client, ClusterPipeline):
+            key_list = list(keys or [])
+            return client.eval(self.source, len(key_list), *key_list, *(args or []))
+        return await super().__call__(keys, args, client)
