@@ -44,7 +44,7 @@ def _config(cluster: RedisClusterNodes, gateway: str, queues: list[str], **extra
 def _nodes_holding(cluster: RedisClusterNodes, queues: list[str]) -> set[int]:
     client = redis.RedisCluster.from_url(cluster.url)
     try:
-        return {client.get_node_from_key(q).port for q in queues}
+        return {client.get_node_from_key(q).port for q in queues}  # type: ignore[no-untyped-call]
     finally:
         client.close()
 
