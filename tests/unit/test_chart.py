@@ -364,6 +364,42 @@ def test_gcp_example_traces_and_mounts_the_tls_secret() -> None:
     assert sa["iam.gke.io/gcp-service-account"].startswith("async-processor@")
 
 
+def test_redis_modes_reach_the_daemon_with_tls_files_from_a_secret(tmp_path: Path) -> None:
+    """Sentinel mode, TLS files from ``ap.redis.tlsSecretName`` (mounted read-only) and
+    the URL with the ACL password from the Redis Secret, not the ConfigMap."""
+    transport = {
+        "mode": "sentinel",
+        "sentinels": ["sentinel-0.redis:26379", "sentinel-1.redis:26379"],
+        "sentinel_master": "mymaster",
+        "tls_ca_cert": "/etc/redis-tls/ca.crt",
+        "wait_replicas": 1,
+        "queues": [{"queue_name": "q"}],
+    }
+    values = with_ap(
+        transportConfig=transport,
+        redis={"enabled": True, "secretName": "redis-creds", "tlsSecretName": "redis-tls"},
+    )
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(values)
+    objects = render(values)
+    c = container(objects)
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "redis-tls")
+    assert mount == {"name": "redis-tls", "mountPath": "/etc/redis-tls", "readOnly": True}
+    volumes = objects["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "redis-tls", "secret": {"secretName": "redis-tls"}} in volumes
+    assert env_of(c)["REDIS_URL"]["secretKeyRef"]["name"] == "redis-creds"
+    for name, text in objects["ConfigMap:config"]["data"].items():
+        (tmp_path / name).write_text(text)
+    args = [a.replace(CONFIG_DIR, str(tmp_path)) for a in c["args"][1:]]
+    config = load_config(args, {"REDIS_URL": "rediss://daemon:pw@ignored:6379/0"})
+    conn = config.transport_config.redis_connection()  # type: ignore[union-attr]
+    assert (conn.mode, conn.sentinel_master, conn.tls_ca_cert) == (
+        "sentinel",
+        "mymaster",
+        "/etc/redis-tls/ca.crt",
+    )
+
+
 def test_custom_image_and_pull_secrets_reach_the_pod() -> None:
     objects = render(load_values(CHART / "ci" / "redis-pubsub-values.yaml"))
     pod = objects["Deployment"]["spec"]["template"]["spec"]
