@@ -32,9 +32,10 @@ from redis.asyncio.client import Pipeline
 from async_processor.errors import InvalidMessage
 from async_processor.messages import Envelope, Request, Result, Routing, decode_request
 from async_processor.transports import redis_keys as keys
-from async_processor.transports.redis_conn import RedisConnection, connect
+from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keys import redis_errors
-from async_processor.transports.redis_keyspace import KeySpace, cluster_problem
+from async_processor.transports.redis_keyspace import KeySpace
+from async_processor.transports.redis_settings import RedisConnection, cluster_problem
 
 SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many
 # The latest deadline a submission may carry: 9999-12-31T23:59:59Z. Larger ones made the

@@ -36,14 +36,14 @@ from async_processor.errors import ConfigError
 from async_processor.logs import FORMATS, LEVELS
 from async_processor.registry import describe_validation
 from async_processor.transports.base import QueueSpec
-from async_processor.transports.redis_conn import (
+from async_processor.transports.redis_settings import (
     DEFAULT_URL,
     Mode,
     RedisConnection,
     RedisConnectionFields,
     check_url,
+    cluster_problem,
 )
-from async_processor.transports.redis_keyspace import cluster_problem
 
 DEFAULT_POOL = "default"
 DEFAULT_REQUEST_PATH = "/v1/completions"

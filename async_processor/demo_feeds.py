@@ -35,7 +35,8 @@ from async_processor.config import (
 from async_processor.messages import Envelope, Request, Result, Routing
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.gcp_pubsub import resource_path
-from async_processor.transports.redis_conn import RedisConnection, connect
+from async_processor.transports.redis_conn import connect
+from async_processor.transports.redis_settings import RedisConnection
 
 TRANSPORTS = ("redis-sortedset", "redis-pubsub", "gcp-pubsub")
 QUEUES = ("interactive", "batch")

@@ -23,7 +23,7 @@ from async_processor.cliargs import duration, parse, subcommand_parser
 from async_processor.client import SortedSetClient
 from async_processor.config import redis_connection_file
 from async_processor.errors import ConfigError, TransportError
-from async_processor.transports.redis_conn import RedisConnection
+from async_processor.transports.redis_settings import RedisConnection
 
 CHUNK = 1000
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"

@@ -27,7 +27,7 @@ from async_processor.gates.params import Float, Str
 from async_processor.gates.redis import RedisAddress, redis_client
 from async_processor.gates.shared import Throttle, owner_gauge
 from async_processor.messages import Envelope
-from async_processor.transports.redis_keyspace import slot
+from async_processor.transports.redis_settings import slot
 
 log = structlog.get_logger(__name__)
 

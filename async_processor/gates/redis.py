@@ -25,12 +25,8 @@ from async_processor.gates.base import CONTINUE, GATES, REFUSE, Gate, GateContex
 from async_processor.gates.params import Duration, Int, Params, Str
 from async_processor.gates.shared import Throttle, shielded
 from async_processor.messages import Envelope
-from async_processor.transports.redis_conn import (
-    Mode,
-    RedisConnection,
-    RedisConnectionFields,
-    connect,
-)
+from async_processor.transports.redis_conn import connect
+from async_processor.transports.redis_settings import Mode, RedisConnection, RedisConnectionFields
 
 log = structlog.get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """Redis connections: the one factory for the Redis transports, the Redis gates and the client.
 
-Input: a ``RedisConnection`` (URL, mode, sentinels, TLS files). Output: a ``redis.asyncio``
-client whose failures the callers map to their own errors.
+Input: a ``RedisConnection`` (``redis_settings``: URL, mode, sentinels, TLS files). Output:
+a ``redis.asyncio`` client whose failures the callers map to their own errors.
 
 - ``standalone`` (default): the URL names the server, as the Go reference.
 - ``sentinel``: the sentinels (``host:port``) name the master of ``sentinel_master``; the
@@ -17,10 +17,8 @@ client whose failures the callers map to their own errors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, cast
+from typing import Any, cast
 
-from pydantic import BaseModel, BeforeValidator
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import parse_url
@@ -28,96 +26,9 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
-DEFAULT_URL = "redis://localhost:6379/0"
-SCHEMES = ("redis://", "rediss://", "unix://")
+from async_processor.transports.redis_settings import DEFAULT_URL, RedisConnection, host_port
+
 CONNECT_TIMEOUT = 5.0
-
-Mode = Literal["standalone", "sentinel", "cluster"]
-
-
-def _host_ports(value: Any) -> Any:
-    """A list, or (from Helm and env) one comma-separated string."""
-    if isinstance(value, str):
-        return [part.strip() for part in value.split(",") if part.strip()]
-    return value
-
-
-HostPorts = Annotated[tuple[str, ...], BeforeValidator(_host_ports)]
-
-
-class RedisConnectionFields(BaseModel):
-    """Connection fields shared by the transport configs and the Redis gates' params
-    (each adds its own mode field: ``mode`` there, ``redis_mode`` on gates)."""
-
-    sentinels: HostPorts = ()
-    sentinel_master: str = ""
-    tls_ca_cert: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_insecure_skip_verify: bool = False
-
-    def connection(self, url: str, mode: Mode) -> RedisConnection:
-        fields = {name: getattr(self, name) for name in RedisConnectionFields.model_fields}
-        return RedisConnection(url=url, mode=mode, **fields)
-
-
-@dataclass(frozen=True)
-class RedisConnection:
-    """Where and how to connect; ``check`` raises ValueError naming the first problem."""
-
-    url: str = DEFAULT_URL
-    mode: Mode = "standalone"
-    sentinels: tuple[str, ...] = ()
-    sentinel_master: str = ""
-    tls_ca_cert: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_insecure_skip_verify: bool = field(default=False)
-
-    @property
-    def tls(self) -> bool:
-        return self.url.startswith("rediss://")
-
-    def check(self) -> RedisConnection:
-        check_url(self.url)
-        tls_fields = (self.tls_ca_cert, self.tls_cert, self.tls_key, self.tls_insecure_skip_verify)
-        if any(tls_fields) and not self.tls:
-            raise ValueError("tls_* fields need a rediss:// url")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("tls_cert and tls_key must be given together")
-        if self.mode == "sentinel":
-            self._check_sentinel()
-        elif self.mode == "cluster" and self.url.startswith("unix://"):
-            raise ValueError("mode cluster needs a redis:// or rediss:// url")
-        elif self.sentinels or self.sentinel_master:
-            raise ValueError(f"sentinels and sentinel_master need mode sentinel, not {self.mode}")
-        return self
-
-    def _check_sentinel(self) -> None:
-        if not self.sentinels or not self.sentinel_master:
-            raise ValueError("mode sentinel needs sentinels (host:port list) and sentinel_master")
-        if self.url.startswith("unix://"):
-            raise ValueError("mode sentinel needs a redis:// or rediss:// url")
-        for address in self.sentinels:
-            _host_port(address)
-
-    def tls_options(self) -> dict[str, Any]:
-        """redis-py's ssl_* arguments (empty without TLS)."""
-        if not self.tls:
-            return {}
-        return {
-            "ssl_ca_certs": self.tls_ca_cert or None,
-            "ssl_certfile": self.tls_cert or None,
-            "ssl_keyfile": self.tls_key or None,
-            "ssl_cert_reqs": "none" if self.tls_insecure_skip_verify else "required",
-            "ssl_check_hostname": not self.tls_insecure_skip_verify,
-        }
-
-
-def check_url(url: str) -> str:
-    if not url.startswith(SCHEMES):
-        raise ValueError("must be a redis://, rediss:// or unix:// URL")
-    return url
 
 
 def connect(
@@ -163,7 +74,7 @@ def _sentinel_master(conn: RedisConnection, options: dict[str, Any]) -> Redis:
     if conn.tls:
         sentinel_options["ssl"] = True
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        [_host_port(address) for address in conn.sentinels],
+        [host_port(address) for address in conn.sentinels],
         sentinel_kwargs=sentinel_options,
         **options,
         **credentials,
@@ -172,10 +83,3 @@ def _sentinel_master(conn: RedisConnection, options: dict[str, Any]) -> Redis:
     client: _SentinelMaster = sentinel.master_for(conn.sentinel_master, redis_class=_SentinelMaster)
     client.sentinel_manager = sentinel
     return client
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"sentinel {address!r} is not host:port")
-    return host, int(port)

@@ -23,33 +23,9 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterPipeline
 from redis.commands.core import AsyncScript
-from redis.crc import key_slot
 
 from async_processor.transports import redis_keys as keys
-
-
-def hash_tag(queue: str) -> str:
-    """The part of ``queue`` Redis Cluster hashes: its own ``{tag}``, else the whole name."""
-    start = queue.find("{")
-    end = queue.find("}", start + 1) if start >= 0 else -1
-    return queue[start + 1 : end] if start >= 0 and end > start + 1 else queue
-
-
-def slot(key: str) -> int:
-    return int(key_slot(key.encode()))
-
-
-def cluster_problem(queue: str, result_list: str) -> str | None:
-    """Cluster mode: why ``queue``'s keys or its ``result_list`` would not share one slot."""
-    if slot(KeySpace(cluster=True).inflight(queue)) != slot(queue):
-        return f"queue {queue!r}: braces in the name must hold a hash tag, e.g. '{{t}}{queue}'"
-    if slot(result_list) == slot(queue):
-        return None
-    return (
-        f"queue {queue!r}: result list {result_list!r} is in another hash slot, so the "
-        f"result+ack step could not be atomic; use a name in the queue's slot, "
-        f"e.g. '{{{hash_tag(queue)}}}:results'"
-    )
+from async_processor.transports.redis_settings import hash_tag, slot
 
 
 @dataclass(frozen=True)

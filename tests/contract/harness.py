@@ -41,8 +41,9 @@ from async_processor.config import (
 )
 from async_processor.messages import Envelope, Request, Routing
 from async_processor.transports import redis_keys as keys
-from async_processor.transports.redis_conn import RedisConnection, connect
+from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keyspace import KeySpace
+from async_processor.transports.redis_settings import RedisConnection
 from tests.fixtures.inprocess import runtime_config
 from tests.fixtures.pubsub import PubSubAdmin, pubsub_admin
 

@@ -17,8 +17,7 @@ import redis
 
 from async_processor.client import SortedSetClient
 from async_processor.messages import Result
-from async_processor.transports.redis_conn import RedisConnection
-from async_processor.transports.redis_keyspace import slot
+from async_processor.transports.redis_settings import RedisConnection, slot
 from tests.fixtures.daemon import DaemonFactory
 from tests.fixtures.redis_modes import RedisClusterNodes
 from tests.fixtures.simulator import SimulatorProcess

@@ -36,7 +36,8 @@ from async_processor.messages import Envelope, Request
 from async_processor.metrics import Metrics
 from async_processor.processor import Processor
 from async_processor.producer_cli import main as producer_main
-from async_processor.transports.redis_conn import RedisConnection, connect
+from async_processor.transports.redis_conn import connect
+from async_processor.transports.redis_settings import RedisConnection
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.inprocess import running, sortedset_config
 from tests.fixtures.redis_modes import (

@@ -14,7 +14,8 @@ from async_processor.config import SortedSetConfig, redis_connection_file
 from async_processor.errors import ConfigError
 from async_processor.gates.leased_rate import LeasedRateParams
 from async_processor.gates.redis import QuotaParams, RedisBudgetParams
-from async_processor.transports.redis_conn import RedisConnection, connect
+from async_processor.transports.redis_conn import connect
+from async_processor.transports.redis_settings import RedisConnection
 
 QUEUES = [{"queue_name": "q", "igw_base_url": "http://gw"}]
 SENTINEL = {"mode": "sentinel", "sentinels": ["127.0.0.1:26379"], "sentinel_master": "m"}

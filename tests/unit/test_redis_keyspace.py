@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+from redis.crc import key_slot
 
 from async_processor.config import SortedSetConfig
 from async_processor.transports import redis_keys as keys
-from async_processor.transports.redis_keyspace import KeySpace, cluster_problem, hash_tag, slot
+from async_processor.transports.redis_keyspace import KeySpace
+from async_processor.transports.redis_settings import cluster_problem, hash_tag, slot
 
 STANDALONE, CLUSTER = KeySpace(), KeySpace(cluster=True)
 
@@ -84,3 +86,9 @@ def test_routed_result_lists_and_own_keys_in_cluster_mode() -> None:
     assert CLUSTER.routable("requests", "{requests}:mine")
     assert not CLUSTER.routable("requests", "elsewhere")
     assert STANDALONE.routable("requests", "elsewhere")
+
+
+@pytest.mark.parametrize("key", ["requests", "{t}x", "a{}b{c}", "{}", "x{y}z{w}", "ünï{cø}de", ""])
+def test_slot_is_redis_pys(key: str) -> None:
+    """Our CRC16 (config loading must not import redis-py) agrees with redis-py's."""
+    assert slot(key) == key_slot(key.encode())

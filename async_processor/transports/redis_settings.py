@@ -1,0 +1,144 @@
+"""Redis connection settings and cluster slot rules: plain data, no Redis client.
+
+Input: the transport config's or a gate's connection fields. Output: a checked
+``RedisConnection`` (``redis_conn.connect`` builds the client from it), and the slot rules
+cluster mode checks at startup (``hash_tag``, ``slot``, ``cluster_problem``). Kept apart
+from the client modules so that loading the config never imports redis-py (which pulls in
+OpenTelemetry when it is installed) for a deployment that does not use Redis.
+
+Fields (docs/transports.md): ``mode`` (``standalone`` | ``sentinel`` | ``cluster``),
+``sentinels`` and ``sentinel_master`` (sentinel), ``tls_ca_cert`` / ``tls_cert`` /
+``tls_key`` / ``tls_insecure_skip_verify`` (with a ``rediss://`` url only).
+"""
+
+from __future__ import annotations
+
+from binascii import crc_hqx
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator
+
+CLUSTER_SLOTS = 16384
+
+DEFAULT_URL = "redis://localhost:6379/0"
+SCHEMES = ("redis://", "rediss://", "unix://")
+
+Mode = Literal["standalone", "sentinel", "cluster"]
+
+
+def _host_ports(value: Any) -> Any:
+    """A list, or (from Helm and env) one comma-separated string."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+HostPorts = Annotated[tuple[str, ...], BeforeValidator(_host_ports)]
+
+
+class RedisConnectionFields(BaseModel):
+    """Connection fields shared by the transport configs and the Redis gates' params
+    (each adds its own mode field: ``mode`` there, ``redis_mode`` on gates)."""
+
+    sentinels: HostPorts = ()
+    sentinel_master: str = ""
+    tls_ca_cert: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_insecure_skip_verify: bool = False
+
+    def connection(self, url: str, mode: Mode) -> RedisConnection:
+        fields = {name: getattr(self, name) for name in RedisConnectionFields.model_fields}
+        return RedisConnection(url=url, mode=mode, **fields)
+
+
+@dataclass(frozen=True)
+class RedisConnection:
+    """Where and how to connect; ``check`` raises ValueError naming the first problem."""
+
+    url: str = DEFAULT_URL
+    mode: Mode = "standalone"
+    sentinels: tuple[str, ...] = ()
+    sentinel_master: str = ""
+    tls_ca_cert: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_insecure_skip_verify: bool = field(default=False)
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("rediss://")
+
+    def check(self) -> RedisConnection:
+        check_url(self.url)
+        tls_fields = (self.tls_ca_cert, self.tls_cert, self.tls_key, self.tls_insecure_skip_verify)
+        if any(tls_fields) and not self.tls:
+            raise ValueError("tls_* fields need a rediss:// url")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.mode == "sentinel":
+            self._check_sentinel()
+        elif self.mode == "cluster" and self.url.startswith("unix://"):
+            raise ValueError("mode cluster needs a redis:// or rediss:// url")
+        elif self.sentinels or self.sentinel_master:
+            raise ValueError(f"sentinels and sentinel_master need mode sentinel, not {self.mode}")
+        return self
+
+    def _check_sentinel(self) -> None:
+        if not self.sentinels or not self.sentinel_master:
+            raise ValueError("mode sentinel needs sentinels (host:port list) and sentinel_master")
+        if self.url.startswith("unix://"):
+            raise ValueError("mode sentinel needs a redis:// or rediss:// url")
+        for address in self.sentinels:
+            host_port(address)
+
+    def tls_options(self) -> dict[str, Any]:
+        """redis-py's ssl_* arguments (empty without TLS)."""
+        if not self.tls:
+            return {}
+        return {
+            "ssl_ca_certs": self.tls_ca_cert or None,
+            "ssl_certfile": self.tls_cert or None,
+            "ssl_keyfile": self.tls_key or None,
+            "ssl_cert_reqs": "none" if self.tls_insecure_skip_verify else "required",
+            "ssl_check_hostname": not self.tls_insecure_skip_verify,
+        }
+
+
+def check_url(url: str) -> str:
+    if not url.startswith(SCHEMES):
+        raise ValueError("must be a redis://, rediss:// or unix:// URL")
+    return url
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"sentinel {address!r} is not host:port")
+    return host, int(port)
+
+
+def hash_tag(queue: str) -> str:
+    """The part of ``queue`` Redis Cluster hashes: its own ``{tag}``, else the whole name."""
+    start = queue.find("{")
+    end = queue.find("}", start + 1) if start >= 0 else -1
+    return queue[start + 1 : end] if start >= 0 and end > start + 1 else queue
+
+
+def slot(key: str) -> int:
+    """The cluster hash slot of ``key`` (CRC16 of its hash tag, as Redis computes it)."""
+    return crc_hqx(hash_tag(key).encode(), 0) % CLUSTER_SLOTS
+
+
+def cluster_problem(queue: str, result_list: str) -> str | None:
+    """Cluster mode: why ``queue``'s keys or its ``result_list`` would not share one slot."""
+    if slot(f"{{{hash_tag(queue)}}}:inflight") != slot(queue):
+        return f"queue {queue!r}: braces in the name must hold a hash tag, e.g. '{{t}}{queue}'"
+    if slot(result_list) == slot(queue):
+        return None
+    return (
+        f"queue {queue!r}: result list {result_list!r} is in another hash slot, so the "
+        f"result+ack step could not be atomic; use a name in the queue's slot, "
+        f"e.g. '{{{hash_tag(queue)}}}:results'"
+    )
