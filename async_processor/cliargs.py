@@ -13,7 +13,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from async_processor.config import AppConfig, ExtendParser, build_config, parse_settings
+from async_processor.config import (
+    AppConfig,
+    ExtendParser,
+    build_config,
+    parse_settings,
+    usable_env,
+)
 from async_processor.durations import parse_duration
 from async_processor.logs import configure_logging
 
@@ -39,13 +45,15 @@ def read_env(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """Defaults of ``parser``'s options from ``ASYNC_PROCESSOR_<DEST>`` where set (flags win).
 
     The value goes through the option's ``type`` as a flag's would (argparse converts
-    string defaults), so a bad variable is reported like a bad flag. Empty means unset.
+    string defaults), so a bad variable is reported like a bad flag. Empty means unset, and
+    so does a service link: a Service named ``async-processor`` injects
+    ``ASYNC_PROCESSOR_PORT=tcp://...`` into every pod of its namespace (``sim --port``).
     """
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help", "version"):
             continue
         value = env.get(env_name(action.dest), "")
-        if not value:
+        if not usable_env(value):  # empty, or a Kubernetes service link (tcp://...)
             continue
         if action.const is not None and action.nargs == 0:  # store_true / store_false
             action.default = value.lower() in ("1", "true", "yes", "on")

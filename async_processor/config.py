@@ -593,7 +593,7 @@ def parse_settings(
     for flag in FLAGS:
         if flag.dest in given:
             values[flag.dest], sources[flag.dest] = given[flag.dest], flag.option
-        elif flag.dest not in skip_env and _usable_env(env.get(flag.env, "")):
+        elif flag.dest not in skip_env and usable_env(env.get(flag.env, "")):
             values[flag.dest], sources[flag.dest] = env[flag.env], flag.env
         if flag.choices and flag.dest in values and values[flag.dest] not in flag.choices:
             raise ConfigError(f"{sources[flag.dest]}: {values[flag.dest]!r} is not one of "
@@ -601,7 +601,7 @@ def parse_settings(
     return Settings(values, sources, extra)
 
 
-def _usable_env(value: str) -> bool:
+def usable_env(value: str) -> bool:
     """Empty means unset; so does a Kubernetes service link (``tcp://10.0.0.1:9090``).
 
     A Service named ``async-processor-metrics`` makes Kubernetes inject

@@ -274,6 +274,15 @@ def test_sim_and_demo_take_go_durations_and_plain_seconds() -> None:
         cliargs.parse(demo._parser(), ["--timeout", "soon"], {})
 
 
+def test_a_kubernetes_service_link_is_not_a_flag_value() -> None:
+    """A Service named async-processor injects ASYNC_PROCESSOR_PORT=tcp://... everywhere."""
+    from async_processor import cliargs, simulator
+
+    env = {"ASYNC_PROCESSOR_PORT": "tcp://10.0.0.7:9090", "ASYNC_PROCESSOR_LATENCY": "2s"}
+    args = cliargs.parse(simulator._parser(), [], env)
+    assert (args.port, args.latency) == (8000, 2.0)
+
+
 def test_delegated_flags_read_async_processor_env_and_flags_win() -> None:
     from async_processor import cliargs, demo
 
