@@ -174,6 +174,8 @@ class SortedSetConfig(RedisTransportBase):
     # Ours: a glob a message's own result_queue_name must match ("" = any name that is not
     # one of the daemon's keys); otherwise its result goes to the configured list.
     result_queue_pattern: str = ""
+    # Ours: each <queue>:dead-letter list keeps at most this many entries (oldest trimmed).
+    dead_letter_max_entries: Annotated[int, Field(gt=0)] = 100_000
     # Ours: after each result+ack step, WAIT for this many replicas (0 = off) up to the timeout.
     wait_replicas: Annotated[int, Field(ge=0)] = 0
     wait_timeout_ms: Annotated[int, Field(gt=0)] = 1000

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 from async_processor.errors import InvalidMessage
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# How much of an oversized message is read for its id (the rest is never parsed).
+ID_PREFIX_BYTES = 64 * 1024
 # The reference's deadline is an int64; anything larger overflows float arithmetic later.
 MAX_DEADLINE = 2**63 - 1
 ENVELOPE_KINDS = ("plain", "redis", "pubsub")
@@ -229,10 +232,11 @@ def decode_envelope(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BY
 
     Raises ``InvalidMessage`` with ``request_id`` set whenever an id could be read.
     """
+    check_size(raw, max_bytes)
     text = _as_text(raw)
     top, spans = _scan_object(text, "message", raw_keys=("data", "payload"))
     if "request_kind" not in top and "data" not in top:
-        return Envelope(request=_request_from(text, top, spans, max_bytes, len(text)))
+        return Envelope(request=_request_from(text, top, spans))
     data_span = spans.get("data")
     data_id = _peek_id(text, data_span)
     kind = top.get("request_kind")
@@ -249,15 +253,80 @@ def decode_envelope(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BY
     except ValueError as exc:
         raise InvalidMessage(str(exc), reason="malformed", request_id=data_id) from exc
     data, data_spans = _scan_object(text, "data", raw_keys=("payload",), start=data_span[0])
-    request = _request_from(text, data, data_spans, max_bytes, len(text))
+    request = _request_from(text, data, data_spans)
     return Envelope(request=request, routing=routing, kind=str(kind))
 
 
 def decode_request(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Request:
     """Decode a bare public request (the Pub/Sub wire format)."""
+    check_size(raw, max_bytes)
     text = _as_text(raw)
     top, spans = _scan_object(text, "message", raw_keys=("payload",))
-    return _request_from(text, top, spans, max_bytes, len(text))
+    return _request_from(text, top, spans)
+
+
+def check_size(raw: bytes | str, max_bytes: int) -> None:
+    """Sizes are bytes, checked before parsing (DESIGN.md §5.14): an oversized message is
+    refused with the id its first ``ID_PREFIX_BYTES`` give, the rest never parsed."""
+    size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise too_large(size, max_bytes, id_from_prefix(raw[:ID_PREFIX_BYTES]))
+
+
+def too_large(size: int, max_bytes: int, request_id: str | None) -> InvalidMessage:
+    return InvalidMessage(
+        f"message of {size} bytes exceeds the {max_bytes}-byte limit",
+        reason="too_large",
+        request_id=request_id,
+    )
+
+
+def id_from_prefix(prefix: bytes | str) -> str | None:
+    """The id of a message known by its first bytes only: ``data.id`` of an envelope, else
+    a top-level ``id`` seen before any ``request_kind``/``data`` key. Read by the JSON
+    structure, never by pattern (an ``"id"`` inside another field is not it); None when
+    the prefix does not reach it."""
+    text = prefix.decode("utf-8", "ignore") if isinstance(prefix, bytes) else prefix
+    top_id: str | None = None
+    envelope = False
+    try:
+        for key, pos in _members(text, _WS.match(text).end()):  # type: ignore[union-attr]
+            if key == "data":
+                return _id_member(text, pos)
+            envelope = envelope or key == "request_kind"
+            if key == "id":
+                top_id = usable_id(_DECODER.raw_decode(text, pos)[0])
+    except (ValueError, RecursionError):  # the prefix ends (or was never JSON)
+        pass
+    return None if envelope else top_id
+
+
+def _id_member(text: str, pos: int) -> str | None:
+    for key, at in _members(text, pos):
+        if key == "id":
+            return usable_id(_DECODER.raw_decode(text, at)[0])
+    return None
+
+
+def _members(text: str, pos: int) -> Iterator[tuple[str, int]]:
+    """(key, offset of its value) of the object at ``text[pos]``, in order; raises
+    ValueError where the text stops being a well-formed object (e.g. cut short)."""
+    if not text.startswith("{", pos):
+        raise ValueError("not an object")
+    pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
+    while not text.startswith("}", pos):
+        key, pos = _DECODER.raw_decode(text, pos)
+        pos = _WS.match(text, pos).end()  # type: ignore[union-attr]
+        if not isinstance(key, str) or not text.startswith(":", pos):
+            raise ValueError("not a key")
+        pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
+        yield key, pos
+        _, pos = _DECODER.raw_decode(text, pos)
+        pos = _WS.match(text, pos).end()  # type: ignore[union-attr]
+        if text.startswith(",", pos):
+            pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
+        elif not text.startswith("}", pos):
+            raise ValueError("expected ',' or '}'")
 
 
 def peek_id(raw: bytes | str) -> str | None:
@@ -276,18 +345,10 @@ def _request_from(
     text: str,
     obj: dict[str, Any],
     spans: dict[str, tuple[int, int]],
-    max_bytes: int,
-    size: int,
 ) -> Request:
     request_id = usable_id(obj.get("id"))
     if request_id is None:
         raise InvalidMessage("request has no usable string id", reason="missing_id")
-    if size > max_bytes:
-        raise InvalidMessage(
-            f"message of {size} bytes exceeds the {max_bytes}-byte limit",
-            reason="too_large",
-            request_id=request_id,
-        )
     deadline = _deadline_of(obj, request_id)
     try:
         created = obj.get("created", 0) or 0

@@ -82,6 +82,12 @@ class Metrics:
             "duplicates_suppressed",
             "Results not written because the submission was already answered (dedup marker).",
         )
+        self.dead_letter_trimmed_total = Counter(
+            PREFIX + "dead_letter_trimmed",
+            "Oldest dead-letter entries trimmed to keep a list within its cap.",
+            ("queue_name",),
+            registry=r,
+        )
         self.abandoned_total = Counter(
             PREFIX + "abandoned_claims",
             "Claims given up after a write failed (lease left to expire), by reason.",

@@ -52,6 +52,7 @@ DEFAULT_REQUEST_QUEUE = "request-sortedset"
 DEFAULT_RESULT_LIST = "result-list"
 DEFAULT_RETRY_QUEUE = "retry-sortedset"
 CANCEL_TTL_SECONDS = 7 * 24 * 3600
+DEAD_LETTER_RAW_BYTES = 4096  # of a dead-lettered message's text kept in its entry
 
 SCRIPT_NAMES = (
     "claim",
@@ -112,14 +113,22 @@ def decode_delivery(delivery: Delivery, max_bytes: int) -> Envelope:
     return envelope
 
 
-def dead_letter_entry(delivery: Delivery, reason: str, detail: str) -> str:
-    """The JSON parked on ``<queue>:dead-letter``: {reason, detail, raw, time, queue}."""
+def dead_letter_entry(
+    delivery: Delivery, reason: str, detail: str, *, size: int = 0, digest: str = ""
+) -> str:
+    """The JSON parked on ``<queue>:dead-letter``: {reason, detail, raw, time, queue, size,
+    sha1, truncated}. ``raw`` keeps at most ``DEAD_LETTER_RAW_BYTES`` of the message;
+    ``size`` and ``sha1`` describe all of it (given when only a prefix was fetched)."""
+    raw = delivery.raw
     entry = {
         "reason": reason,
         "detail": detail,
-        "raw": delivery.raw.decode("utf-8", errors="replace"),
+        "raw": raw[:DEAD_LETTER_RAW_BYTES].decode("utf-8", errors="replace"),
         "time": time.time(),
         "queue": delivery.queue.name,
+        "size": size or len(raw),
+        "sha1": digest or hashlib.sha1(raw, usedforsecurity=False).hexdigest(),
+        "truncated": (size or len(raw)) > DEAD_LETTER_RAW_BYTES,
     }
     return json.dumps(entry, ensure_ascii=False)
 

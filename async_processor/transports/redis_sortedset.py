@@ -38,7 +38,7 @@ from redis.commands.core import AsyncScript
 
 from async_processor.config import SortedSetConfig
 from async_processor.errors import InvalidMessage, TransportError
-from async_processor.messages import Envelope, Result
+from async_processor.messages import ID_PREFIX_BYTES, Envelope, Result, id_from_prefix, too_large
 from async_processor.retry import expired, last_answer
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
@@ -73,10 +73,14 @@ class Claim:
 
     ``cancelled`` is the cancel check made with the fetch (one MGET per batch instead of a
     GET per message); the first ``is_cancelled`` uses it, later ones ask Redis again.
+    ``size`` is the member's size in bytes; ``digest`` (its SHA-1) is set only for a member
+    over ``--max-message-bytes``, of which the delivery holds a prefix only.
     """
 
     id: str
     score: float
+    size: int = 0
+    digest: str = ""
     cancelled: bool | None = None
 
 
@@ -112,6 +116,7 @@ class SortedSetTransport:
                     ctx.metrics.result_route_rejected_total.labels(queue.name, reason)
                 for reason in ABANDON_REASONS:
                     ctx.metrics.abandoned_total.labels(queue.name, reason)
+                ctx.metrics.dead_letter_trimmed_total.labels(queue.name)
 
     # ------------------------------------------------------------------ fetch and decode
 
@@ -136,12 +141,23 @@ class SortedSetTransport:
                     self._keys.inflight(queue.name),
                     self._keys.inflight_meta(queue.name),
                 ],
-                args=[limit, self.config.lease_seconds, prefix],
+                args=[
+                    limit,
+                    self.config.lease_seconds,
+                    prefix,
+                    self._ctx.max_message_bytes,
+                    ID_PREFIX_BYTES,
+                ],
             )
         held = self._held.setdefault(queue.name, {})
         deliveries = []
-        for i in range(0, len(flat), 3):
-            claim = Claim(id=flat[i].decode(), score=float(flat[i + 2]))
+        for i in range(0, len(flat), 5):
+            claim = Claim(
+                id=flat[i].decode(),
+                score=float(flat[i + 2]),
+                size=int(flat[i + 3]),
+                digest=flat[i + 4].decode(),
+            )
             delivery = Delivery(queue=queue, raw=bytes(flat[i + 1]), handle=claim)
             held[claim.id] = delivery
             deliveries.append(delivery)
@@ -174,7 +190,11 @@ class SortedSetTransport:
         """The member's envelope with routing filled from the queue (queue labels win)."""
         if delivery.envelope is not None:  # decoded at fetch time already
             return delivery.envelope
-        return keys.decode_delivery(delivery, self._ctx.max_message_bytes)
+        limit = self._ctx.max_message_bytes
+        claim = delivery.handle
+        if isinstance(claim, Claim) and claim.digest:  # only a prefix was fetched
+            raise too_large(claim.size, limit, id_from_prefix(delivery.raw))
+        return keys.decode_delivery(delivery, limit)
 
     # ------------------------------------------------------------------ acknowledgements
 
@@ -327,16 +347,23 @@ class SortedSetTransport:
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Park on ``<queue>:dead-letter`` as {reason, detail, raw, time, queue}; ack it."""
-        entry = keys.dead_letter_entry(delivery, reason, detail)
+        claim = _claim(delivery)
+        entry = keys.dead_letter_entry(
+            delivery, reason, detail, size=claim.size, digest=claim.digest
+        )
         target = self._keys.dead_letter(delivery.queue.name)
         with self._acking([delivery]), redis_errors("dead_letter"):
-            parked = await self._scripts["dead_letter"](
+            parked, trimmed = await self._scripts["dead_letter"](
                 keys=self._ack_keys(delivery, target),
-                args=[_claim(delivery).id, entry],
+                args=[claim.id, entry, self.config.dead_letter_max_entries],
             )
         self._release(delivery)
         if not parked:
             log.warning("dead_letter_skipped_lease_lost", queue=delivery.queue.name)
+        if trimmed:
+            log.warning("dead_letters_trimmed", queue=delivery.queue.name, count=trimmed)
+            if self._ctx.metrics is not None:
+                self._ctx.metrics.dead_letter_trimmed_total.labels(delivery.queue.name).inc(trimmed)
 
     def _ack_keys(self, delivery: Delivery, target: str) -> list[str]:
         name = delivery.queue.name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -14,8 +15,8 @@ from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
 from async_processor.config import SortedSetConfig
-from async_processor.errors import TransportError
-from async_processor.messages import Envelope, Request, Result, Routing
+from async_processor.errors import InvalidMessage, TransportError
+from async_processor.messages import ID_PREFIX_BYTES, Envelope, ErrorCode, Request, Result, Routing
 from async_processor.metrics import Metrics
 from async_processor.transports import build_transport, redis_keys
 from async_processor.transports.base import Deferral, Delivery, TransportContext
@@ -60,8 +61,10 @@ def make_config(redis_url: str, unique: str) -> Callable[..., SortedSetConfig]:
 
 
 @asynccontextmanager
-async def opened(config: SortedSetConfig) -> AsyncIterator[SortedSetTransport]:
-    transport = SortedSetTransport(config, TransportContext())
+async def opened(
+    config: SortedSetConfig, ctx: TransportContext | None = None
+) -> AsyncIterator[SortedSetTransport]:
+    transport = SortedSetTransport(config, ctx or TransportContext())
     try:
         yield transport
     finally:
@@ -364,8 +367,10 @@ async def test_dead_letter_entry(make_config, r) -> None:
         await transport.dead_letter(delivery, "missing_id", "request has no string id")
     [raw] = await r.lrange(redis_keys.dead_letter_key(q), 0, -1)
     entry = json.loads(raw)
-    assert entry.keys() == {"reason", "detail", "raw", "time", "queue"}
+    assert entry.keys() == {"reason", "detail", "raw", "time", "queue", "size", "sha1", "truncated"}
     assert (entry["reason"], entry["raw"], entry["queue"]) == ("missing_id", '{"no": "id"}', q)
+    assert (entry["size"], entry["truncated"]) == (12, False)
+    assert entry["sha1"] == hashlib.sha1(b'{"no": "id"}').hexdigest()
     assert abs(entry["time"] - time.time()) < 5
     assert await r.zcard(redis_keys.inflight_key(q)) == 0
 
@@ -559,7 +564,7 @@ async def test_a_retried_claim_answers_with_the_batch_it_already_claimed(make_co
     await r.zadd(q, {first: deadline, second: deadline + 1})
     async with opened(config) as transport:
         claim = transport._scripts["claim"]
-        args = [1, config.lease_seconds, "owner:7"]
+        args = [1, config.lease_seconds, "owner:7", 1000, 100]
         script_keys = [q, redis_keys.inflight_key(q), redis_keys.inflight_meta_key(q)]
         once = await claim(keys=script_keys, args=args)
         again = await claim(keys=script_keys, args=args)
@@ -612,12 +617,9 @@ async def test_a_message_cannot_route_its_result_into_a_daemon_key(
     deadline = future()
     await r.zadd(f"{unique}-q", {member(request_id, deadline, result_queue=target): deadline})
     ctx = TransportContext(metrics=metrics, gate_params=pool_gates)
-    transport = SortedSetTransport(config, ctx)
-    try:
+    async with opened(config, ctx) as transport:
         delivery = await fetch_one(transport)
         await transport.complete([(delivery, Result.http(request_id, 200, b"{}"))])
-    finally:
-        await transport.aclose()
     assert [x.id for x in await results_of(r, config.result_queue_name)] == [request_id]
     assert await r.type(target) in (b"none", b"zset")  # never turned into a list
     assert rejected(metrics, f"{unique}-q", "reserved_key") == 1
@@ -639,12 +641,9 @@ async def test_result_queue_pattern_bounds_message_routing(
     deadline = future()
     q = config.queues[0].queue_name
     await r.zadd(q, {member(request_id, deadline, result_queue=routed): deadline})
-    transport = SortedSetTransport(config, TransportContext(metrics=metrics))
-    try:
+    async with opened(config, TransportContext(metrics=metrics)) as transport:
         delivery = await fetch_one(transport)
         await transport.complete([(delivery, Result.http(request_id, 200, b"{}"))])
-    finally:
-        await transport.aclose()
     expected = routed if lands_in == "routed" else config.result_queue_name
     assert [x.id for x in await results_of(r, expected)] == [request_id]
     assert rejected(metrics, q, "pattern_mismatch") == (lands_in == "default")
@@ -737,18 +736,74 @@ async def test_an_identical_resubmission_is_counted_and_logged_not_silent(
     q = config.queues[0].queue_name
     metrics = Metrics()
     raw = member(f"{unique}-again", future())
-    transport = SortedSetTransport(config, TransportContext(metrics=metrics))
-    try:
+    async with opened(config, TransportContext(metrics=metrics)) as transport:
         with capture_logs() as logs:
             for _ in range(2):
                 await r.zadd(q, {raw: 1})
                 delivery = await fetch_one(transport)
                 await transport.complete([(delivery, Result.http(f"{unique}-again", 200, b""))])
-    finally:
-        await transport.aclose()
     assert await r.llen(config.result_queue_name) == 1
     labels = {"queue_id": "qid", "queue_name": q, "pool_name": "default"}
     sample = "llm_d_async_async_duplicates_suppressed_total"
     assert metrics.registry.get_sample_value(sample, labels) == 1
     [warned] = [x for x in logs if x["event"] == "duplicate_suppressed"]
     assert warned["log_level"] == "warning" and warned["request_id"] == f"{unique}-again"
+
+
+# --------------------------------------------- sizes are bytes, checked before parsing (#9.5)
+
+
+async def test_an_oversized_member_is_answered_without_being_fetched_whole(
+    make_config, r, unique
+) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    big = member(f"{unique}-big", deadline).replace(b'"n": 1', b'"n": "' + b"x" * 300_000 + b'"')
+    await r.zadd(q, {big: deadline})
+    async with opened(config, TransportContext(max_message_bytes=1000)) as transport:
+        delivery = await fetch_one(transport, decode=False)
+        assert len(delivery.raw) <= ID_PREFIX_BYTES < len(big)  # only a prefix came over
+        with pytest.raises(InvalidMessage) as caught:
+            transport.decode(delivery)
+        assert (caught.value.reason, caught.value.request_id) == ("too_large", f"{unique}-big")
+        assert f"{len(big)} bytes exceeds the 1000-byte limit" in str(caught.value)
+        failure = Result.failure(f"{unique}-big", ErrorCode.INVALID_REQUEST, str(caught.value))
+        await transport.complete([(delivery, failure)])
+    [result] = await results_of(r, config.result_queue_name)
+    assert result.error_code == ErrorCode.INVALID_REQUEST
+    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+
+
+async def test_a_huge_dead_letter_keeps_a_prefix_its_size_and_hash(make_config, r) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    huge = b'{"no_id": "' + b"y" * 500_000 + b'"}'
+    await r.zadd(q, {huge: 1})
+    async with opened(config, TransportContext(max_message_bytes=1000)) as transport:
+        delivery = await fetch_one(transport, decode=False)
+        with pytest.raises(InvalidMessage) as caught:
+            transport.decode(delivery)
+        assert caught.value.request_id is None
+        await transport.dead_letter(delivery, caught.value.reason, str(caught.value))
+    [raw] = await r.lrange(redis_keys.dead_letter_key(q), 0, -1)
+    entry = json.loads(raw)
+    assert len(raw) < 8192
+    assert entry["raw"] == huge[: redis_keys.DEAD_LETTER_RAW_BYTES].decode()
+    assert (entry["size"], entry["truncated"]) == (len(huge), True)
+    assert entry["sha1"] == hashlib.sha1(huge).hexdigest()
+
+
+async def test_dead_letter_lists_are_capped_oldest_trimmed_and_counted(make_config, r) -> None:
+    config = make_config(dead_letter_max_entries=3)
+    q = config.queues[0].queue_name
+    metrics = Metrics()
+    await r.zadd(q, {f'{{"n": {i}}}'.encode(): i for i in range(5)})
+    async with opened(config, TransportContext(metrics=metrics)) as transport:
+        for _ in range(5):
+            delivery = await fetch_one(transport, decode=False)
+            await transport.dead_letter(delivery, "missing_id", "no id")
+    kept = [json.loads(x)["raw"] for x in await r.lrange(redis_keys.dead_letter_key(q), 0, -1)]
+    assert kept == ['{"n": 4}', '{"n": 3}', '{"n": 2}']  # newest first, oldest trimmed
+    sample = "llm_d_async_async_dead_letter_trimmed_total"
+    assert metrics.registry.get_sample_value(sample, {"queue_name": q}) == 2

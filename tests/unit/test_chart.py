@@ -134,6 +134,7 @@ def populated_metrics() -> Metrics:
     m.set_build_info("0", "redis-sortedset")
     m.result_route_rejected_total.labels("q", "reserved_key")  # made by the sorted-set transport
     m.abandoned_total.labels("q", "write_failed")
+    m.dead_letter_trimmed_total.labels("q")
     m.duplicates_suppressed_total.labels("q", "q", "default")
     m.pool_worker_limit.labels("default").set(1)
     # Gate gauges register when their gate is built: build one of each kind that has them.

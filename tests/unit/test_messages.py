@@ -16,6 +16,7 @@ from async_processor.messages import (
     Routing,
     decode_envelope,
     decode_request,
+    id_from_prefix,
     peek_id,
 )
 
@@ -233,3 +234,33 @@ def test_routing_names_that_cannot_be_redis_keys_are_invalid(field: str) -> None
     with pytest.raises(InvalidMessage) as caught:
         decode_envelope(raw)
     assert caught.value.request_id == "r"
+
+
+def test_max_bytes_counts_bytes_not_characters() -> None:
+    # 600 four-byte characters: ~650 characters, ~2,450 bytes. Counted as characters after
+    # a full parse, they passed a 1,000-byte limit.
+    raw = json.dumps(
+        {"id": "wide", "deadline": 2_000_000_000, "payload": {"p": "\U0001f600" * 600}},
+        ensure_ascii=False,
+    ).encode()
+    assert len(raw.decode()) < 1000 < len(raw)
+    for decode in (decode_envelope, decode_request):
+        with pytest.raises(InvalidMessage) as caught:
+            decode(raw, max_bytes=1000)
+        assert (caught.value.reason, caught.value.request_id) == ("too_large", "wide")
+        assert f"{len(raw)} bytes" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("prefix", "expected"),
+    [
+        (b'{"id": "a", "payload": {"x": "yyy', "a"),  # a bare request cut in its payload
+        (b'{"internal": {"labels": {"id": "no"}}, "request_kind": "plain", '
+         b'"data": {"metadata": {"id": "no"}, "id": "b", "payload": "', "b"),
+        (b'{"request_kind": "plain", "id": "no", "dat', None),  # envelope: data.id or none
+        (b'{"payload": {"id": "no"}, "dead', None),  # an "id" inside another field
+        (b"[" * 50_000, None),
+    ],
+)  # fmt: skip
+def test_id_from_prefix_reads_the_structure(prefix: bytes, expected: str | None) -> None:
+    assert id_from_prefix(prefix) == expected
