@@ -9,11 +9,13 @@ as ``run`` does, with each default shown once in ``--help``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from async_processor.config import (
+    ENV_PREFIX,
     AppConfig,
     ExtendParser,
     build_config,
@@ -23,18 +25,19 @@ from async_processor.config import (
 from async_processor.durations import parse_duration
 from async_processor.logs import configure_logging
 
-ENV_PREFIX = "ASYNC_PROCESSOR_"
-
 
 def duration(text: str) -> float:
-    """Seconds from ``90s``/``1h30m`` (Go syntax) or a plain number of seconds.
+    """Seconds from ``90s``/``1h30m`` (Go syntax) or a plain number of seconds, >= 0.
 
     Named ``duration`` so that argparse reports "invalid duration value: 'x'".
     """
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
-        return parse_duration(text)
+        seconds = parse_duration(text)
+    if not 0 <= seconds < math.inf:  # also refuses nan
+        raise ValueError(f"{text!r} is not a duration >= 0")
+    return seconds
 
 
 def env_name(dest: str) -> str:

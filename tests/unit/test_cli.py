@@ -270,8 +270,9 @@ def test_sim_and_demo_take_go_durations_and_plain_seconds() -> None:
     defaults = cliargs.parse(demo._parser(), [], {})
     assert (defaults.latency, defaults.timeout) == (0.05, 120.0)
     assert cliargs.parse(demo._parser(), ["--timeout", "1m30s"], {}).timeout == 90.0
-    with pytest.raises(SystemExit):
-        cliargs.parse(demo._parser(), ["--timeout", "soon"], {})
+    for bad in ("soon", "-5", "inf", "nan"):
+        with pytest.raises(SystemExit):
+            cliargs.parse(demo._parser(), ["--timeout", bad], {})
 
 
 def test_a_kubernetes_service_link_is_not_a_flag_value() -> None:
