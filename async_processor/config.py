@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Annotated, Any, NoReturn, TypeVar, cast, get_args
+from typing import Annotated, Any, Literal, NoReturn, TypeVar, cast, get_args
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -330,6 +330,9 @@ class RuntimeConfig(Strict):
     gate_wait_timeout: Annotated[Duration, Field(gt=0)] | None = None
     prometheus_url: str = ""
     prometheus_cache_ttl: Annotated[Duration, Field(ge=0)] = 5.0  # 0 disables the cache
+    # in-flight: a queue's budget caps its messages in flight at budget x pool slots;
+    # fetch: it only sizes each fetch (the reference), so fetches follow at once.
+    budget_scope: Literal["in-flight", "fetch"] = "in-flight"
     metrics_backlog_poll_interval: Annotated[Duration, Field(ge=0)] = 15.0  # 0 disables
     health_port: Port = 8081
     metrics_port: Port = 9090
@@ -472,6 +475,8 @@ FLAGS: tuple[Flag, ...] = (
          "gate_wait_timeout"),
     Flag("prometheus-url", "Prometheus base URL for prometheus-* gates", "prometheus_url"),
     Flag("prometheus-cache-ttl", "gate metric cache TTL (0 disables)", "prometheus_cache_ttl"),
+    Flag("budget-scope", "what a queue gate's budget bounds: in-flight (budget × pool slots) "
+         "or fetch (each fetch only, as the Go reference)", "budget_scope"),
     Flag("metrics-backlog-poll-interval", "broker backlog gauge interval (0 disables)",
          "metrics_backlog_poll_interval"),
     Flag("health-port", "port of /healthz and /readyz", "health_port"),

@@ -6,7 +6,10 @@ bounded stream (read by the pool's merge policy), results for messages that end 
 
 Fetching is demand-driven (DESIGN.md §5.2): it waits for free pool slots, fetches at
 most min(free slots, floor(batch_size x budget)) in one call, and fetches again at once
-after a full batch; the poll interval only paces an empty or gated queue. A refused
+after a full batch; the poll interval only paces an empty or gated queue. The budget also
+caps the queue's messages in flight at ceil(budget x pool slots) (``--budget-scope
+in-flight``): sizing fetches alone let a budget of 0.3 fill the pool all the same, since
+the next fetch follows at once (measured by ``bench.harvest``). A refused
 message is deferred briefly instead of re-popped at once (§5.3). Nothing fetched is
 dropped (§5.4): each message ends as a Work item, a result, a dead letter or a deferral.
 """
@@ -52,6 +55,8 @@ class Poller:
         lane: ObjectSendStream[Work],
         writer: ObjectSendStream[Op],
         metrics: QueueMetrics,
+        *,
+        bound_in_flight: bool = True,
     ) -> None:
         self.queue = queue
         self._transport = transport
@@ -63,6 +68,9 @@ class Poller:
         self._log = log.bind(queue=queue.name, pool=queue.pool)
         self._error_backoff = 0.0
         self._idle = False
+        self._bound_in_flight = bound_in_flight
+        self._in_flight = 0  # forwarded to the lane, not yet released by the worker
+        self._landed = anyio.Event()  # set when one of them is released
         # The last delivery handed on (to the lane or the writer): it is no longer ours.
         self._settled: Delivery | None = None
 
@@ -80,7 +88,15 @@ class Poller:
             await self._note_gate_closed()
             await anyio.sleep(self.queue.poll_interval)
             return
+        room = self._room(budget)
+        if room <= 0:  # at the budget's share of the pool: wait for one to finish
+            with anyio.move_on_after(self.queue.poll_interval):
+                await self._landed.wait()
+            return
         reserved = await self._reserve(wanted, budget)
+        if reserved > room:
+            self._capacity.release(reserved - room)
+            reserved = room
         try:
             deliveries = await self._transport.fetch(self.queue, reserved, self.queue.poll_interval)
         except BaseException as exc:  # also cancellation: the slots must not leak
@@ -112,6 +128,12 @@ class Poller:
             self._capacity.release(reserved - kept)
             reserved = kept
         return reserved
+
+    def _room(self, budget: float) -> int:
+        """How many more of this queue's messages may be in flight under the budget."""
+        if not self._bound_in_flight:
+            return self._capacity.slots
+        return math.ceil(budget * self._capacity.slots) - self._in_flight
 
     async def _budget(self) -> float:
         """The gate's budget clamped to [0, 1]; a failing or NaN budget counts as closed
@@ -158,6 +180,8 @@ class Poller:
             verdict = await self._gate.apply(envelope, releases)
             if verdict.action in (Action.CONTINUE, Action.WAIT):
                 # Wait means nothing at queue level: the pool gate is where workers park.
+                self._in_flight += 1
+                releases.add(self._land)  # runs when the worker is done, or below if not sent
                 await put(self._lane, Work(delivery, envelope, self._metrics, releases))
                 forwarded = True
                 self._settled = delivery
@@ -179,6 +203,11 @@ class Poller:
             if not forwarded:
                 with anyio.CancelScope(shield=True):
                     await releases.release_all()
+
+    async def _land(self) -> None:
+        self._in_flight -= 1
+        self._landed.set()
+        self._landed = anyio.Event()
 
     async def _decode(self, delivery: Delivery) -> Envelope | None:
         try:

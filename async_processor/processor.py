@@ -230,6 +230,7 @@ class Processor:
                         lane_in,
                         writer.sender(),
                         metrics,
+                        bound_in_flight=rt.budget_scope == "in-flight",
                     )
                 )
             tg.start_soon(self.merge_policy.run, pool.config.id, sources, sink)

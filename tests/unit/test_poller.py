@@ -182,3 +182,40 @@ async def test_a_fetch_sized_by_free_slots_asks_for_free_slots_times_budget(
         assert capacity.free == free - asked  # the slots not asked for stay free
         tg.cancel_scope.cancel()
     assert transport.limits == [asked]
+
+
+async def _forwarded_under_budget(
+    budget: float, bound_in_flight: bool, release_one: bool = False
+) -> int:
+    """Messages a poller forwards with plenty queued, 8 pool slots and a constant budget."""
+    raws = [message(f"m{i}", time.time() + 600) for i in range(20)]
+    lane_in, lane_out = anyio.create_memory_object_stream[Work](16)
+    writer_in, _ = anyio.create_memory_object_stream[Op](16)
+    poller = Poller(QUEUE, cast(Transport, FakeTransport(raws)), ConstantGate(budget),
+                    PoolCapacity(8), lane_in, writer_in, Metrics().queue("q", "q", "default"),
+                    bound_in_flight=bound_in_flight)  # fmt: skip
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(poller.run)
+        await anyio.sleep(0.3)  # six poll intervals: time enough to fetch everything allowed
+        forwarded = _drain(lane_out)
+        if release_one:
+            await forwarded[0].releases.release_all()  # a worker finished one
+            await anyio.sleep(0.1)
+            forwarded += _drain(lane_out)
+        tg.cancel_scope.cancel()
+    return len(forwarded)
+
+
+async def test_a_budget_caps_the_queues_messages_in_flight_not_only_each_fetch() -> None:
+    # ceil(0.25 x 8 slots) = 2 in flight, though each fetch may take floor(4 x 0.25) = 1
+    # and six free slots remain.
+    assert await _forwarded_under_budget(0.25, bound_in_flight=True) == 2
+
+
+async def test_a_finished_message_makes_room_for_the_next_under_the_budget() -> None:
+    assert await _forwarded_under_budget(0.25, bound_in_flight=True, release_one=True) == 3
+
+
+async def test_budget_scope_fetch_only_sizes_fetches_as_the_reference_does() -> None:
+    # The same budget fills every free slot, one small fetch after another.
+    assert await _forwarded_under_budget(0.25, bound_in_flight=False) == 8
