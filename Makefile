@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 4
 
-.PHONY: all venv constraints sysdeps demo test test-fast lint typecheck bench clean
+.PHONY: all venv constraints sysdeps demo test test-fast lint typecheck bench bench-harvest clean
 
 all: test
 
@@ -55,6 +55,12 @@ lint: venv
 
 bench: venv sysdeps
 	$(BIN)/python -m bench
+
+# Harvest of idle pool capacity vs interactive impact, per gate strategy (about 13 min;
+# HARVEST_ARGS=--quick for about 3). Tables, JSON and PNGs under /tmp/async-processor-bench.
+bench-harvest: venv sysdeps
+	$(BIN)/pip install -q -c constraints.txt -e '.[bench]'
+	$(BIN)/python -m bench.harvest $(HARVEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

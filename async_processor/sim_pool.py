@@ -14,16 +14,21 @@ job that finds no free slot evicts the latest-arrived running batch job, which l
 progress and goes back to the head of the batch queue. A job's work runs at a speed
 divided by the pod's load factor, 1 with one job running rising linearly to
 ``time_factor_under_load`` at ``max_num_seqs``, re-evaluated whenever the pod's running
-count changes (between events the factor is constant, so progress is exact).
+count changes (between events the factor is constant, so progress is exact). Each pod
+keeps one work clock (work done by any job running since the pod started) and a heap of
+its jobs' next milestones on that clock, so an event costs O(log n), not O(slots).
 
 The router sheds only sheddable (batch) jobs, and only when the whole pool is saturated
 (every pod has ``shed_queue_depth`` waiting or a KV-cache use of ``shed_kv_usage``), as
-llm-d's flow control does with its saturation detector defaults; KV-cache use is modelled
-as the share of a pod's slots in use.
+llm-d's flow control does with its saturation detector. KV-cache use is modelled as the
+share of a pod's slots in use, so the default threshold is 1.0 (every slot busy), not
+llm-d's 0.8 of real KV blocks: at 0.8 of *slots* the router would shed batch work while a
+fifth of the pool idles, and no daemon could reach what the oracle (never shed) fills.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -50,7 +55,7 @@ class PoolConfig(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     preemption: bool = False
     shed_queue_depth: int = Field(5, ge=1)
-    shed_kv_usage: float = Field(0.8, gt=0, le=1)
+    shed_kv_usage: float = Field(1.0, gt=0, le=1)
 
     def work(self, prompt_tokens: int, output_tokens: int) -> tuple[float, float]:
         """(prefill, decode) seconds of work at load factor 1."""
@@ -71,7 +76,7 @@ class Job:
     decode: float
     arrived: float
     started: float = 0.0  # start of the current run (a preemption restarts it)
-    progress: float = 0.0  # seconds of work done in the current run
+    mark: float = 0.0  # the pod's work clock when the current run started
     first_token: float | None = None
     finished: float | None = None
     preemptions: int = 0
@@ -91,6 +96,38 @@ class Pod:
     running: list[Job] = field(default_factory=list)
     # One FIFO per rank (0 first); fcfs uses rank 0 only.
     waiting: tuple[deque[Job], deque[Job]] = field(default_factory=lambda: (deque(), deque()))
+    work: float = 0.0  # seconds of work each running job has done since the pod started
+    by_class: Counter[str] = field(default_factory=Counter)
+    # (work clock at the milestone, tie-breaker, job); stale entries are skipped lazily.
+    _milestones: list[tuple[float, int, Job]] = field(default_factory=list)
+    _seq: int = 0
+
+    def start(self, job: Job) -> None:
+        job.mark = self.work
+        self.running.append(job)
+        self.by_class[job.cls] += 1
+        self.push(job)
+
+    def stop(self, job: Job) -> None:
+        self.running.remove(job)
+        self.by_class[job.cls] -= 1
+
+    def push(self, job: Job) -> None:
+        self._seq += 1
+        heapq.heappush(self._milestones, (job.mark + job._milestone(), self._seq, job))
+
+    def next_milestone(self) -> tuple[float, Job] | None:
+        """The earliest live milestone on the work clock (dropping stale entries)."""
+        heap = self._milestones
+        while heap:
+            at, _, job = heap[0]
+            if job.finished is None and job in self.running and at == job.mark + job._milestone():
+                return at, job
+            heapq.heappop(heap)
+        return None
+
+    def pop_milestone(self) -> None:
+        heapq.heappop(self._milestones)
 
     @property
     def num_waiting(self) -> int:
@@ -127,7 +164,7 @@ class Pool:
     # -- reading ----------------------------------------------------------------------
 
     def running(self, cls: str | None = None) -> int:
-        return sum(1 for p in self.pods for j in p.running if cls is None or j.cls == cls)
+        return sum(len(p.running) if cls is None else p.by_class[cls] for p in self.pods)
 
     def waiting(self) -> int:
         return sum(p.num_waiting for p in self.pods)
@@ -159,10 +196,10 @@ class Pool:
         """When the next first token or completion happens at the current load, if any."""
         soonest: float | None = None
         for pod in self.pods:
-            factor = self.factor(pod)
-            for job in pod.running:
-                at = self.now + max(0.0, job._milestone() - job.progress) * factor
-                soonest = at if soonest is None else min(soonest, at)
+            if (milestone := pod.next_milestone()) is None:
+                continue
+            at = self.now + max(0.0, milestone[0] - pod.work) * self.factor(pod)
+            soonest = at if soonest is None else min(soonest, at)
         return soonest
 
     def advance(self, now: float) -> list[Job]:
@@ -178,23 +215,23 @@ class Pool:
         dt = to - self.now
         if dt > 0:
             for pod in self.pods:
-                factor = self.factor(pod)
-                for job in pod.running:
-                    job.progress += dt / factor
-                    self.counters.slot_seconds[job.cls] += dt
+                pod.work += dt / self.factor(pod)
+                for cls, n in pod.by_class.items():
+                    self.counters.slot_seconds[cls] += n * dt
         self.now = max(self.now, to)
 
     def _milestones(self) -> list[Job]:
         finished: list[Job] = []
         for pod in self.pods:
-            for job in list(pod.running):
-                if job.progress + EPSILON < job._milestone():
-                    continue
+            while (milestone := pod.next_milestone()) and milestone[0] <= pod.work + EPSILON:
+                job = milestone[1]
+                pod.pop_milestone()
                 if job.first_token is None:
                     job.first_token = self.now
                     if job.decode > EPSILON:
+                        pod.push(job)  # the next milestone: the last token
                         continue
-                pod.running.remove(job)
+                pod.stop(job)
                 self._finish(job)
                 finished.append(job)
             self._schedule(pod)
@@ -221,7 +258,7 @@ class Pool:
         """The client went away: its job leaves the pool, its slot goes to the next one."""
         for pod in self.pods:
             if job in pod.running:
-                pod.running.remove(job)
+                pod.stop(job)
             for queue in pod.waiting:
                 if job in queue:
                     queue.remove(job)
@@ -237,8 +274,8 @@ class Pool:
             if len(pod.running) >= pod.slots and not self._preempt_for(pod, queue[0]):
                 return
             job = queue.popleft()
-            job.started, job.progress = self.now, 0.0
-            pod.running.append(job)
+            job.started = self.now
+            pod.start(job)
 
     def _preempt_for(self, pod: Pod, job: Job) -> bool:
         c = self.config
@@ -247,8 +284,8 @@ class Pool:
         victims = [j for j in pod.running if j.cls == BATCH]
         if not victims:
             return False
-        victim = max(victims, key=lambda j: j.arrived)
-        pod.running.remove(victim)
+        victim = max(victims, key=lambda j: (j.arrived, j.started))  # vLLM: latest arrival
+        pod.stop(victim)
         victim.preemptions += 1
         self.counters.preempted[victim.cls] += 1
         pod.waiting[self._rank(victim)].appendleft(victim)  # vLLM re-queues it at the front

@@ -13,6 +13,7 @@ import secrets
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,10 +80,10 @@ async def submit(lane: Lane, count: int, prompt_bytes: int = 64) -> None:
             await client.submit_many(batch)
 
 
-async def bulk_load(lane: Lane, count: int) -> None:
+async def bulk_load(lane: Lane, count: int, request: dict[str, Any] | None = None) -> None:
     """A deep backlog fast: envelopes ZADDed many per command (no active-token keys)."""
     deadline = int(time.time()) + DEADLINE
-    body = json.dumps(payload()).encode()
+    body = json.dumps(request or payload()).encode()
     routing = Routing(request_queue_name=lane.queue, result_queue_name=lane.results)
     redis = Redis.from_url(lane.redis_url)
     try:
@@ -97,22 +98,31 @@ async def bulk_load(lane: Lane, count: int) -> None:
 
 
 def start_daemon(
-    stack: ExitStack, lane: Lane, sim: SimulatorProcess, workers: int, **transport: Any
+    stack: ExitStack,
+    lane: Lane,
+    sim: SimulatorProcess,
+    workers: int,
+    *,
+    queue: dict[str, Any] | None = None,
+    flags: Sequence[str] = (),
+    metrics_port: int = 0,
+    **transport: Any,
 ) -> Process:
-    """The daemon as a process (``python -m async_processor run``); returns its PID."""
+    """The daemon as a process (``python -m async_processor run``); ``queue`` adds fields to
+    its queue entry (gate, objective), ``flags`` to its command line."""
     config = {
         "url": lane.redis_url,
         "result_queue_name": lane.results,
         "retry_queue_name": lane.queue + "-retry",
-        "queues": [{"queue_name": lane.queue, "igw_base_url": sim.url}],
+        "queues": [{"queue_name": lane.queue, "igw_base_url": sim.url, **(queue or {})}],
         **transport,
     }
     health = free_port()
     args = ["-m", "async_processor", "run", "--transport", "redis-sortedset",
             "--transport-config", json.dumps(config), "--concurrency", str(workers),
-            "--health-port", str(health), "--metrics-port", str(free_port()),
+            "--health-port", str(health), "--metrics-port", str(metrics_port or free_port()),
             "--bind-address", "127.0.0.1", "--log-level", "warning",
-            "--metrics-backlog-poll-interval", "0"]  # fmt: skip
+            "--metrics-backlog-poll-interval", "0", *flags]  # fmt: skip
     return python_process(stack, args, port=health, log=LOG_DIR / f"{lane.queue}.log")
 
 

@@ -60,7 +60,7 @@ async def test_latency_rises_with_load_and_only_batch_is_shed(pooled: SimulatorP
             interactive.append((await post(session, pooled.url))[0])
 
         async with anyio.create_task_group() as tg:
-            for _ in range(12):  # 8 fill both pods (KV use 1 >= 0.8); the rest is shed
+            for _ in range(12):  # 8 fill both pods (KV use 1.0); the rest is shed
                 tg.start_soon(one_batch)
             await anyio.sleep(0.1)
             for _ in range(3):  # the pool is saturated now: never shed all the same

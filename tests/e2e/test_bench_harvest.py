@@ -1,0 +1,56 @@
+"""``python -m bench.harvest`` runs end to end on tiny runs: the oracle, run A and the
+reference's prometheus-saturation (the daemon, a real Redis and a real Prometheus), then
+the table, the JSON, the PNGs and the summary line. Figures are not asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SUMMARY = re.compile(
+    r"harvest: best=\S+ harvest_ratio=\S+ oracle_ratio=\S+ ttft_p99_ratio=\S+ "
+    r"e2e_p99_ratio=\S+ shed_share=\S+"
+)
+
+
+def _servers_or_skip() -> None:
+    missing = [b for b in ("redis-server", "prometheus") if shutil.which(b) is None]
+    if missing:
+        message = f"{', '.join(missing)} not installed (make test installs them)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.mark.timeout(180)
+def test_the_harvest_bench_runs_end_to_end(tmp_path: Path) -> None:
+    _servers_or_skip()
+    args = ["--duration", "4", "--only", "prometheus-saturation", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.harvest", *args],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert SUMMARY.fullmatch(lines[-1]), lines[-1]
+    assert "harvested      = slot-seconds of batch requests" in done.stdout
+    assert "| prometheus-saturation |" in done.stdout
+    data = json.loads((tmp_path / "harvest.json").read_text())[0]
+    assert [r["name"] for r in data["rows"]] == ["prometheus-saturation"]
+    assert len(data["oracle"]) == 14  # H = 0..64, with and without preemption
+    assert all(run["interactive_requests"] > 0 for run in data["runs"])
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert {p.name for p in tmp_path.glob("*.png")} == {
+            "harvest-A.png", "harvest-prometheus-saturation.png"
+        }  # fmt: skip
