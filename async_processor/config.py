@@ -333,6 +333,7 @@ class RuntimeConfig(Strict):
     # in-flight: a queue's budget caps its messages in flight at budget x pool slots;
     # fetch: it only sizes each fetch (the reference), so fetches follow at once.
     budget_scope: Literal["in-flight", "fetch"] = "in-flight"
+    shed_pause: Annotated[Duration, Field(ge=0)] = 0.0  # longest pool pause after a 429; 0 = off
     metrics_backlog_poll_interval: Annotated[Duration, Field(ge=0)] = 15.0  # 0 disables
     health_port: Port = 8081
     metrics_port: Port = 9090
@@ -477,6 +478,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("prometheus-cache-ttl", "gate metric cache TTL (0 disables)", "prometheus_cache_ttl"),
     Flag("budget-scope", "what a queue gate's budget bounds: in-flight (budget × pool slots) "
          "or fetch (each fetch only, as the Go reference)", "budget_scope"),
+    Flag("shed-pause", "after a 429 the pool sends nothing new for Retry-After, at most this "
+         "long (0 disables)", "shed_pause"),
     Flag("metrics-backlog-poll-interval", "broker backlog gauge interval (0 disables)",
          "metrics_backlog_poll_interval"),
     Flag("health-port", "port of /healthz and /readyz", "health_port"),

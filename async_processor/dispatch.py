@@ -55,7 +55,7 @@ from async_processor.retry import (
 )
 from async_processor.transforms.base import Outgoing
 from async_processor.transports.base import Deferral, Transport, abandon
-from async_processor.work import PoolCapacity, Work, put, take
+from async_processor.work import PoolCapacity, ShedPause, Work, put, take
 
 log = structlog.get_logger(__name__)
 
@@ -347,6 +347,7 @@ class Worker:
     stopping: anyio.Event
     aborter: Aborter
     pool_gate: PoolGate | None = None
+    shed_pause: ShedPause | None = None  # shared by the pool's workers
 
     async def run(self, stream: ObjectReceiveStream[Work]) -> None:
         async with stream, self.writer:
@@ -418,6 +419,8 @@ class Worker:
         if timeout <= 0:
             return expired(request.id, last_answer(envelope.routing))
         limit = RESULT_LIMITS.get(self.transport.kind)
+        if self.shed_pause is not None:
+            await self.shed_pause.wait()
         started = time.monotonic()
         with tracing.http_request(out) as span:
             attempt = await send(self.session, out, timeout=timeout, limit=limit)
@@ -426,6 +429,8 @@ class Worker:
         work.metrics.inference_latency.observe(latency * 1000)
         if attempt.shed:
             work.metrics.shedded_total.inc()
+            if self.shed_pause is not None:
+                self.shed_pause.shed(attempt.retry_after)
         self._feedback(envelope, attempt, latency)
         decision = decide(
             request.id,

@@ -44,7 +44,7 @@ from async_processor.transforms import build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports import build_transport
 from async_processor.transports.base import QueueSpec, Transport, TransportContext
-from async_processor.work import PoolCapacity, Work
+from async_processor.work import PoolCapacity, ShedPause, Work
 
 log = structlog.get_logger(__name__)
 
@@ -234,6 +234,7 @@ class Processor:
                     )
                 )
             tg.start_soon(self.merge_policy.run, pool.config.id, sources, sink)
+            shed_pause = ShedPause(rt.shed_pause)
             for _ in range(pool.config.workers):
                 worker = Worker(
                     pool.config.id,
@@ -246,6 +247,7 @@ class Processor:
                     self.stopping,
                     self._aborter,
                     pool.gate,
+                    shed_pause,
                 )
                 tg.start_soon(worker.run, merged.clone())
             merged.close()

@@ -6,7 +6,9 @@ the pool admission gate, the transforms and the dispatch worker.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -84,6 +86,31 @@ class PoolCapacity:
         if self.free > 0 and self._waiters and not self._woken:
             self._woken += 1
             self._waiters.popleft().set()
+
+
+class ShedPause:
+    """A pool's brake on gateway sheds: after a 429 (or a drop reason) the pool sends
+    nothing new until Retry-After has passed, at most ``cap`` seconds (0 = never pause).
+
+    Without it every worker fires its next request at once into a saturated router, which
+    answers 429 again (bench.harvest: thousands of 429s per minute from 64 fixed workers).
+    Requests already sent are not touched; the shed one is retried with its own backoff.
+    """
+
+    def __init__(self, cap: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cap = cap
+        self._clock = clock
+        self.until = 0.0
+
+    def shed(self, retry_after: float | None) -> None:
+        if self.cap > 0:
+            pause = self.cap if retry_after is None else min(self.cap, retry_after)
+            self.until = max(self.until, self._clock() + pause)
+
+    async def wait(self) -> None:
+        delay = self.until - self._clock()
+        if delay > 0:
+            await anyio.sleep(delay)
 
 
 async def put(stream: ObjectSendStream[T], item: T) -> None:
