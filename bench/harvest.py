@@ -22,6 +22,7 @@ from pathlib import Path
 
 import anyio
 
+from async_processor.gates import epp
 from bench import harvest_plot
 from bench.common import redis
 from bench.harness import LOG_DIR
@@ -30,7 +31,7 @@ from bench.harvest_runs import SIM_URL, RunResult, Strategy, as_json, dumps, run
 
 TTFT_LIMIT = E2E_LIMIT = 1.3
 POOL = "sim-pool"
-SATURATION = "inference_extension_flow_control_pool_saturation"
+SATURATION = epp.POOL_SATURATION.current  # what the simulator exports by default
 RECOMMENDED = "scrape-saturation in-flight 0.5s 192w"
 QUICK = ("fixed-64", "prometheus-saturation", RECOMMENDED)
 
