@@ -29,7 +29,7 @@ venv: $(STAMP)
 constraints:
 	rm -rf .venv-constraints
 	$(PY) -m venv .venv-constraints
-	.venv-constraints/bin/pip install -q -e '.[$(EXTRAS)]'
+	.venv-constraints/bin/pip install -q -e '.[$(EXTRAS),bench]'  # bench: pinned, not in venv
 	{ grep '^#' constraints.txt; .venv-constraints/bin/pip freeze --exclude-editable; } \
 		> constraints.txt.new
 	mv constraints.txt.new constraints.txt
