@@ -63,6 +63,7 @@ SCRIPT_NAMES = (
     "dead_letter",
     "move_due",
     "cancel",
+    "expired",
 )
 
 

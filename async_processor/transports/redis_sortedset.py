@@ -28,7 +28,6 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import cast
 
 import anyio
 import structlog
@@ -498,11 +497,9 @@ class SortedSetTransport:
         while True:
             now = time.time()
             with redis_errors("expire"):
-                raws = cast(
-                    list[bytes],
-                    await self._redis.zrangebyscore(
-                        queue.name, "-inf", now, start=skipped, num=EXPIRE_CHUNK
-                    ),
+                raws = await self._scripts["expired"](
+                    keys=[queue.name],
+                    args=[now, skipped, EXPIRE_CHUNK, self._ctx.max_message_bytes],
                 )
             items = [item for raw in raws if (item := self._expired(queue, raw, now))]
             skipped += len(raws) - len(items)
@@ -515,6 +512,8 @@ class SortedSetTransport:
     def _expired(self, queue: QueueSpec, raw: bytes, now: float) -> tuple[Delivery, Result] | None:
         """The member's DEADLINE_EXCEEDED result; None for one a worker must handle (it does
         not decode, so it is answered INVALID_REQUEST or dead-lettered, or its score lies)."""
+        if not raw:  # over --max-message-bytes: not even fetched
+            return None
         delivery = Delivery(queue=queue, raw=raw)
         try:
             envelope = self.decode(delivery)

@@ -20,6 +20,7 @@ from async_processor.metrics import Metrics
 from async_processor.transports.base import Deferral, TransportContext
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.inprocess import metric, running, sortedset_config, submit
+from tests.fixtures.servers import RedisServer
 from tests.fixtures.simulator import SimulatorProcess
 
 pytestmark = pytest.mark.anyio
@@ -157,3 +158,30 @@ async def test_a_retry_due_after_its_deadline_is_answered_at_the_deadline(
         await transport.aclose()
     assert result.error_code == ErrorCode.DEADLINE_EXCEEDED
     assert at - deadline < 1.2
+
+
+async def test_the_sweep_never_fetches_an_oversized_member(
+    private_redis: RedisServer, unique: str
+) -> None:
+    # It is left to a worker (answered from its prefix); reading it whole, 20 at a time,
+    # would cost the daemon memory the size limit is there to bound.
+    config = config_for(private_redis.url, unique)
+    q = config.queues[0].queue_name
+    past = int(time.time()) - 1
+    huge = member(f"{unique}-huge", past).replace(
+        b'"payload":null', b'"payload":"' + b"z" * 2_000_000 + b'"'
+    )
+    async with Redis.from_url(private_redis.url) as r:
+        await r.zadd(q, {huge: past, member(f"{unique}-small", past): past})
+        sent_before = int((await r.info("stats"))["total_net_output_bytes"])
+        transport = SortedSetTransport(config, TransportContext(max_message_bytes=1000))
+        try:
+            await transport.expire_due()
+        finally:
+            await transport.aclose()
+        sent = int((await r.info("stats"))["total_net_output_bytes"]) - sent_before
+        assert [Result.decode(x).id for x in await r.lrange(config.result_queue_name, 0, -1)] == [
+            f"{unique}-small"
+        ]
+        assert await r.zrange(q, 0, -1) == [huge]
+    assert sent < 100_000, f"{sent} bytes sent to the sweeping daemon"
