@@ -13,7 +13,8 @@ replay the same entry twice.
 Replay puts the message back on its queue: on the sorted set scored by its deadline, its
 own (default) or ``--deadline-in`` from now, written into the message when it decodes;
 on redis-pubsub it is published to its channel, and stays on the list when nobody
-subscribes (a published message with no subscriber is lost). gcp-pubsub copies dead
+subscribes (a published message with no subscriber is lost). An entry that kept only a
+prefix of a large message (``truncated``) is never replayed. gcp-pubsub copies dead
 letters to a topic (``<subscription>-dead-letter``); read them with a subscription there.
 """
 
@@ -88,6 +89,7 @@ class Entry:
             "age_seconds": round(now - when, 1) if isinstance(when, int | float) else None,
             "request_id": peek_id(str(fields.get("raw", ""))),
             "detail": str(fields.get("detail", "")),
+            "truncated": bool(fields.get("truncated")),
         }
 
 
@@ -111,7 +113,10 @@ class DeadLetters:
         return [Entry(queue, item) for item in reversed(raw)]
 
     async def replay(self, entry: Entry, deadline_in: float | None, now: float) -> int:
-        """1 replayed, 0 gone meanwhile, -1 kept (no subscriber on the channel)."""
+        """1 replayed, 0 gone meanwhile, -1 kept (no subscriber on the channel), -2 kept
+        (the entry holds only a prefix of the message: replaying it would corrupt it)."""
+        if entry.fields.get("truncated"):
+            return -2
         message, score = _message(entry, deadline_in, now)
         mode = "zadd" if self.sorted_set else "publish"
         target = [keys.dead_letter_key(entry.queue), entry.queue]
@@ -230,7 +235,7 @@ async def _act(
     for entry in entries:
         if opts.action == "replay":
             done = await lists.replay(entry, opts.deadline_in, now)
-            outcome = {1: "replayed", 0: "gone", -1: "no_subscriber"}[done]
+            outcome = {1: "replayed", 0: "gone", -1: "no_subscriber", -2: "truncated"}[done]
         else:
             outcome = "purged" if await lists.purge(entry) else "gone"
         outcomes[outcome] += 1

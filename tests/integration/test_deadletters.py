@@ -122,9 +122,16 @@ def test_list_show_replay_purge(
     # The undecodable one goes back as it was, due now, for the daemon to look at again.
     code, out, _ = run(capsys, "replay", bad, *flags)
     assert out.strip() == "replayed 1" and abs(r.zscore(queue, b"not json") - time.time()) < 30
+    # An entry holding only a prefix of a large message is never replayed.
+    prefix = {"reason": "oversized", "raw": '{"id":"big","deadline":1', "truncated": True}
+    r.lpush(f"{queue}:dead-letter", json.dumps(prefix))
+    before = r.zcard(queue)
+    code, out, _ = run(capsys, "replay", "--all", *flags)
+    assert out.strip() == "truncated 1" and r.zcard(queue) == before
+    assert json.loads(run(capsys, "list", *flags, "--json")[1])[0]["truncated"] is True
     r.lpush(f"{queue}:dead-letter", "x", "y")
     code, out, _ = run(capsys, "purge", "--all", *flags)
-    assert out.strip() == "purged 2" and r.llen(f"{queue}:dead-letter") == 0
+    assert out.strip() == "purged 3" and r.llen(f"{queue}:dead-letter") == 0
 
 
 def test_replayed_entry_cannot_be_replayed_twice(
