@@ -1,0 +1,55 @@
+"""A worker whose outcome the result writer cannot take in time gives its claim up (#9.2).
+
+The 10 s settle timeout used to drop the outcome silently while the transport kept
+renewing the lease until the deadline; now the claim is abandoned (logged and counted by
+the transport) so the broker hands the message out again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import aiohttp
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+from async_processor import dispatch
+from async_processor.results import Op
+from async_processor.transports.base import Delivery
+from tests.fixtures.simulator import LocalSimulator
+from tests.unit.test_tracing import _work, _worker
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Abandoning:
+    kind = "redis-sortedset"
+
+    def __init__(self) -> None:
+        self.abandoned: list[tuple[str, str]] = []
+
+    async def is_cancelled(self, delivery: Delivery) -> bool:
+        return False
+
+    def abandon(self, delivery: Delivery, reason: str) -> None:
+        self.abandoned.append((delivery.queue.name, reason))
+
+
+async def test_a_settle_timeout_abandons_the_claim(
+    local_simulator: LocalSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dispatch, "SETTLE_TIMEOUT", 0.2)
+    transport = Abandoning()
+    send, receive = anyio.create_memory_object_stream[Op](0)  # a writer that never reads
+    async with aiohttp.ClientSession() as session, send, receive:
+        worker = dataclasses.replace(_worker(session, send), transport=transport)
+        with capture_logs() as logs, anyio.fail_after(5):
+            await worker.handle(_work(local_simulator.url))
+    assert transport.abandoned == [("qname", "settle_timeout")]
+    assert [x["log_level"] for x in logs if x["event"] == "settle_timed_out"] == ["error"]
