@@ -36,9 +36,9 @@ from async_processor.cliargs import daemon_config, duration
 from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig, SortedSetConfig
 from async_processor.errors import ConfigError, InvalidMessage, TransportError
 from async_processor.messages import decode_envelope, peek_id
-from async_processor.transports import redis_keys as keys
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keys import redis_errors
+from async_processor.transports.redis_keyspace import KeySpace
 
 log = structlog.get_logger(__name__)
 
@@ -100,6 +100,7 @@ class DeadLetters:
         self.config = config
         self.redis = client
         self.sorted_set = isinstance(config, SortedSetConfig)
+        self._keys = KeySpace(cluster=config.mode == "cluster")  # the daemon's key names
         self._replay = client.register_script(REPLAY)
 
     @property
@@ -109,7 +110,7 @@ class DeadLetters:
     async def entries(self, queue: str) -> list[Entry]:
         """Oldest first (the list is pushed at its head)."""
         with redis_errors("dead-letter read"):
-            raw = cast(list[bytes], await self.redis.lrange(keys.dead_letter_key(queue), 0, -1))
+            raw = cast(list[bytes], await self.redis.lrange(self._keys.dead_letter(queue), 0, -1))
         return [Entry(queue, item) for item in reversed(raw)]
 
     async def replay(self, entry: Entry, deadline_in: float | None, now: float) -> int:
@@ -119,14 +120,14 @@ class DeadLetters:
             return -2
         message, score = _message(entry, deadline_in, now)
         mode = "zadd" if self.sorted_set else "publish"
-        target = [keys.dead_letter_key(entry.queue), entry.queue]
+        target = [self._keys.dead_letter(entry.queue), entry.queue]
         with redis_errors("dead-letter replay"):
             done = await self._replay(keys=target, args=[entry.raw, message, score, mode])
         return int(done)
 
     async def purge(self, entry: Entry) -> int:
         with redis_errors("dead-letter purge"):
-            key = keys.dead_letter_key(entry.queue)
+            key = self._keys.dead_letter(entry.queue)
             return int(await self.redis.lrem(key, 1, entry.raw))  # type: ignore[arg-type]
 
 

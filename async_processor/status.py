@@ -31,9 +31,9 @@ from async_processor.cliargs import daemon_config
 from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig, SortedSetConfig
 from async_processor.durations import format_duration
 from async_processor.errors import TransportError
-from async_processor.transports import redis_keys as keys
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keys import redis_errors
+from async_processor.transports.redis_keyspace import KeySpace
 
 RETRY_SCAN_CHUNK = 1000  # retry-set members read per round trip
 
@@ -85,39 +85,67 @@ async def redis_status(
     client: Redis,
     per_queue_retries: bool = True,
 ) -> Status:
-    sorted_set = isinstance(config, SortedSetConfig)
-    queues = [q.queue_name for q in config.queues]
+    keyspace = KeySpace(cluster=config.mode == "cluster")
+    retry_sets = _retry_sets(keyspace, config)
     with redis_errors("status"):
         seconds, micros = await client.time()
         now = seconds + micros / 1e6
-        async with client.pipeline(transaction=True) as pipe:
-            for queue in queues:
-                pipe.llen(keys.dead_letter_key(queue))
-                if sorted_set:
-                    pipe.zcard(queue)
-                    pipe.zcard(keys.inflight_key(queue))
-                    pipe.zrange(queue, 0, 0, withscores=True)
-            for result_list in _result_lists(config):
-                pipe.llen(result_list)
-            retry_set = config.retry_queue_name
-            pipe.zcount(retry_set, "-inf", now)
-            pipe.zcount(retry_set, f"({now}", "+inf")
-            replies = iter(await pipe.execute())
-        if per_queue_retries:
-            due, parked = await _retries(client, retry_set, queues, now)
+        replies = iter(await _counts(client, keyspace, config, list(retry_sets), now))
+        due: Counter[str] = Counter()
+        parked: Counter[str] = Counter()
+        for retry_set, origins in retry_sets.items() if per_queue_retries else ():
+            set_due, set_parked = await _retries(client, retry_set, origins, now)
+            due, parked = due + set_due, parked + set_parked
     statuses = []
-    for queue, entry in zip(queues, config.queues, strict=True):
-        status = QueueStatus(queue, entry.worker_pool_id, dead_letters=next(replies))
-        if sorted_set:
+    for entry in config.queues:
+        status = QueueStatus(entry.queue_name, entry.worker_pool_id, dead_letters=next(replies))
+        if isinstance(config, SortedSetConfig):
             status.depth, status.in_flight = next(replies), next(replies)
             oldest = next(replies)
             status.oldest_deadline = oldest[0][1] if oldest else None
         if per_queue_retries:
-            status.retry_due, status.retry_parked = due[queue], parked[queue]
+            status.retry_due, status.retry_parked = due[entry.queue_name], parked[entry.queue_name]
         statuses.append(status)
     lengths = {result_list: next(replies) for result_list in _result_lists(config)}
-    retries = {retry_set: {"due": next(replies), "parked": next(replies)}}
+    retries = {r: {"due": next(replies), "parked": next(replies)} for r in retry_sets}
     return Status(name, now, statuses, lengths, retries)
+
+
+def _retry_sets(
+    keyspace: KeySpace, config: SortedSetConfig | RedisPubSubConfig
+) -> dict[str, list[str]]:
+    """Retry set -> the queues whose retries it holds (one shared set; per queue in cluster)."""
+    sets: dict[str, list[str]] = {}
+    for queue in (q.queue_name for q in config.queues):
+        sets.setdefault(keyspace.retry(queue, config.retry_queue_name), []).append(queue)
+    return sets
+
+
+async def _counts(
+    client: Redis,
+    keyspace: KeySpace,
+    config: SortedSetConfig | RedisPubSubConfig,
+    retry_sets: list[str],
+    now: float,
+) -> list[Any]:
+    """One round trip: per queue its counts, then the result lists, then the retry sets.
+
+    A transaction (one consistent snapshot) where one node has every key; in a cluster the
+    keys sit in each queue's slot, so the pipeline goes node by node.
+    """
+    async with client.pipeline(transaction=not keyspace.cluster) as pipe:
+        for queue in (q.queue_name for q in config.queues):
+            pipe.llen(keyspace.dead_letter(queue))
+            if isinstance(config, SortedSetConfig):
+                pipe.zcard(queue)
+                pipe.zcard(keyspace.inflight(queue))
+                pipe.zrange(queue, 0, 0, withscores=True)
+        for result_list in _result_lists(config):
+            pipe.llen(result_list)
+        for retry_set in retry_sets:
+            pipe.zcount(retry_set, "-inf", now)
+            pipe.zcount(retry_set, f"({now}", "+inf")
+        return list(await pipe.execute())
 
 
 def _result_lists(config: SortedSetConfig | RedisPubSubConfig) -> list[str]:

@@ -165,3 +165,41 @@ def test_status_of_gcp_pubsub_lists_each_subscription_unknown_on_the_emulator(
     ]
     code, table = status(capsys, *args)
     assert "s2" in table and "-" in table.splitlines()[-1]
+
+
+def test_status_and_dead_letter_replay_on_a_cluster_use_each_queues_slot(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, redis_cluster: Any, unique: str
+) -> None:
+    """In cluster mode the daemon's keys carry the queue's hash tag ({q}:inflight,
+    {q}:retry, ...); status and dead-letters must read those, across nodes."""
+    queues = [f"{unique}-a", f"{unique}-b"]  # two names: most likely two slots
+    raw = {"url": redis_cluster.url, "mode": "cluster",
+           "queues": [{"queue_name": q, "igw_base_url": GW, "result_queue_name": f"{{{q}}}:out"}
+                      for q in queues]}  # fmt: skip
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(raw))
+    r = redis.RedisCluster.from_url(redis_cluster.url)
+    now = time.time()
+    for i, queue in enumerate(queues):
+        r.zadd(queue, {envelope(f"{queue}-{n}", now + 600): now + 600 for n in range(i + 1)})
+        r.zadd(f"{{{queue}}}:inflight", {"claim": now + 30})
+        r.zadd(f"{{{queue}}}:retry", {envelope("r", now + 600, queue): now + 60})
+    entry = {"reason": "malformed", "raw": envelope("dl", now + 900).decode(), "time": now}
+    r.lpush(f"{{{queues[1]}}}:dead-letter", json.dumps(entry))
+    flags = ["--transport", "redis-sortedset", "--transport-config-file", str(path)]
+    code = main(["status", *flags, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    got = {q["queue"]: q for q in json.loads(out)["queues"]}
+    for i, queue in enumerate(queues):
+        counts = (got[queue]["depth"], got[queue]["in_flight"], got[queue]["retry_parked"])
+        assert counts == (i + 1, 1, 1)
+    assert got[queues[1]]["dead_letters"] == 1
+    assert json.loads(out)["retry_sets"][f"{{{queues[0]}}}:retry"] == {"due": 0, "parked": 1}
+    r.lpush(f"{{{queues[0]}}}:out", "result")
+    code, out = status(capsys, *flags, "--json")
+    assert json.loads(out)["result_lists"][f"{{{queues[0]}}}:out"] == 1
+    code = main(["dead-letters", "replay", "--all", *flags])
+    assert code == 0 and r.llen(f"{{{queues[1]}}}:dead-letter") == 0
+    assert r.zscore(queues[1], envelope("dl", now + 900)) == int(now + 900)
+    r.close()
