@@ -25,6 +25,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from async_processor import tracing
 from async_processor.admission import HandBack, PoolGate, admit
+from async_processor.cancels import CancelWatch
 from async_processor.config import TLSConfig
 from async_processor.errors import ConfigError, InvalidMessage, PayloadUnavailable, TransportError
 from async_processor.merge.headers import (
@@ -348,6 +349,7 @@ class Worker:
     aborter: Aborter
     pool_gate: PoolGate | None = None
     shed_pause: ShedPause | None = None  # shared by the pool's workers
+    cancels: CancelWatch | None = None  # None: a cancel is honoured before dispatch only
 
     async def run(self, stream: ObjectReceiveStream[Work]) -> None:
         async with stream, self.writer:
@@ -368,7 +370,7 @@ class Worker:
         try:
             if not self.stopping.is_set():
                 with self.aborter.scope(), tracing.process_request(work) as span:
-                    outcome = await self._process(work)
+                    outcome = await self._watched(work)
                     span.settled(outcome)
         except Exception as exc:  # a bug here must not take every worker down with it
             log.exception("worker_error", request_id=work.envelope.id)
@@ -386,6 +388,14 @@ class Worker:
             if settling.cancelled_caught:
                 log.error("settle_timed_out", request_id=work.envelope.id)
                 abandon(self.transport, work.delivery, "settle_timeout")
+
+    async def _watched(self, work: Work) -> Outcome:
+        """``_process``, cut short (HTTP call aborted) when the producer cancels it."""
+        if self.cancels is None:
+            return await self._process(work)
+        with self.cancels.watch(work.delivery):
+            return await self._process(work)
+        return _failure(work.envelope.id, ErrorCode.CANCELLED, CANCELLED_TEXT, None)
 
     async def _process(self, work: Work) -> Outcome:
         envelope = work.envelope

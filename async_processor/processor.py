@@ -23,6 +23,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from async_processor import __version__, tracing
 from async_processor.admission import PoolGate
+from async_processor.cancels import CancelWatch
 from async_processor.config import AppConfig, PoolConfig
 from async_processor.dispatch import (
     Aborter,
@@ -99,6 +100,7 @@ class Processor:
         self._stop_requested = anyio.Event()
         self._force = anyio.Event()
         self._aborter = Aborter()
+        self._cancels = CancelWatch(self.transport)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -153,6 +155,7 @@ class Processor:
             rt.metrics_bearer_token,
         )
         await tg.start(self.transport.run)
+        tg.start_soon(self._cancels.run)
         if rt.metrics_backlog_poll_interval > 0:
             tg.start_soon(self._backlog_loop, rt.metrics_backlog_poll_interval)
 
@@ -248,6 +251,7 @@ class Processor:
                     self._aborter,
                     pool.gate,
                     shed_pause,
+                    self._cancels,
                 )
                 tg.start_soon(worker.run, merged.clone())
             merged.close()

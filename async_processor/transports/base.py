@@ -133,6 +133,15 @@ class Abandons(Protocol):
         ...
 
 
+@runtime_checkable
+class WatchesCancels(Protocol):
+    """A transport with cancel markers that can read many of them in one round trip."""
+
+    async def cancelled(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """Per delivery, whether its producer has cancelled it (raises TransportError)."""
+        ...
+
+
 def abandon(transport: Transport, delivery: Delivery, reason: str) -> None:
     """Give a delivery whose write was given up back to the broker's redelivery
     (DESIGN.md §5.15); a transport that holds no leases of its own needs nothing done."""

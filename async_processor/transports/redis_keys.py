@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -177,6 +177,19 @@ def own_keys(
             elif name == "prefix":
                 prefixes.append(value)
     return OwnKeys(frozenset(exact), tuple(prefixes), pattern)
+
+
+async def marked_cancelled(redis: Redis, markers: Sequence[tuple[str, str]]) -> list[bool]:
+    """Per (cancel marker key, request token): whether the marker holds that token (the
+    producer cancelled this submission; no token: never). One MGET, keys in one slot."""
+    asked = [(i, key, token) for i, (key, token) in enumerate(markers) if token]
+    flags = [False] * len(markers)
+    if asked:
+        with redis_errors("cancel check"):
+            values = await redis.mget([key for _, key, _ in asked])
+        for (i, _, token), value in zip(asked, values, strict=True):
+            flags[i] = value == token.encode()
+    return flags
 
 
 def inflight_key(queue: str) -> str:

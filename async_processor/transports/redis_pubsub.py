@@ -243,7 +243,19 @@ class RedisPubSubTransport:
     # ------------------------------------------------------------------ queries
 
     async def is_cancelled(self, delivery: Delivery) -> bool:
-        return False  # channels carry no cancellation markers (as the reference)
+        return (await self.cancelled([delivery]))[0]
+
+    async def cancelled(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """``request-cancel:<id>`` holding the message's ``request_token`` cancels it, as
+        on redis-sortedset (the Go daemon reads no markers here; a message without a
+        token cannot be cancelled). One MGET for all."""
+        markers = [
+            (keys.cancel_key(d.envelope.id), d.envelope.routing.request_token)
+            if d.envelope
+            else ("", "")
+            for d in deliveries
+        ]
+        return await keys.marked_cancelled(self._redis, markers)
 
     async def backlog(self, queue: QueueSpec) -> int | None:
         return None  # a channel has no backlog to count

@@ -166,16 +166,12 @@ class SortedSetTransport:
     async def _check_cancels(self, deliveries: list[Delivery]) -> None:
         """Read the batch's cancel markers in one MGET (best effort: a failure leaves the
         check to ``is_cancelled``, since the claim has already succeeded)."""
-        tokened = [d for d in deliveries if self._decodes(d) and _token(d)]
-        if not tokened:
-            return
+        decoded = [d for d in deliveries if self._decodes(d)]
         try:
-            with redis_errors("cancel check"):
-                markers = await self._redis.mget([self._cancel_key(d) for d in tokened])
+            flags = await self.cancelled(decoded)
         except TransportError:
             return
-        for delivery, marker in zip(tokened, markers, strict=True):
-            cancelled = marker == _token(delivery).encode()
+        for delivery, cancelled in zip(decoded, flags, strict=True):
             delivery.handle = replace(_claim(delivery), cancelled=cancelled)
 
     def _decodes(self, delivery: Delivery) -> bool:
@@ -398,16 +394,25 @@ class SortedSetTransport:
 
     async def is_cancelled(self, delivery: Delivery) -> bool:
         """The producer's cancel marker holds this submission's token (no token: never)."""
-        token = _token(delivery)
-        if not token:
-            return False
         claim = _claim(delivery)
         if claim.cancelled is not None:
             delivery.handle = replace(claim, cancelled=None)
             return claim.cancelled
-        with redis_errors("cancel check"):
-            marker = await self._redis.get(self._cancel_key(delivery))
-        return marker == token.encode()
+        return (await self.cancelled([delivery]))[0]
+
+    async def cancelled(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """``is_cancelled`` for many (a fetched batch, everything in flight): one MGET per
+        queue, since each queue's markers share its slot in cluster mode."""
+        flags = [False] * len(deliveries)
+        by_queue: dict[str, list[int]] = {}
+        for i, delivery in enumerate(deliveries):
+            by_queue.setdefault(delivery.queue.name, []).append(i)
+        for indexes in by_queue.values():
+            markers = [(self._cancel_key(deliveries[i]), _token(deliveries[i])) for i in indexes]
+            marked = await keys.marked_cancelled(self._redis, markers)
+            for i, flag in zip(indexes, marked, strict=True):
+                flags[i] = flag
+        return flags
 
     async def backlog(self, queue: QueueSpec) -> int | None:
         """Members waiting in the queue (claimed ones not counted)."""

@@ -513,21 +513,21 @@ async def test_fetch_checks_the_batch_cancel_markers_in_one_round_trip(
     await r.set(redis_keys.cancel_key("m1"), tokens["m1"])
     async with opened(config) as transport:
         deliveries = await transport.fetch(transport.queues[0], 3, 0)
-        gets: list[str] = []
-        real_get = transport._redis.get
+        gets: list[list[str]] = []
+        real_mget = transport._redis.mget
 
-        async def counting_get(key: str) -> Any:
-            gets.append(key)
-            return await real_get(key)
+        async def counting_mget(keys: list[str]) -> Any:
+            gets.append(keys)
+            return await real_mget(keys)
 
-        monkeypatch.setattr(transport._redis, "get", counting_get)
+        monkeypatch.setattr(transport._redis, "mget", counting_mget)
         flags = [await transport.is_cancelled(d) for d in deliveries]
         assert [transport.decode(d).id for d in deliveries] == ["m0", "m1", "m2"]
         assert flags == [False, True, False]
         assert gets == []
         await r.delete(redis_keys.cancel_key("m1"))  # later checks ask Redis again
         assert not await transport.is_cancelled(deliveries[1])
-        assert gets == [redis_keys.cancel_key("m1")]
+        assert gets == [[redis_keys.cancel_key("m1")]]
 
 
 async def test_heartbeat_never_extends_a_lease_another_replica_reclaimed(make_config, r) -> None:

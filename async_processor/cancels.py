@@ -1,0 +1,79 @@
+"""In-flight cancellation: a cancel marker reaches requests already at the gateway.
+
+Stage: beside the workers. Input: the deliveries workers are processing (each registered
+for as long as its worker holds it: pool gate, transforms, HTTP call). Output: the cancel
+scope of each delivery whose producer cancelled it is cancelled, which aborts its HTTP
+call (aiohttp closes the connection, so the gateway stops the work and frees the GPU);
+the worker then answers ``CANCELLED`` and gives its slot and gate permits back as usual.
+
+The markers of everything in flight are read together, one round trip per
+``CANCEL_WATCH_INTERVAL`` (redis-sortedset: one MGET per queue), instead of a GET per
+request: the poller already checks a batch at fetch time, this covers what follows.
+Transports without cancel markers (gcp-pubsub) are not watched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import anyio
+import structlog
+
+from async_processor.errors import TransportError
+from async_processor.transports.base import Delivery, Transport, WatchesCancels
+
+log = structlog.get_logger(__name__)
+
+# A cancel reaches an in-flight request within this (plus one Redis round trip).
+CANCEL_WATCH_INTERVAL = 0.25
+
+
+class CancelWatch:
+    """The cancel scopes of the deliveries being worked on, checked in one batch."""
+
+    def __init__(self, transport: Transport, interval: float = CANCEL_WATCH_INTERVAL) -> None:
+        self._transport = transport if isinstance(transport, WatchesCancels) else None
+        self._interval = interval
+        self._scopes: dict[Delivery, anyio.CancelScope] = {}
+
+    @contextmanager
+    def watch(self, delivery: Delivery) -> Iterator[anyio.CancelScope]:
+        """A scope cancelled when ``delivery``'s producer cancels it; ``cancel_called``
+        afterwards tells the caller the work was cut for that reason."""
+        scope = anyio.CancelScope()
+        if self._transport is not None:
+            self._scopes[delivery] = scope
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._scopes.pop(delivery, None)
+
+    async def run(self) -> None:
+        """Check every ``interval`` s until cancelled (returns at once when not watching)."""
+        if self._transport is None:
+            return
+        while True:
+            await anyio.sleep(self._interval)
+            await self.check()
+
+    async def check(self) -> int:
+        """Cancel the scopes of the watched deliveries that are cancelled; how many."""
+        if self._transport is None or not self._scopes:
+            return 0
+        deliveries = list(self._scopes)
+        try:
+            flags = await self._transport.cancelled(deliveries)
+        except TransportError as exc:  # the next round asks again
+            log.warning("cancel_watch_failed", error=str(exc))
+            return 0
+        cut = 0
+        for delivery, flag in zip(deliveries, flags, strict=True):
+            scope = self._scopes.get(delivery)
+            if flag and scope is not None and not scope.cancel_called:
+                request_id = delivery.envelope.id if delivery.envelope else None
+                log.info("request_cancelled_in_flight", request_id=request_id)
+                scope.cancel()
+                cut += 1
+        return cut
