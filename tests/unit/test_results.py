@@ -177,3 +177,17 @@ async def test_held_results_are_bounded_oldest_dropped(monkeypatch: pytest.Monke
     await _run(transport, ["a", "b", "c"])
     assert [request_id for request_id, _ in transport.abandoned] == ["a", "b", "c"]
     assert transport.written == ["defer:later"]
+
+
+class SlowRoundTripTransport(FlakyTransport):
+    """Asks for larger batches, as gcp-pubsub does (a publish + ack is tens of ms)."""
+
+    write_batch = 1000
+
+
+@pytest.mark.parametrize(("kind", "calls"), [(FlakyTransport, 5), (SlowRoundTripTransport, 1)])
+async def test_a_transport_may_take_larger_batches(kind: type[FlakyTransport], calls: int) -> None:
+    transport = kind()
+    await _run(transport, [f"r{i}" for i in range(300)])
+    assert transport.calls == calls  # 300 ready results: 5 batches of up to 64, or one
+    assert len(transport.written) == 301
