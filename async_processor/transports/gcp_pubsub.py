@@ -5,11 +5,12 @@ subscription per topic entry; message data is the bare request JSON). Output:
 ``Delivery`` objects for the poller; results published on ``result_topic_id``.
 
 Why unary ``Pull`` with the asyncio GAPIC client, not the streaming-pull ``SubscriberClient``
-(DESIGN.md §5.8): the poller asks for exactly as many messages as it has free workers
-(pool capacity x queue-gate budget), so flow control follows capacity with no callback
+(DESIGN.md §5.8): the poller asks for its free slots x queue-gate budget, up to 1,000
+per pull (``QueueSpec.max_fetch``), so flow control follows capacity with no callback
 threads, no hand-off buffer and nothing to tear down when a gate closes (the poller simply
 stops calling ``fetch``). Held messages are kept alive by ``run``: a lease loop extends
-every held message before its ack deadline runs out (``modify_ack_deadline``).
+every held message before its ack deadline runs out (``modify_ack_deadline``). Messages
+are read, and requests built, as raw protobufs: proto-plus marshals on every field access.
 
 Guarantees: at-least-once. ``complete`` acks a message only after its result's publish
 is confirmed; a failed ack after a confirmed publish is retried without publishing again
@@ -18,7 +19,7 @@ published is acked without a second result (best effort: per process, by message
 another replica or a restart can still publish a duplicate). ``defer`` honours the
 computed backoff through the ack deadline (capped at 600 s, the Pub/Sub maximum).
 ``aclose`` nacks whatever is still held; publishes are awaited in ``complete``, so there
-is never an unflushed result. Honours ``PUBSUB_EMULATOR_HOST`` (insecure channel, no
+is never an unflushed result. A dead letter is acked only once its copy is confirmed. Honours ``PUBSUB_EMULATOR_HOST`` (insecure channel, no
 credentials) and Application Default Credentials otherwise.
 """
 
