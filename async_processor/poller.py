@@ -71,14 +71,23 @@ class Poller:
         self._bound_in_flight = bound_in_flight
         self._in_flight = 0  # forwarded to the lane, not yet released by the worker
         self._landed = anyio.Event()  # set when one of them is released
-        # The last delivery handed on (to the lane or the writer): it is no longer ours.
-        self._settled: Delivery | None = None
+        # Deliveries handed on (to the lane or the writer) by an _admit still running: they
+        # are no longer ours. A set, because several fetches of one queue may be admitting.
+        self._handed_on: set[Delivery] = set()
 
     async def run(self) -> None:
         """Poll until cancelled; closes the lane so the merge policy can finish."""
-        async with self._lane, self._writer:
-            while True:
-                await self._cycle()
+        async with self._lane, self._writer, anyio.create_task_group() as tg:
+            for index in range(self.queue.fetches_in_flight):
+                tg.start_soon(self._poll, index)
+
+    async def _poll(self, index: int) -> None:
+        """One of the queue's concurrent fetch loops; only the first waits on an idle queue."""
+        while True:
+            if index and self._idle:
+                await anyio.sleep(self.queue.poll_interval)
+                continue
+            await self._cycle()
 
     async def _cycle(self) -> None:
         budget = await self._budget()
@@ -151,9 +160,11 @@ class Poller:
                 await self._admit(delivery)
             except BaseException:
                 # Cancelled (shutdown) mid-batch: hand back the rest at once, not at lease expiry.
-                start = index + 1 if self._settled is delivery else index
+                start = index + 1 if delivery in self._handed_on else index
                 await self._hand_back(deliveries[start:])
+                self._handed_on.difference_update(deliveries[index:])
                 raise
+            self._handed_on.discard(delivery)
 
     async def _admit(self, delivery: Delivery) -> None:
         envelope = await self._decode(delivery)
@@ -184,7 +195,7 @@ class Poller:
                 releases.add(self._land)  # runs when the worker is done, or below if not sent
                 await put(self._lane, Work(delivery, envelope, self._metrics, releases))
                 forwarded = True
-                self._settled = delivery
+                self._handed_on.add(delivery)
             elif verdict.action is Action.REFUSE:
                 overflow = envelope.routing.labels.get("classification") == "overflow"
                 self._metrics.gate_decision("quota_exhausted" if overflow else "gate_closed")
@@ -245,12 +256,12 @@ class Poller:
 
     async def _finish(self, delivery: Delivery, result: Result) -> None:
         await put(self._writer, Completion(delivery, result))
-        self._settled = delivery
+        self._handed_on.add(delivery)
         self._capacity.release()
 
     async def _defer(self, delivery: Delivery, delay: float) -> None:
         await put(self._writer, Deferral(delivery, delay))
-        self._settled = delivery
+        self._handed_on.add(delivery)
         self._capacity.release()
 
     async def _hand_back(self, deliveries: Sequence[Delivery]) -> None:

@@ -46,6 +46,9 @@ class QueueSpec:
     # transports). n > 0: it asks for the free slots x budget, at most n (gcp-pubsub:
     # Pub/Sub's 1,000 per pull), and the queue's lane holds a whole fetch.
     max_fetch: int = 0
+    # Fetches of this queue that may be in flight at once (each sized as above): a broker
+    # that answers a fetch with fewer messages than asked (Pub/Sub) needs several.
+    fetches_in_flight: int = 1
 
 
 @dataclass(slots=True, eq=False)

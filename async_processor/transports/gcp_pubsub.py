@@ -19,8 +19,9 @@ published is acked without a second result (best effort: per process, by message
 another replica or a restart can still publish a duplicate). ``defer`` honours the
 computed backoff through the ack deadline (capped at 600 s, the Pub/Sub maximum).
 ``aclose`` nacks whatever is still held; publishes are awaited in ``complete``, so there
-is never an unflushed result. A dead letter is acked only once its copy is confirmed. Honours ``PUBSUB_EMULATOR_HOST`` (insecure channel, no
-credentials) and Application Default Credentials otherwise.
+is never an unflushed result. A dead letter is acked only once its copy is confirmed.
+Honours ``PUBSUB_EMULATOR_HOST`` (insecure channel, no credentials) and Application
+Default Credentials otherwise.
 """
 
 from __future__ import annotations

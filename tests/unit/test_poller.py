@@ -219,3 +219,26 @@ async def test_a_finished_message_makes_room_for_the_next_under_the_budget() -> 
 async def test_budget_scope_fetch_only_sizes_fetches_as_the_reference_does() -> None:
     # The same budget fills every free slot, one small fetch after another.
     assert await _forwarded_under_budget(0.25, bound_in_flight=False) == 8
+
+
+@pytest.mark.parametrize(("in_flight", "limits"), [(1, [300]), (2, [300, 50])])
+async def test_slots_freed_during_a_fetch_start_another_when_two_may_be_in_flight(
+    in_flight: int, limits: list[int]
+) -> None:
+    queue = QueueSpec(id="q", name="q", max_fetch=1000, fetches_in_flight=in_flight)
+    transport = RecordingTransport()  # every fetch blocks: the first is still in flight
+    capacity = PoolCapacity(300)
+    lane_in, lane_out = anyio.create_memory_object_stream[Work](16)
+    writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
+    metrics = Metrics().queue("q", "q", "default")
+    fake = cast(Transport, transport)
+    poller = Poller(queue, fake, ConstantGate(1.0), capacity, lane_in, writer_in, metrics)
+    async with lane_out, writer_out, anyio.create_task_group() as tg:
+        tg.start_soon(poller.run)
+        with anyio.fail_after(5):
+            await transport.blocked.wait()
+        capacity.release(50)  # workers finished 50 messages meanwhile
+        await anyio.sleep(0.2)
+        tg.cancel_scope.cancel()
+    assert transport.limits == limits
+    assert capacity.free == 350  # every reservation given back at cancellation
