@@ -342,6 +342,16 @@ class GcpPubSubTransport:
                 await self._modify(ack_groups(deliveries), seconds, "defer")
                 self._leases.forget(deliveries)
 
+    def abandon(self, delivery: Delivery, reason: str) -> None:
+        """Stop extending a message whose write was given up (DESIGN.md §5.15): its ack
+        deadline lapses and Pub/Sub hands it out again, so another attempt finishes it."""
+        self._leases.forget([delivery])
+        queue = delivery.queue.name
+        log.warning("message_abandoned", queue=queue, message_id=receipt(delivery).message_id,
+                    reason=reason)  # fmt: skip
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.abandoned_total.labels(queue, reason).inc()
+
     def _carry(self, delivery: Delivery) -> None:
         envelope = delivery.envelope
         if envelope is None or not (envelope.routing.retry_count or envelope.routing.last_status):

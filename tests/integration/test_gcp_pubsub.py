@@ -385,6 +385,31 @@ async def test_lease_extension_keeps_a_long_message(
         await t.aclose()
 
 
+@pytest.mark.slow
+async def test_an_abandoned_message_is_no_longer_extended_and_comes_back(
+    admin: PubSubAdmin, names: dict[str, str]
+) -> None:
+    metrics = Metrics()
+    t = transport_for(names, metrics=metrics)
+    try:
+        await admin.publish(names["requests"], [request("given-up")])
+        [delivery] = await fetch_n(t, 1)
+        async with anyio.create_task_group() as tg:
+            await tg.start(t.run)  # extends whatever is still held
+            t.abandon(delivery, "write_failed")  # the result writer gave its write up
+            # Past the subscription's 10 s ack deadline, another consumer gets it.
+            [again] = await admin.pull_until(names["sub"], 1, timeout=15.0)
+            tg.cancel_scope.cancel()
+        assert json.loads(again.message.data)["id"] == "given-up"
+        labels = {"queue_name": names["sub"], "reason": "write_failed"}
+        assert (
+            metrics.registry.get_sample_value("llm_d_async_async_abandoned_claims_total", labels)
+            == 1
+        )
+    finally:
+        await t.aclose()
+
+
 def test_newest_point_of_cloud_monitoring_answer() -> None:
     body = {
         "timeSeries": [
