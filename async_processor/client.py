@@ -2,7 +2,8 @@
 
 Stage: the producer/consumer side (used by ``submit``/``results``, the demo, tests and
 users). Input: request objects (a dict or ``messages.Request``). Output: envelopes on the
-request sorted set (score = deadline), cancellation markers, and ``messages.Result``
+request sorted set (score = deadline, plus a fraction that keeps equal deadlines in
+submission order), cancellation markers, and ``messages.Result``
 objects read from the result list. It connects like the daemon (``redis_conn``: standalone,
 sentinel, TLS, ACL users). Behaves like the Go reference's producer (DESIGN.md §4):
 each submission gets a fresh 32-hex ``request_token``; ``request-active:<id>`` holds it
@@ -75,7 +76,8 @@ class SortedSetClient:
         conn = RedisConnection(url=redis) if isinstance(redis, str) else redis
         self._redis: Redis = connect(conn.check(), socket_timeout=None)
         self._keys = KeySpace(cluster=conn.mode == "cluster")
-        self._cancel = self._keys.scripts(self._redis)["cancel"]
+        scripts = self._keys.scripts(self._redis)
+        self._cancel, self._submit = scripts["cancel"], scripts["submit"]
 
     async def __aenter__(self) -> SortedSetClient:
         return self
@@ -123,12 +125,15 @@ class SortedSetClient:
             with redis_errors("submit"):
                 async with self._redis.pipeline(transaction=True) as pipe:
                     for request in chunk:
-                        tokens.append(self._queue_submit(pipe, request, target, results_to))
+                        tokens.append(await self._queue_submit(pipe, request, target, results_to))
                     await pipe.execute()
         return tokens
 
-    def _queue_submit(self, pipe: Pipeline, request: Request, queue: str, result_queue: str) -> str:
-        """The reference producer's three commands for one request, added to ``pipe``."""
+    async def _queue_submit(
+        self, pipe: Pipeline, request: Request, queue: str, result_queue: str
+    ) -> str:
+        """The reference producer's three commands for one request, as one script added to
+        ``pipe``; its score orders equal deadlines by submission (``lua/submit.lua``)."""
         token = secrets.token_hex(16)
         envelope = Envelope(
             request=request,
@@ -138,9 +143,16 @@ class SortedSetClient:
             kind="redis",
         )
         ttl = max(1, request.deadline - int(time.time()))
-        pipe.delete(self._keys.cancel(queue, request.id))
-        pipe.set(self._keys.active(queue, request.id), token, ex=ttl)
-        pipe.zadd(queue, {envelope.encode(): request.deadline})
+        await self._submit(
+            keys=[
+                queue,
+                self._keys.active(queue, request.id),
+                self._keys.cancel(queue, request.id),
+                self._keys.sequence(queue, request.deadline),
+            ],
+            args=[envelope.encode(), request.deadline, token, ttl],
+            client=pipe,
+        )
         return token
 
     async def cancel(self, ids: Iterable[str], *, queue: str | None = None) -> int:

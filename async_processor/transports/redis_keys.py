@@ -14,6 +14,8 @@ Keys (the reference's names where it has them, DESIGN.md §4):
     <queue>:dead-letter       list of JSON entries for messages with no usable id
     retry-sortedset           sorted set of envelopes, score = due time (shared, configurable)
     result-list               list of result JSON (LPUSH by us, BRPOP by the producer)
+    <queue>:seq:<deadline>    submissions so far with that deadline (the client's order
+                              tie-breaker in the score), expires 60 s after the deadline
     request-active:<id>       the live submission's token, TTL until its deadline
     request-cancel:<id>       the token being cancelled, TTL 7 days
     request-done:<id>:<digest>  dedup marker: a terminal result was written for this
@@ -64,6 +66,7 @@ SCRIPT_NAMES = (
     "move_due",
     "cancel",
     "expired",
+    "submit",
 )
 
 
@@ -190,6 +193,10 @@ async def marked_cancelled(redis: Redis, markers: Sequence[tuple[str, str]]) -> 
         for (i, _, token), value in zip(asked, values, strict=True):
             flags[i] = value == token.encode()
     return flags
+
+
+def sequence_key(queue: str, deadline: int) -> str:
+    return f"{queue}:seq:{deadline}"
 
 
 def inflight_key(queue: str) -> str:

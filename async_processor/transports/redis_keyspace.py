@@ -51,6 +51,12 @@ class KeySpace:
     def dead_letter(self, queue: str) -> str:
         return self._own(queue, "dead-letter") if self.cluster else keys.dead_letter_key(queue)
 
+    def sequence(self, queue: str, deadline: int) -> str:
+        """The counter of submissions with ``deadline`` (the client's order tie-breaker)."""
+        if self.cluster:
+            return self._own(queue, f"seq:{deadline}")
+        return keys.sequence_key(queue, deadline)
+
     def retry(self, queue: str, configured: str) -> str:
         """The retry set ``queue``'s deferrals go to: the shared one, or per queue (cluster)."""
         return self._own(queue, "retry") if self.cluster else configured
