@@ -5,7 +5,7 @@ users). Input: request objects (a dict or ``messages.Request``). Output: envelop
 request sorted set (score = deadline, plus a fraction that keeps equal deadlines in
 submission order), cancellation markers, and ``messages.Result``
 objects read from the result list. It connects like the daemon (``redis_conn``: standalone,
-sentinel, TLS, ACL users). Behaves like the Go reference's producer (DESIGN.md §4):
+sentinel, TLS, ACL users). Behaves like the Go reference's producer:
 each submission gets a fresh 32-hex ``request_token``; ``request-active:<id>`` holds it
 until the deadline; ``cancel`` copies it to ``request-cancel:<id>`` for 7 days.
 

@@ -3,7 +3,7 @@
 Input: command-line flags, ``ASYNC_PROCESSOR_*`` environment variables (flags win),
 ``REDIS_URL``, and the transport / pool / merge-policy / transform files. Output: one
 frozen ``AppConfig`` for ``processor.run``. Field names and defaults follow the Go
-reference; unknown fields are errors (DESIGN.md §5.9).
+reference; unknown fields are errors (docs/architecture.md G15).
 """
 
 from __future__ import annotations

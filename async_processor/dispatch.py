@@ -3,7 +3,7 @@
 Input: a ``Work`` item (admitted) and the settings that shape requests. Output: an
 ``Outgoing`` request (URL, headers, verbatim body) and, after sending, a ``retry.Attempt``.
 The attempt is cut at min(deadline, now + request timeout); the deadline also reaches
-the gateway as a header (DESIGN.md §5.6), and so does the trace context when tracing is on.
+the gateway as a header (docs/architecture.md G7), and so does the trace context when tracing is on.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from async_processor.work import PoolCapacity, ShedPause, Work, put, take
 log = structlog.get_logger(__name__)
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
-# Never from a message (issue 9.4): framing and routing headers, and the daemon's own
+# Never from a message (docs/architecture.md G10): framing and routing headers, and the daemon's own
 # (objective, fairness, priority; the deadline header and stamped names are added per
 # request). ``Proxy-*`` is refused by prefix.
 RESERVED_HEADERS = frozenset(

@@ -266,7 +266,7 @@ def decode_request(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYT
 
 
 def check_size(raw: bytes | str, max_bytes: int) -> None:
-    """Sizes are bytes, checked before parsing (DESIGN.md §5.14): an oversized message is
+    """Sizes are bytes, checked before parsing (docs/architecture.md G10): an oversized message is
     refused with the id its first ``ID_PREFIX_BYTES`` give, the rest never parsed."""
     size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
     if size > max_bytes:

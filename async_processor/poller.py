@@ -4,14 +4,14 @@ Input: the transport and the queue's gate. Output: ``Work`` items into the queue
 bounded stream (read by the pool's merge policy), results for messages that end here
 (poison, expired, cancelled, dropped) and deferrals for refused ones.
 
-Fetching is demand-driven (DESIGN.md §5.2): it waits for free pool slots, fetches at
+Fetching is demand-driven (docs/architecture.md G4): it waits for free pool slots, fetches at
 most min(free slots, floor(batch_size x budget)) in one call, and fetches again at once
 after a full batch; the poll interval only paces an empty or gated queue. The budget also
 caps the queue's messages in flight at ceil(budget x pool slots) (``--budget-scope
 in-flight``): sizing fetches alone let a budget of 0.3 fill the pool all the same, since
 the next fetch follows at once (measured by ``bench.harvest``). A refused
-message is deferred briefly instead of re-popped at once (§5.3). Nothing fetched is
-dropped (§5.4): each message ends as a Work item, a result, a dead letter or a deferral.
+message is deferred briefly instead of re-popped at once (G5). Nothing fetched is
+dropped (G6): each message ends as a Work item, a result, a dead letter or a deferral.
 """
 
 from __future__ import annotations

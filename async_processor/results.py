@@ -4,9 +4,9 @@ Input: completions (delivery + result) and deferrals (delivery + delay) from pol
 workers, through one bounded stream. Output: ``transport.complete`` / ``transport.defer``
 calls, one per batch, and per landed result its metrics (error code, time since
 submission, deadline slack). A failed write is retried with backoff until it lands: the
-message stays leased on the broker meanwhile, so a crash loses nothing (DESIGN.md §5.1).
+message stays leased on the broker meanwhile, so a crash loses nothing (docs/architecture.md G1).
 A batch that keeps failing while the broker answers is split, and an item that still
-fails is abandoned (DESIGN.md §5.15): its lease is no longer renewed, so the broker hands
+fails is abandoned (G11): its lease is no longer renewed, so the broker hands
 the message out again (this replica or another finishes it), and a result is kept and
 retried with backoff (at most ``HELD_MAX`` of them) instead of thrown away. Failures with
 the broker up are what Redis refusing writes looks like (NOREPLICAS, READONLY, MISCONF,

@@ -4,7 +4,7 @@ Input: an ``Attempt`` (HTTP status/body/headers, or no response) and the message
 deadline and retry count. Output: ``Final`` (result + which counter it bumps) or
 ``Retry`` (delay in seconds). No I/O here, so every rule is unit-testable.
 
-Rules (issue 2 part 8, reference pipeline.md §3.4–3.5, with our changes):
+Rules (the Go reference's, with our changes; docs/architecture.md G7, G8):
 - 2xx/3xx -> HTTP result; 429 -> shed + retry; 5xx (and >= 600) -> retry; other 4xx -> final.
 - No response (refused, reset, attempt timeout) -> retry until the deadline (the reference
   made these fatal ``INFERENCE_ERROR``s). Only a request that can never be sent
@@ -28,7 +28,8 @@ BACKOFF_BASE = 2.0
 BACKOFF_CAP = 60.0
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 LAST_BODY_LIMIT = 64 * 1024
-# A message a gate refused comes back after this long (never a hot re-pop loop, §5.3).
+# A message a gate refused comes back after this long (never a hot re-pop loop,
+# docs/architecture.md G5).
 REFUSE_DELAY = 1.0
 _RNG = random.Random()  # one per process: a fresh Random() per retry reseeds from urandom
 

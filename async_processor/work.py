@@ -43,7 +43,7 @@ class PoolCapacity:
     """Free slots of one pool: pollers reserve before fetching, workers give back when done.
 
     Slots = workers + a small prefetch, so fetching stops when workers are busy and memory
-    is bounded by configuration, not by broker depth (DESIGN.md §6).
+    is bounded by configuration, not by broker depth (docs/architecture.md G3).
 
     Pollers are served first come, first served: a poller that just gave slots back cannot
     take them again ahead of one already waiting (an empty queue's poller, cycling fast,

@@ -3,7 +3,7 @@
 Stage: merge (stamping) and dispatch (applying). Input: a message's envelope and the
 policy's header params. Output: ``(name, value)`` pairs for ``Work.stamped_headers``.
 
-Header order on the wire (DESIGN.md §4, reference pipeline.md §3.2), later wins:
+Header order on the wire (the Go reference's), later wins:
 
 1. ``Content-Type: application/json``
 2. ``x-gateway-inference-objective: <queue inference_objective>`` when configured

@@ -4,7 +4,7 @@ Stage: merge. Input: one receive stream of ``Work`` per queue of a pool. Output:
 with fairness, priority and lane-objective headers stamped, sent into the pool's stream,
 always from the most urgent non-empty lane.
 
-Lane index = class × 3 + tier (reference §3.3): class 0 when the ``classification`` label
+Lane index = class × 3 + tier (as in the Go reference): class 0 when the ``classification`` label
 is ``reserved``, else 1 (overflow or unclassified); tier from ``labels[tier_label]``:
 ``interactive`` 0, ``async`` 1, anything else or missing 2. A lane holds at most
 ``lane_capacity`` messages; a reader blocks only while its own lane is full, so the bound

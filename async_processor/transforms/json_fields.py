@@ -2,7 +2,7 @@
 
 Stage: transforms (helper). Input: a JSON object body as bytes. Output: each top-level
 field's exact JSON text, and an edited body in which only the changed fields differ
-(DESIGN.md §5.7: numbers, key order and escapes elsewhere pass through unchanged).
+(docs/architecture.md G9: numbers, key order and escapes elsewhere pass through unchanged).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ exponential backoff and jitter until ``out.deadline``; then ``PayloadUnavailable
 object is ``InvalidMessage`` (-> ``INVALID_REQUEST``) at once. URLs are logged without
 their query string (signed URLs carry credentials there).
 
-The URL is the message's, so it is untrusted (issue 9.4): only URLs on the ``allow``
+The URL is the message's, so it is untrusted (docs/architecture.md G10): only URLs on the ``allow``
 list are fetched (an empty list refuses to start); a redirect is an error, never
 followed; the fetch has its own session (no gateway client certificate, no cookies, no
 proxy from the environment); and addresses that are not globally routable (loopback,

@@ -3,7 +3,7 @@
 Input: the transport's config. Output: ``Delivery`` objects for the poller, and durable
 writes of results and hand-backs. Every transport type registers in ``TRANSPORTS``.
 
-Durability contract (DESIGN.md §5.1, §5.12): a delivery stays owned by the broker until
+Durability contract (docs/architecture.md G1, G2): a delivery stays owned by the broker until
 ``complete`` (result written and message acknowledged in one step) or ``defer`` (message
 handed back, due after a delay). ``complete`` writes at most one terminal result per
 request id even when a message was delivered twice.
@@ -147,7 +147,7 @@ class WatchesCancels(Protocol):
 
 def abandon(transport: Transport, delivery: Delivery, reason: str) -> None:
     """Give a delivery whose write was given up back to the broker's redelivery
-    (DESIGN.md §5.15); a transport that holds no leases of its own needs nothing done."""
+    (docs/architecture.md G11); a transport that holds no leases of its own needs nothing done."""
     if isinstance(transport, Abandons):
         transport.abandon(delivery, reason)
 

@@ -5,7 +5,7 @@ subscription per topic entry; message data is the bare request JSON). Output:
 ``Delivery`` objects for the poller; results published on ``result_topic_id``.
 
 Why unary ``Pull`` with the asyncio GAPIC client, not the streaming-pull ``SubscriberClient``
-(DESIGN.md §5.8): the poller asks for its free slots x queue-gate budget, up to 1,000
+(docs/transports.md): the poller asks for its free slots x queue-gate budget, up to 1,000
 per pull (``QueueSpec.max_fetch``), so flow control follows capacity with no callback
 threads, no hand-off buffer and nothing to tear down when a gate closes (the poller simply
 stops calling ``fetch``). Held messages are kept alive by ``run``: a lease loop extends

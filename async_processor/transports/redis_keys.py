@@ -6,7 +6,7 @@ from its queue (``decode_delivery``) and its ``dead_letter_entry``, the Lua sour
 ``transports/lua/`` registered on a ``redis.asyncio`` client, and Redis errors mapped to
 ``TransportError`` (clients come from ``redis_conn.connect``).
 
-Keys (the reference's names where it has them, DESIGN.md §4):
+Keys (the reference's names where it has them):
 
     <queue>                   sorted set of envelopes, score = deadline (producer's ZADD)
     <queue>:inflight          sorted set: claim id -> lease expiry (Redis clock)
@@ -25,8 +25,8 @@ Keys (the reference's names where it has them, DESIGN.md §4):
 Every script's keys sit in its KEYS array, and every script checks their types before its
 first write (``lua/lib.lua``). Like the reference, this targets a standalone Redis.
 
-A message is untrusted input (DESIGN.md §5.14): the result list it names is used only if
-``result_route_rejection`` finds no reason against it (not a key the daemon owns or reads,
+A message is untrusted input (docs/architecture.md G10): the result list it names is used only if
+``OwnKeys.rejection`` finds no reason against it (not a key the daemon owns or reads,
 and inside the optional ``result_queue_pattern``).
 """
 

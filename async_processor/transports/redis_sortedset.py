@@ -4,13 +4,13 @@ Stage: broker I/O for ``--transport redis-sortedset``. Input: ``SortedSetConfig`
 are sorted sets of envelopes scored by deadline). Output: ``Delivery`` objects for the
 poller; results on Redis lists; hand-backs on the queue or the shared retry set.
 
-At-least-once (DESIGN.md §5.1): a fetch moves members into ``<queue>:inflight`` under a
+At-least-once (docs/architecture.md G1): a fetch moves members into ``<queue>:inflight`` under a
 lease (one Lua call); the heartbeat extends the leases this process holds; any replica's
 reaper puts expired claims back with their deadline score; ``complete``/``defer``/
 ``dead_letter`` acknowledge a claim atomically with their write. ``kill -9`` loses nothing:
 a dead replica's claims come back after one lease.
 
-Exactly one result (§5.12): ``complete`` writes the result only if it sets the marker
+Exactly one result (G2): ``complete`` writes the result only if it sets the marker
 ``request-done:<id>:<fp>`` (TTL ``dedup_ttl_seconds``) in the same script. ``fp`` is the
 envelope's ``request_token`` (the client sets a fresh one per submission, so a resubmitted
 id gets a new result), else a digest of the request itself (a resubmission that changes
@@ -276,7 +276,8 @@ class SortedSetTransport:
     def _result_list(self, delivery: Delivery) -> str:
         """Queue config > the envelope's routing > the transport default (the reference's
         order), except that the message may not name one of the daemon's own keys, nor a
-        name outside ``result_queue_pattern``: then the configured list (DESIGN.md §5.14)."""
+        name outside ``result_queue_pattern``: then the configured list
+        (docs/architecture.md G10)."""
         configured = self._configured_list(delivery)
         routed = delivery.envelope.routing.result_queue_name if delivery.envelope else ""
         if delivery.queue.result_queue_name or not routed:
@@ -375,7 +376,8 @@ class SortedSetTransport:
 
     def abandon(self, delivery: Delivery, reason: str) -> None:
         """Stop renewing a claim whose write was given up: its lease expires within
-        ``lease_seconds`` and any replica's reaper puts the message back (DESIGN.md §5.15)."""
+        ``lease_seconds`` and any replica's reaper puts the message back
+        (docs/architecture.md G11)."""
         self._release(delivery)
         queue = delivery.queue.name
         request_id = delivery.envelope.id if delivery.envelope else None
@@ -487,7 +489,7 @@ class SortedSetTransport:
 
     async def expire_due(self) -> None:
         """Answer every queued member past its deadline with its DEADLINE_EXCEEDED result
-        (dedup marker included), without a worker slot (DESIGN.md §5.15). Any replica may
+        (dedup marker included), without a worker slot (docs/architecture.md G7). Any replica may
         run it: the script answers a member only while it is still queued."""
         for queue in self.queues:
             answered = await self._expire_queue(queue)

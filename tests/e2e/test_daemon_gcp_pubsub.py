@@ -1,4 +1,4 @@
-"""The daemon as a process on the real Pub/Sub emulator (issue 5): volume, 429 storm with
+"""The daemon as a process on the real Pub/Sub emulator: volume, 429 storm with
 measured backoff, kill -9 with redelivery, a closed gate, more than 10 dispatches at once.
 
 (Dead-letter after max delivery attempts is in tests/integration/test_gcp_pubsub.py: through

@@ -1,6 +1,6 @@
 """The daemon as a process against a real redis-server and the simulator over real HTTP.
 
-Covers issue 2 part 15: volume, kill -9 twice, Redis restart with AOF, SIGTERM with
+Covers: volume, kill -9 twice, Redis restart with AOF, SIGTERM with
 in-flight work, poison messages, deadline order at concurrency 1, three replicas.
 """
 

@@ -1,4 +1,5 @@
-"""A cancel reaches a request already at the gateway (issue 16.1), over real HTTP and Redis.
+"""A cancel reaches a request already at the gateway (docs/architecture.md G14), over real
+HTTP and Redis.
 
 The gateway here hangs on the request (as a GPU busy with a long generation would) and
 records when its connection closes: the cancel must abort the call within a second,

@@ -1,4 +1,5 @@
-"""The gateway request is the daemon's (issue 9.4), over real HTTP and a real redis-server.
+"""The gateway request is the daemon's (docs/architecture.md G10), over real HTTP and a real
+redis-server.
 
 A small aiohttp gateway records what reaches it: hostile message headers, redirects and
 endpoints that climb out of the base path must be refused before anything is sent (or,

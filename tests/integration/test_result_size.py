@@ -1,7 +1,8 @@
 """A gateway answer too large for the result transport ends as a result naming its size.
 
 Pub/Sub refuses publish requests over 10 MB: a 10 MiB answer used to make every result
-publish fail, so the message came back and was sent again until its deadline (issue 9.5).
+publish fail, so the message came back and was sent again until its deadline
+(docs/architecture.md G10).
 Against the real Pub/Sub emulator and a real HTTP gateway, with the daemon in-process.
 """
 

@@ -576,7 +576,7 @@ async def test_a_retried_claim_answers_with_the_batch_it_already_claimed(make_co
     }
 
 
-# --------------------------------------------- a message routes only within allowed keys (#9.1)
+# --------------------------------------------- a message routes only within allowed keys (G10)
 
 
 def rejected(metrics: Metrics, queue: str, reason: str) -> float:
@@ -731,7 +731,7 @@ async def test_an_identical_resubmission_is_counted_and_logged_not_silent(
     make_config, r, unique
 ) -> None:
     # The same bytes submitted again within the dedup TTL: one result (as before), but
-    # the producer waiting for a second one must be able to see why (issue #9.6).
+    # the producer waiting for a second one must be able to see why.
     config = make_config()
     q = config.queues[0].queue_name
     metrics = Metrics()
@@ -750,7 +750,7 @@ async def test_an_identical_resubmission_is_counted_and_logged_not_silent(
     assert warned["log_level"] == "warning" and warned["request_id"] == f"{unique}-again"
 
 
-# --------------------------------------------- sizes are bytes, checked before parsing (#9.5)
+# --------------------------------------------- sizes are bytes, checked before parsing (G10)
 
 
 async def test_an_oversized_member_is_answered_without_being_fetched_whole(

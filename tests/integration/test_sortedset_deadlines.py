@@ -1,4 +1,4 @@
-"""Queued messages past their deadline are answered at their deadline (issue #9.3).
+"""Queued messages past their deadline are answered at their deadline (docs/architecture.md G7).
 
 Against a real redis-server (and the simulator over real HTTP for the daemon test): the
 deadline sweep answers a queued member with DEADLINE_EXCEEDED within about a second of

@@ -1,4 +1,5 @@
-"""Redis refusing writes while PING answers (issue #9.2): nothing stays leased for nothing.
+"""Redis refusing writes while PING answers (docs/architecture.md G11): nothing stays leased
+for nothing.
 
 A private redis-server refuses writes with NOREPLICAS (``min-replicas-to-write 1`` with
 no replica) for 8 s while a request is in flight. Whatever the daemon then gives up on

@@ -1,4 +1,5 @@
-"""A worker whose outcome the result writer cannot take in time gives its claim up (#9.2).
+"""A worker whose outcome the result writer cannot take in time gives its claim up
+(docs/architecture.md G11).
 
 The 10 s settle timeout used to drop the outcome silently while the transport kept
 renewing the lease until the deadline; now the claim is abandoned (logged and counted by
