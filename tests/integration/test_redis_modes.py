@@ -23,7 +23,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
 from structlog.testing import capture_logs
 
+from async_processor.cli import main as cli_main
 from async_processor.client import SortedSetClient
+from async_processor.config import SortedSetConfig
 from async_processor.gates.base import (
     CONTINUE,
     REFUSE,
@@ -36,6 +38,7 @@ from async_processor.messages import Envelope, Request
 from async_processor.metrics import Metrics
 from async_processor.processor import Processor
 from async_processor.producer_cli import main as producer_main
+from async_processor.transports.base import TransportContext
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_settings import RedisConnection
 from async_processor.transports.redis_sortedset import SortedSetTransport
@@ -312,3 +315,44 @@ async def test_quota_gates_work_on_a_cluster_and_behind_sentinels(
         assert await gate.apply(message, Releases()) == CONTINUE
         for close in ctx.closers:
             await close()
+
+
+# ------------------------------------------------------------------------------ commands
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_dead_letters_and_status_commands_on_a_cluster(
+    redis_cluster: RedisClusterNodes, tmp_path: Path, unique: str, capsys: Any
+) -> None:
+    """A message the daemon dead-lettered in cluster mode (``{q}:dead-letter``) is listed
+    and replayed onto its queue, where ``status`` counts it."""
+    queue = f"{unique}-dl"
+    raw = {"url": redis_cluster.url, "mode": "cluster", "result_queue_name": f"{{{queue}}}:r",
+           "queues": [{"queue_name": queue, "igw_base_url": "http://gw"}]}  # fmt: skip
+    path = tmp_path / "transport.json"
+    path.write_text(json.dumps(raw))
+    flags = ["--transport", "redis-sortedset", "--transport-config-file", str(path)]
+    anyio.run(_dead_letter_one, SortedSetConfig.model_validate(raw))
+    assert cli_main(["dead-letters", "list", *flags, "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["reason"] == "testing"
+    assert cli_main(["dead-letters", "replay", row["id"], *flags]) == 0
+    assert capsys.readouterr().out.strip() == "replayed 1"
+    assert cli_main(["status", *flags, "--json"]) == 0
+    [status] = json.loads(capsys.readouterr().out)["queues"]
+    assert (status["queue"], status["depth"], status["dead_letters"]) == (queue, 1, 0)
+
+
+async def _dead_letter_one(config: SortedSetConfig) -> None:
+    transport = SortedSetTransport(config, TransportContext())
+    conn = config.redis_connection()
+    try:
+        async with SortedSetClient(
+            conn, config.queues[0].queue_name, config.result_queue_name
+        ) as c:
+            await c.submit({"id": "d1", "deadline": int(time.time() + 600), "payload": {}})
+        [delivery] = await transport.fetch(transport.queues[0], 1, 0)
+        await transport.dead_letter(delivery, "testing", "detail")
+        assert await transport.backlog(transport.queues[0]) == 0
+    finally:
+        await transport.aclose()
