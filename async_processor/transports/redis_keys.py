@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
+import traceback
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,7 +46,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from async_processor.errors import TransportError
 from async_processor.messages import Envelope, decode_envelope
@@ -231,5 +233,20 @@ def redis_errors(action: str) -> Iterator[None]:
     """Turn a Redis or socket failure into ``TransportError`` (retryable by callers)."""
     try:
         yield
-    except (RedisError, OSError) as exc:
+    except (RedisError, RedisClusterException, OSError) as exc:  # the cluster client's own
         raise TransportError(f"redis {action} failed: {type(exc).__name__}: {exc}") from exc
+    except (AttributeError, TypeError) as exc:
+        # redis-py 8.1 lets these escape when a connection is closed under a write (its
+        # writer gone; redis/redis-py#4287), e.g. the cluster client dropping connections
+        # while it refreshes its slot map. They are a lost connection, nothing more.
+        if not _raised_in_redis_connection(exc):
+            raise
+        raise TransportError(f"redis {action} failed: connection closed: {exc}") from exc
+
+
+def _raised_in_redis_connection(exc: BaseException) -> bool:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(frame.filename.endswith(_REDIS_CONNECTION) for frame in frames)
+
+
+_REDIS_CONNECTION = os.path.join("redis", "asyncio", "connection.py")

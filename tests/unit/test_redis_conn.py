@@ -9,12 +9,15 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from redis.asyncio.connection import Connection
 
 from async_processor.config import SortedSetConfig, redis_connection_file
-from async_processor.errors import ConfigError
+from async_processor.errors import ConfigError, TransportError
 from async_processor.gates.leased_rate import LeasedRateParams
 from async_processor.gates.redis import QuotaParams, RedisBudgetParams
+from async_processor.local_servers import free_port
 from async_processor.transports.redis_conn import connect
+from async_processor.transports.redis_keys import redis_errors
 from async_processor.transports.redis_settings import RedisConnection
 
 QUEUES = [{"queue_name": "q", "igw_base_url": "http://gw"}]
@@ -121,3 +124,23 @@ def test_leased_rate_keys_must_share_a_slot_in_cluster_mode() -> None:
         LeasedRateParams.model_validate({**base, "control_key": "rate", "state_key": "other"})
     ok = LeasedRateParams.model_validate({**base, "control_key": "{rate}:control"})
     assert ok.state_key == "{rate}:control:state"
+
+
+@pytest.mark.anyio
+async def test_a_connection_closed_under_a_write_is_a_transport_error() -> None:
+    """redis-py 8.1 leaks AttributeError when the writer is gone (redis/redis-py#4287);
+    the daemon treats it as the lost connection it is, and only that."""
+    conn = Connection()
+    with pytest.raises(TransportError, match="connection closed"), redis_errors("claim"):
+        await conn._send_packed_command([b"PING\r\n"])  # its writer is None: never connected
+    with pytest.raises(AttributeError), redis_errors("claim"):
+        raise AttributeError("a bug of ours stays a bug")
+
+
+@pytest.mark.anyio
+async def test_an_unreachable_cluster_is_a_transport_error() -> None:
+    """The cluster client's own exceptions are not RedisErrors; they still mean 'retry'."""
+    client = connect(RedisConnection(url=f"redis://127.0.0.1:{free_port()}", mode="cluster"))
+    with pytest.raises(TransportError, match="cannot be connected"), redis_errors("ping"):
+        await client.ping()
+    await client.aclose()
