@@ -348,6 +348,8 @@ class RuntimeConfig(Strict):
     deadline_header: str = "x-request-deadline"  # empty: no deadline header
     max_message_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
     metrics_bearer_token: str = ""
+    # Distinct tenants counted in tokens_total per process; the rest count as "other".
+    tenant_label_limit: Annotated[int, Field(ge=0)] = 100
     tls: TLSConfig = Field(default_factory=TLSConfig)
 
     @field_validator("prometheus_url")
@@ -487,6 +489,8 @@ FLAGS: tuple[Flag, ...] = (
          "or fetch (each fetch only, as the Go reference)", "budget_scope"),
     Flag("shed-pause", "after a 429 the pool sends nothing new for Retry-After, at most this "
          "long (0 disables)", "shed_pause"),
+    Flag("tenant-label-limit", "distinct tenants in tokens_total per replica; more count "
+         "as 'other'", "tenant_label_limit"),
     Flag("metrics-backlog-poll-interval", "broker backlog gauge interval (0 disables)",
          "metrics_backlog_poll_interval"),
     Flag("health-port", "port of /healthz and /readyz", "health_port"),

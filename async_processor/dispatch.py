@@ -56,6 +56,7 @@ from async_processor.retry import (
 )
 from async_processor.transforms.base import Outgoing
 from async_processor.transports.base import Deferral, Transport, abandon
+from async_processor.usage import TokenAccounting
 from async_processor.work import PoolCapacity, ShedPause, Work, put, take
 
 log = structlog.get_logger(__name__)
@@ -350,6 +351,7 @@ class Worker:
     pool_gate: PoolGate | None = None
     shed_pause: ShedPause | None = None  # shared by the pool's workers
     cancels: CancelWatch | None = None  # None: a cancel is honoured before dispatch only
+    tokens: TokenAccounting | None = None  # None: answers' usage is not counted
 
     async def run(self, stream: ObjectReceiveStream[Work]) -> None:
         async with stream, self.writer:
@@ -436,6 +438,8 @@ class Worker:
             attempt = await send(self.session, out, timeout=timeout, limit=limit)
             span.answered(attempt)
         latency = time.monotonic() - started
+        if self.tokens is not None and 200 <= attempt.status < 300:
+            self.tokens.count(work.queue.name, self.pool, request.metadata, attempt.body)
         work.metrics.inference_latency.observe(latency * 1000)
         if attempt.shed:
             work.metrics.shedded_total.inc()

@@ -94,6 +94,12 @@ class Metrics:
             ("queue_name", "reason"),
             registry=r,
         )
+        self.tokens_total = Counter(
+            PREFIX + "tokens",
+            "Tokens in gateway answers' usage, by tenant (metadata attribute) and kind.",
+            ("queue_name", "pool_name", "tenant", "kind"),
+            registry=r,
+        )
         self.gate_decisions_total = counter(
             "gate_decisions", "Gate decisions other than continue.", (*Q_LABELS, "reason")
         )

@@ -38,6 +38,7 @@ from async_processor.gates.base import Gate, GateContext, GateOwner, build_gate
 from async_processor.health import serve_health, serve_metrics
 from async_processor.merge import build_merge_policy
 from async_processor.merge.base import MergeContext, MergePolicy, Source
+from async_processor.merge.headers import DEFAULT_FAIRNESS_ATTRIBUTE
 from async_processor.metrics import Metrics
 from async_processor.poller import Poller
 from async_processor.results import ResultWriter
@@ -45,6 +46,7 @@ from async_processor.transforms import build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports import build_transport
 from async_processor.transports.base import QueueSpec, Transport, TransportContext
+from async_processor.usage import TokenAccounting
 from async_processor.work import PoolCapacity, ShedPause, Work
 
 log = structlog.get_logger(__name__)
@@ -101,6 +103,12 @@ class Processor:
         self._force = anyio.Event()
         self._aborter = Aborter()
         self._cancels = CancelWatch(self.transport)
+        self._tokens = TokenAccounting(
+            self.metrics.tokens_total,
+            str(config.merge_policy.parameters.get("fairness_attribute") or "")
+            or DEFAULT_FAIRNESS_ATTRIBUTE,
+            rt.tenant_label_limit,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -252,6 +260,7 @@ class Processor:
                     pool.gate,
                     shed_pause,
                     self._cancels,
+                    self._tokens,
                 )
                 tg.start_soon(worker.run, merged.clone())
             merged.close()

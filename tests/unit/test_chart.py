@@ -137,6 +137,7 @@ def populated_metrics() -> Metrics:
     m.dead_letter_trimmed_total.labels("q")
     m.duplicates_suppressed_total.labels("q", "q", "default")
     m.pool_worker_limit.labels("default").set(1)
+    m.tokens_total.labels("q", "default", "none", "prompt")  # the first answer with usage
     # Gate gauges register when their gate is built: build one of each kind that has them.
     load_all()
     ctx = GateContext(owner=GateOwner("", "", "default"), metrics=m)
@@ -1084,6 +1085,12 @@ def test_rendered_pod_spec_runs_and_serves_every_queried_metric(
                  "an error-result series", proc, log)  # fmt: skip
         wait_for(lambda: "llm_d_async_async_gate_metric_value{" in http_get(scrape)[1],
                  "the gate gauges", proc, log)  # fmt: skip
+        # One answered request, for the token series (the simulator's answers carry usage).
+        answered = json.dumps({"id": "ok", "deadline": int(time.time()) + 600,
+                               "payload": {"prompt": "hi", "max_tokens": 2}})  # fmt: skip
+        redis.Redis.from_url(redis_url).zadd(queue, {answered: time.time() + 600})
+        wait_for(lambda: "llm_d_async_async_tokens_total{" in http_get(scrape)[1],
+                 "the token series", proc, log)  # fmt: skip
         families = text_string_to_metric_families(http_get(scrape)[1])
         live = {sample.name for family in families for sample in family.samples}
         rules = rules_of(render(with_ap(prometheusRule={"enabled": True})))
