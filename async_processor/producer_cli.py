@@ -123,7 +123,7 @@ async def _results(args: argparse.Namespace) -> int:
 
 async def _cancel(args: argparse.Namespace) -> int:
     async with SortedSetClient(_connection(args)) as client:
-        marked = await client.cancel(args.ids)
+        marked = await client.cancel(args.ids, queue=args.queue)
     print(f"cancelled {marked} of {len(args.ids)} (others were finished or unknown)")
     return 0
 
@@ -202,6 +202,12 @@ def _parser(command: str) -> argparse.ArgumentParser:
         )
     else:
         p.add_argument("ids", nargs="+", metavar="ID", help="request ids to cancel")
+        p.add_argument(
+            "--queue",
+            default="request-sortedset",
+            metavar="NAME",
+            help="the queue they were submitted to (cluster mode keeps the markers in its slot)",
+        )
     return p  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
+import redis
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -356,3 +357,27 @@ async def _dead_letter_one(config: SortedSetConfig) -> None:
         assert await transport.backlog(transport.queues[0]) == 0
     finally:
         await transport.aclose()
+
+
+def test_cancel_command_marks_in_the_queues_slot_on_a_cluster(
+    redis_cluster: RedisClusterNodes, tmp_path: Path, unique: str, capsys: Any
+) -> None:
+    """``cancel --queue`` with the daemon's cluster config writes ``{q}:request-cancel:<id>``."""
+    queue = f"{unique}-cq"
+    path = tmp_path / "transport.json"
+    path.write_text(json.dumps({"url": redis_cluster.url, "mode": "cluster", "queues": []}))
+
+    async def submit() -> str:
+        conn = RedisConnection(url=redis_cluster.url, mode="cluster")
+        async with SortedSetClient(conn, queue, f"{{{queue}}}:results") as client:
+            return await client.submit({"id": "x", "deadline": int(time.time() + 600)})
+
+    token = anyio.run(submit)
+    args = ["cancel", "x", "--transport-config-file", str(path), "--queue", queue]
+    assert producer_main(args) == 0
+    assert "cancelled 1 of 1" in capsys.readouterr().out
+    cluster = redis.RedisCluster.from_url(redis_cluster.url)
+    try:
+        assert cluster.get(f"{{{queue}}}:request-cancel:x") == token.encode()
+    finally:
+        cluster.close()
