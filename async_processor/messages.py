@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import msgspec
+
 from async_processor.errors import InvalidMessage
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -222,6 +224,8 @@ class Result:
 
 _WS = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
+_MEMBERS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ANY = msgspec.json.Decoder()
 _PUBLIC_FIELDS = frozenset(
     ("id", "created", "deadline", "payload", "metadata", "headers", "endpoint")
 )
@@ -233,12 +237,11 @@ def decode_envelope(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BY
     Raises ``InvalidMessage`` with ``request_id`` set whenever an id could be read.
     """
     check_size(raw, max_bytes)
-    text = _as_text(raw)
-    top, spans = _scan_object(text, "message", raw_keys=("data", "payload"))
-    if "request_kind" not in top and "data" not in top:
-        return Envelope(request=_request_from(text, top, spans))
-    data_span = spans.get("data")
-    data_id = _peek_id(text, data_span)
+    top, raws = _decode_object(raw, "message", ("data", "payload"))
+    if "request_kind" not in top and "data" not in raws:
+        return Envelope(request=_request_from(top, raws))
+    data = raws.get("data")
+    data_id = _peek_id(data)
     kind = top.get("request_kind")
     if kind not in ENVELOPE_KINDS:
         raise InvalidMessage(
@@ -246,23 +249,20 @@ def decode_envelope(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BY
             reason="unknown_kind",
             request_id=data_id,
         )
-    if data_span is None:
+    if data is None:
         raise InvalidMessage("envelope has no data", reason="malformed", request_id=None)
     try:
         routing = Routing.from_obj(top.get("internal"))
     except ValueError as exc:
         raise InvalidMessage(str(exc), reason="malformed", request_id=data_id) from exc
-    data, data_spans = _scan_object(text, "data", raw_keys=("payload",), start=data_span[0])
-    request = _request_from(text, data, data_spans)
-    return Envelope(request=request, routing=routing, kind=str(kind))
+    fields, data_raws = _decode_object(data, "data", ("payload",))
+    return Envelope(request=_request_from(fields, data_raws), routing=routing, kind=str(kind))
 
 
 def decode_request(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Request:
     """Decode a bare public request (the Pub/Sub wire format)."""
     check_size(raw, max_bytes)
-    text = _as_text(raw)
-    top, spans = _scan_object(text, "message", raw_keys=("payload",))
-    return _request_from(text, top, spans)
+    return _request_from(*_decode_object(raw, "message", ("payload",)))
 
 
 def check_size(raw: bytes | str, max_bytes: int) -> None:
@@ -341,11 +341,7 @@ def peek_id(raw: bytes | str) -> str | None:
     return None
 
 
-def _request_from(
-    text: str,
-    obj: dict[str, Any],
-    spans: dict[str, tuple[int, int]],
-) -> Request:
+def _request_from(obj: dict[str, Any], raws: dict[str, bytes]) -> Request:
     request_id = usable_id(obj.get("id"))
     if request_id is None:
         raise InvalidMessage("request has no usable string id", reason="missing_id")
@@ -368,9 +364,9 @@ def _request_from(
         )
     except (ValueError, OverflowError) as exc:  # OverflowError: int(inf) for "created"
         raise InvalidMessage(str(exc), reason="malformed", request_id=request_id) from exc
-    span = spans.get("payload")
-    if span is not None:
-        request.payload = text[span[0] : span[1]].encode()
+    payload = raws.get("payload")
+    if payload is not None:
+        request.payload = payload
         if request.payload[:1] not in (b"{", b"n"):
             raise InvalidMessage(
                 "payload must be a JSON object", reason="malformed", request_id=request_id
@@ -392,24 +388,50 @@ def _deadline_of(obj: dict[str, Any], request_id: str) -> int:
     raise InvalidMessage(INVALID_DEADLINE_TEXT, reason="invalid_deadline", request_id=request_id)
 
 
-def _scan_object(
-    text: str, what: str, *, raw_keys: tuple[str, ...], start: int = 0
-) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
-    """Parse one JSON object; keys in ``raw_keys`` are kept as (start, end) spans only."""
+def _decode_object(
+    raw: bytes | str, what: str, raw_keys: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """Parse one JSON object; the values of ``raw_keys`` are kept as their exact bytes.
+
+    msgspec (C) takes what it can: members as ``Raw`` (views of ``raw``, not parsed yet),
+    then each member but the raw ones decoded. Whatever it refuses (malformed JSON, lone
+    surrogates, numbers beyond a double, invalid UTF-8) goes through ``_scan_object``, so
+    odd input is accepted, refused and explained exactly as before.
+    """
+    if isinstance(raw, bytes) and not raw.isascii():
+        try:  # msgspec does not validate the UTF-8 of members it keeps raw
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidMessage("message is not UTF-8", reason="malformed") from exc
     try:
-        return _scan_object_unchecked(text, raw_keys, start)
+        members = _MEMBERS.decode(raw)
+        values = {k: _ANY.decode(v) for k, v in members.items() if k not in raw_keys}
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return _scan_object(raw, what, raw_keys)
+    raws = {k: bytes(v) for k, v in members.items() if k in raw_keys}
+    return values, raws
+
+
+def _scan_object(
+    raw: bytes | str, what: str, raw_keys: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The pure-Python path of ``_decode_object``: spans of the text, then their bytes."""
+    text = _as_text(raw)
+    try:
+        values, spans = _scan_object_unchecked(text, raw_keys)
     except (ValueError, IndexError, RecursionError) as exc:  # deep nesting: RecursionError
         raise InvalidMessage(
             f"{what} is not a JSON object: {exc}", reason="malformed", request_id=peek_id(text)
         ) from exc
+    return values, {k: text[a:b].encode() for k, (a, b) in spans.items()}
 
 
 def _scan_object_unchecked(
-    text: str, raw_keys: tuple[str, ...], start: int
+    text: str, raw_keys: tuple[str, ...]
 ) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
     values: dict[str, Any] = {}
     spans: dict[str, tuple[int, int]] = {}
-    pos = _WS.match(text, start).end()  # type: ignore[union-attr]
+    pos = _WS.match(text).end()  # type: ignore[union-attr]
     if text[pos] != "{":
         raise ValueError("expected '{'")
     pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
@@ -434,16 +456,16 @@ def _scan_object_unchecked(
         if text[pos] != ",":
             raise ValueError(f"expected ',' or '}}' at offset {pos}")
         pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
-    if start == 0 and _WS.match(text, pos + 1).end() != len(text):  # type: ignore[union-attr]
+    if _WS.match(text, pos + 1).end() != len(text):  # type: ignore[union-attr]
         raise ValueError("trailing data after the object")
     return values, spans
 
 
-def _peek_id(text: str, span: tuple[int, int] | None) -> str | None:
-    if span is None:
+def _peek_id(data: bytes | None) -> str | None:
+    if data is None:
         return None
     try:
-        obj = json.loads(text[span[0] : span[1]])
+        obj = json.loads(data)
     except (ValueError, RecursionError):
         return None
     return usable_id(obj.get("id") if isinstance(obj, dict) else None)

@@ -47,6 +47,24 @@ def test_payload_bytes_pass_through_verbatim() -> None:
     assert json.loads(again.request.payload)["a"] == 12345678901234567890
 
 
+def test_invalid_utf8_inside_the_payload_is_refused() -> None:
+    # msgspec keeps the payload as raw bytes without validating them: checked separately.
+    raw = b'{"id": "u1", "deadline": 1900000000, "payload": {"p": "\xff"}}'
+    with pytest.raises(InvalidMessage) as caught:
+        decode_envelope(raw)
+    assert caught.value.reason == "malformed"
+
+
+def test_what_msgspec_refuses_is_decoded_as_before() -> None:
+    # A lone surrogate escape is legal JSON that msgspec refuses: the pure-Python scanner
+    # takes the message, and the payload still passes through verbatim.
+    data = b'{"id": "r1", "deadline": 1900000000, "metadata": {"m": "\\ud800"}, "payload": '
+    envelope = decode_envelope(envelope_bytes(data=data + PAYLOAD + b"}"))
+    assert envelope.request.metadata == {"m": "\ud800"}
+    assert envelope.request.payload == PAYLOAD
+    assert envelope.routing.labels == {"tier": "batch"}
+
+
 def test_envelope_routing_and_reencoding() -> None:
     envelope = decode_envelope(envelope_bytes())
     assert envelope.kind == "redis"
