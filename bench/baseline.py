@@ -17,11 +17,14 @@ import anyio
 from redis.asyncio import BlockingConnectionPool, Redis
 
 IDLE_SLEEP = 0.005
+MAX_CONNECTIONS = 1024
 
 
 async def consume(args: argparse.Namespace) -> None:
-    # One connection per worker at most, as the daemon's pool; waiting instead of failing.
-    pool = BlockingConnectionPool.from_url(args.redis_url, max_connections=args.workers)
+    # One connection per worker at most, waiting instead of failing; no more than
+    # MAX_CONNECTIONS (10,000 workers opening one each timed out connecting).
+    connections = min(args.workers, MAX_CONNECTIONS)
+    pool = BlockingConnectionPool.from_url(args.redis_url, max_connections=connections)
     redis = Redis(connection_pool=pool)
     connector = aiohttp.TCPConnector(limit=args.workers)
     remaining = args.count

@@ -48,6 +48,11 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def verdict(value: str, ok: bool, target: str) -> str:
+    """A figure with its issue-13 target beside it: pass or fall-short."""
+    return f"{value}  [{'pass' if ok else 'FALL-SHORT'}: target {target}]"
+
+
 def simulator(stack: ExitStack, *args: str) -> SimulatorProcess:
     sim = start_simulator(*args)
     stack.callback(stop_process, sim.proc)
