@@ -7,7 +7,10 @@ import pytest
 from anyio import wait_all_tasks_blocked
 from anyio.lowlevel import checkpoint
 
+from async_processor.config import PoolConfig
+from async_processor.processor import MAX_PREFETCH, Processor
 from async_processor.work import PoolCapacity
+from tests.fixtures.inprocess import sortedset_config
 
 pytestmark = pytest.mark.anyio
 
@@ -71,3 +74,19 @@ async def test_takes_at_most_what_is_free() -> None:
     assert await capacity.reserve(10) == 3
     capacity.release(1)
     assert await capacity.reserve(10) == 1
+
+
+@pytest.mark.parametrize(
+    ("workers", "slots"), [(1, 2), (8, 10), (1024, 1280), (10_000, 10_000 + MAX_PREFETCH)]
+)
+def test_a_pools_prefetch_is_a_quarter_of_its_workers_but_bounded(workers: int, slots: int) -> None:
+    # Every prefetched message is held in memory and leased from the other replicas: at
+    # 10,000 workers a quarter (2,500) cost ~25 MB and hid nothing a few hundred do not.
+    config = sortedset_config(
+        "redis://127.0.0.1:1",
+        "http://127.0.0.1:1",
+        "q",
+        pools=[PoolConfig(id="p", workers=workers)],
+    )
+    [pool] = Processor(config).pools
+    assert pool.capacity.slots == slots
