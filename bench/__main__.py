@@ -11,13 +11,23 @@ import argparse
 import os
 import time
 
-from bench import littles_law, memory, overhead, pubsub, simulator_capacity
+from bench import (
+    in_flight,
+    littles_law,
+    memory,
+    overhead,
+    pubsub,
+    replicas,
+    simulator_capacity,
+)
 
 BENCHES = {
     "simulator_capacity": simulator_capacity.main,
     "littles_law": littles_law.main,
     "overhead": overhead.main,
     "memory": memory.main,
+    "in_flight": in_flight.main,
+    "replicas": replicas.main,
     "pubsub": pubsub.main,
 }
 

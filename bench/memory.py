@@ -17,7 +17,7 @@ from contextlib import ExitStack
 
 import anyio
 
-from bench.common import mib, redis, rss_bytes, simulator, table
+from bench.common import mib, redis, rss_bytes, simulator, table, verdict
 from bench.harness import Lane, bulk_load, drain, start_daemon
 
 TARGET_PEAK = 150 * 10**6
@@ -34,11 +34,11 @@ async def peak_in_flight(rounds: int) -> list[tuple[str, str]]:
         run, seen = await drain(
             url, sim, "memory-inflight", IN_FLIGHT, messages, prompt_bytes=PROMPT_BYTES
         )
-    verdict = "ok" if run.peak_rss <= TARGET_PEAK else "ABOVE the 150 MB target"
     return [
         ("in flight", f"{IN_FLIGHT} workers, {seen['max_concurrent_seen']} concurrent seen at "
                       f"the gateway, {PROMPT_BYTES // 1024} KiB prompts, {messages} messages"),
-        ("daemon peak RSS", f"{mib(run.peak_rss)} = {run.peak_rss / 1e6:.0f} MB ({verdict})"),
+        ("daemon peak RSS", verdict(f"{mib(run.peak_rss)} = {run.peak_rss / 1e6:.0f} MB",
+                                    run.peak_rss <= TARGET_PEAK, "≤ 150 MB")),
         ("throughput", f"{run.rate:,.0f} msg/s (ideal {IN_FLIGHT / LATENCY:,.0f})"),
     ]  # fmt: skip
 

@@ -14,8 +14,11 @@ from contextlib import ExitStack
 
 import anyio
 
-from bench.common import mib, redis, simulator, table
+from bench.common import mib, redis, simulator, table, verdict
 from bench.harness import Run, drain
+
+TARGET_CPU_MS = 0.25  # issue 13: daemon CPU per message, zero-latency gateway, 256 workers
+TARGET_RATIO = 1.0  # and at least the baseline's throughput in the same run
 
 
 async def measure(messages: int, workers: int) -> list[tuple[str, str]]:
@@ -23,12 +26,16 @@ async def measure(messages: int, workers: int) -> list[tuple[str, str]]:
         url, sim = redis(stack).url, simulator(stack)
         daemon, seen = await drain(url, sim, "overhead-daemon", workers, messages)
         base, _ = await drain(url, sim, "overhead-baseline", workers, messages, baseline=True)
+    ratio, cpu = daemon.rate / base.rate, daemon.cpu_ms
     return [
         ("setup", f"{messages} messages each, {workers} workers, zero-latency gateway"),
         ("daemon", describe(daemon)),
         ("baseline", describe(base)),
-        ("daemon / baseline", f"throughput × {daemon.rate / base.rate:.2f}, "
-                              f"CPU per message × {daemon.cpu_ms / base.cpu_ms:.2f}"),
+        ("daemon CPU per message", verdict(f"{cpu:.3f} ms", cpu <= TARGET_CPU_MS,
+                                           f"≤ {TARGET_CPU_MS} ms")),
+        ("daemon / baseline", verdict(f"throughput × {ratio:.2f}", ratio >= TARGET_RATIO,
+                                      f"≥ {TARGET_RATIO}×") +
+                              f", CPU per message × {cpu / base.cpu_ms:.2f}"),
         ("daemon's gateway calls", f"{seen['total']}, {seen['by_status']}"),
     ]  # fmt: skip
 
