@@ -46,7 +46,7 @@ test: venv sysdeps
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup tests
 
 test-fast: venv
-	$(BIN)/pytest tests/unit
+	$(BIN)/pytest tests/unit tests/deploy
 
 lint: venv
 	$(BIN)/ruff check .

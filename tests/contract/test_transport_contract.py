@@ -29,19 +29,19 @@ pytestmark = pytest.mark.anyio
 
 M = "llm_d_async_async_"
 
+# The broker is started at run time (``broker``), so its marker is on the parameter.
 TRANSPORTS = [
-    pytest.param("redis-sortedset", id="sortedset"),
-    pytest.param("redis-sortedset-cluster", id="sortedset-cluster"),
-    pytest.param("redis-pubsub", id="redis-pubsub"),
+    pytest.param("redis-sortedset", id="sortedset", marks=pytest.mark.redis),
+    pytest.param("redis-sortedset-cluster", id="sortedset-cluster", marks=pytest.mark.redis),
+    pytest.param("redis-pubsub", id="redis-pubsub", marks=pytest.mark.redis),
     # One xdist worker runs every emulator case: one JVM for the session. (pytest 9.2 with
     # pytest-xdist 3.8 ignores xdist_group, pytest-xdist#1386: then each worker starts one.)
-    pytest.param("gcp-pubsub", id="gcp-pubsub", marks=pytest.mark.xdist_group("pubsub")),
+    pytest.param(
+        "gcp-pubsub",
+        id="gcp-pubsub",
+        marks=[pytest.mark.xdist_group("pubsub"), pytest.mark.pubsub, pytest.mark.gcp],
+    ),
 ]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures.servers import require_binary
 
 SUMMARY = re.compile(
     r"harvest: best=\S+ harvest_ratio=\S+ oracle_ratio=\S+ ttft_p99_ratio=\S+ "
@@ -21,18 +21,12 @@ SUMMARY = re.compile(
 )
 
 
-def _servers_or_skip() -> None:
-    missing = [b for b in ("redis-server", "prometheus") if shutil.which(b) is None]
-    if missing:
-        message = f"{', '.join(missing)} not installed (make test installs them)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 @pytest.mark.timeout(180)
+@pytest.mark.redis
+@pytest.mark.prometheus
 def test_the_harvest_bench_runs_end_to_end(tmp_path: Path) -> None:
-    _servers_or_skip()
+    require_binary("redis-server")
+    require_binary("prometheus")
     args = ["--duration", "4", "--only", "prometheus-saturation", "--out", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, "-m", "bench.harvest", *args],

@@ -30,11 +30,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.anyio, pytest.mark.xdist_group("pubs
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def admin(pubsub_env: PubSubEmulator) -> AsyncIterator[PubSubAdmin]:
     async with pubsub_admin(pubsub_env.project) as a:
         yield a

@@ -235,6 +235,7 @@ def test_three_replicas_share_the_work_without_double_dispatch(
     assert min(shares) > 300, shares  # every replica took part
 
 
+@pytest.mark.redis  # starts its own redis-server, later than the daemon
 def test_redis_down_at_start_is_not_ready_then_recovers(
     tmp_path: Path, unique: str, simulator: SimulatorProcess, daemon_factory: DaemonFactory
 ) -> None:

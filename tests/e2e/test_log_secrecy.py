@@ -11,7 +11,6 @@ the payload text. With tracing on, the same holds for the spans the daemon expor
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 import uuid
@@ -25,7 +24,7 @@ import redis
 from async_processor.messages import Result
 from tests.fixtures.daemon import DaemonFactory, sortedset_config
 from tests.fixtures.otlp import OtlpCollector
-from tests.fixtures.servers import free_port, stop_process, wait_for_port
+from tests.fixtures.servers import free_port, require_binary, stop_process, wait_for_port
 from tests.fixtures.simulator import SimulatorProcess
 
 pytestmark = [pytest.mark.slow]
@@ -38,9 +37,7 @@ PAYLOAD_TEXT = f"PayloadMarker{uuid.uuid4().hex}"
 @pytest.fixture
 def auth_redis_url(tmp_path: Path) -> Iterator[str]:
     """A private redis-server that requires ``PASSWORD``; its URL carries the password."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (make test installs it)")
+    binary = require_binary("redis-server")
     port = free_port()
     args = [
         binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

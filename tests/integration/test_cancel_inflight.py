@@ -31,11 +31,6 @@ from tests.integration.test_redis_pubsub import transport_for
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @dataclass
 class HangingGateway:
     """Hangs on ``{"hang": true}`` bodies until the client goes away; answers the rest."""

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from async_processor import demo, local_servers
-from tests.fixtures.servers import RedisServer
+from tests.fixtures.servers import RedisServer, service_missing
 
 
 def run_demo(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -113,8 +113,11 @@ def emulator_installed() -> bool:
     return local_servers.find_emulator() is not None and shutil.which("java") is not None
 
 
-@pytest.mark.skipif(not emulator_installed(), reason="the Pub/Sub emulator (or java) is missing")
+@pytest.mark.pubsub
+@pytest.mark.gcp
 def test_demo_over_gcp_pubsub_runs_on_the_emulator(capsys: pytest.CaptureFixture[str]) -> None:
+    if not emulator_installed():
+        service_missing("the Pub/Sub emulator (or java) is missing")
     code, out = run_demo(capsys, "--transport", "gcp-pubsub", "--count", "100", "--error-rate", "0")
     assert code == 0
     assert "over 2 gcp-pubsub queues" in out

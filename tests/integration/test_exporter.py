@@ -61,11 +61,6 @@ async def backlog_becomes(url: str, want: int) -> None:
             await anyio.sleep(0.05)
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_backlog_follows_the_queue_retries_and_claims(
     tmp_path: Path, redis_url: str, unique: str

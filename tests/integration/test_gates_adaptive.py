@@ -31,11 +31,6 @@ WARM_TIMEOUT = 15.0  # the climb is per round trip, slower on a loaded machine
 DAEMON_SECONDS = 3.0
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @dataclass
 class Tally:
     """Outcomes and in-flight samples of the measuring window (after the warm-up)."""

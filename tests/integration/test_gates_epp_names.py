@@ -20,11 +20,6 @@ from tests.integration.test_gates_scrape import Page, page
 __all__ = ["contexts", "page"]  # fixtures used below
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def epp_gates(ctx: GateContext, sim_url: str) -> dict[str, Gate]:
     """The gates of docs/gates.md that read EPP series, as an operator would set them up."""
     pool = {"pool": "sim-pool"}

@@ -18,12 +18,6 @@ from async_processor.gates.tiers import TOO_MANY_REQUESTS
 from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.fixtures.simulator import SimulatorProcess
 
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 

@@ -20,11 +20,6 @@ from tests.fixtures.simulator import SimulatorProcess
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def contexts() -> AsyncIterator[Callable[..., GateContext]]:
     made: list[GateContext] = []
 

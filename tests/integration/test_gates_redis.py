@@ -30,11 +30,6 @@ from tests.fixtures.servers import RedisServer, free_port
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def gate_ctx() -> AsyncIterator[GateContext]:
     context = GateContext(owner=GateOwner("q", "q", "pool-a"), metrics=Metrics(CollectorRegistry()))
     yield context

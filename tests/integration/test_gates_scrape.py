@@ -19,11 +19,6 @@ from tests.integration.test_gates_prometheus import load, until
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def ctx() -> AsyncIterator[GateContext]:
     context = GateContext(
         owner=GateOwner("q", "q", "pool-a"),

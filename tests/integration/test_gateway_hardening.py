@@ -25,11 +25,6 @@ from tests.fixtures.inprocess import running, sortedset_config, submit
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @dataclass
 class Gateway:
     url: str = ""

@@ -25,11 +25,6 @@ from tests.fixtures.servers import free_port
 pytestmark = [pytest.mark.anyio, pytest.mark.xdist_group("pubsub")]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def request(request_id: str, ttl: int = 300, **extra: Any) -> bytes:
     body = {"id": request_id, "deadline": int(time.time()) + ttl, "payload": {"prompt": "hi"}}
     return json.dumps({**body, **extra}).encode()

@@ -20,11 +20,6 @@ from async_processor.errors import ConfigError
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @asynccontextmanager
 async def running(
     serve: Callable[..., Coroutine[Any, Any, None]], *args: object, **kwargs: object

@@ -35,12 +35,6 @@ from tests.fixtures.inprocess import metric, running, sortedset_config, submit
 from tests.fixtures.servers import free_port
 from tests.fixtures.simulator import SimulatorProcess
 
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 pytestmark = pytest.mark.anyio
 
 

@@ -60,11 +60,6 @@ pytestmark = pytest.mark.anyio
 SECURITY_DOC = Path(__file__).parents[2] / "docs" / "security.md"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def _requests(prefix: str, n: int) -> list[dict[str, Any]]:
     deadline = int(time.time() + 600)
     return [{"id": f"{prefix}-{i}", "deadline": deadline, "payload": {"i": i}} for i in range(n)]

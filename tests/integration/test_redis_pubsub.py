@@ -26,11 +26,6 @@ from tests.fixtures.servers import RedisServer
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def transport_for(url: str, unique: str, *channels: str) -> RedisPubSubTransport:
     config = RedisPubSubConfig.model_validate(
         {

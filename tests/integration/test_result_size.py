@@ -28,11 +28,6 @@ ANSWERS = {"big": TEN_MIB, "escaped": ESCAPED, "small": b'{"ok":true}'}
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def gateway() -> AsyncIterator[tuple[str, list[str]]]:
     asked: list[str] = []
 

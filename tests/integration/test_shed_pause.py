@@ -16,11 +16,6 @@ RUN_SECONDS = 1.5
 RETRY_AFTER = 0.5
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def statuses(redis_url: str, queue: str, sim: SimulatorProcess, pause: str) -> dict[str, int]:
     """The simulator's answers while 16 workers drain a deep queue for RUN_SECONDS."""
     config = sortedset_config(redis_url, sim.url, queue, concurrency=WORKERS, shed_pause=pause)

@@ -19,11 +19,6 @@ pytestmark = pytest.mark.anyio
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 10}
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def timed_post(session: aiohttp.ClientSession, url: str) -> tuple[int, float]:
     started = time.monotonic()
     async with session.post(url + "/v1/completions", json=BODY) as response:

@@ -22,11 +22,6 @@ BATCH = {"x-gateway-priority": "-1"}
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def pooled() -> SimulatorProcess:
     sim = start_simulator(
         "--pods", "2", "--max-num-seqs", "4", "--inter-token-latency", "0.01",

@@ -26,11 +26,6 @@ from tests.fixtures.simulator import SimulatorProcess
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def config_for(redis_url: str, unique: str) -> SortedSetConfig:
     return SortedSetConfig.model_validate(
         {

@@ -31,11 +31,6 @@ REFUSAL = 8.0
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def admin(private_redis: RedisServer) -> AsyncIterator[Redis]:
     client = Redis.from_url(private_redis.url)
     yield client

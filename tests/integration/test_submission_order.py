@@ -21,11 +21,6 @@ from tests.fixtures.simulator import SimulatorProcess
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def _ids(n: int) -> list[str]:
     # A random prefix: the ids' byte order says nothing about their submission order.
     return [f"{secrets.token_hex(3)}-{i}" for i in range(n)]

@@ -25,11 +25,6 @@ LIMIT = 1024
 PAYLOAD = b'{"model": "m", "prompt": "from the store", "n": 12345678901234567890}'
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @dataclass
 class Server:
     url: str

@@ -39,11 +39,6 @@ TRANSFORMS = {
 }
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def work(url: str, request_id: str, payload: bytes, labels: dict[str, str]) -> Work:
     spec = QueueSpec(id="q", name="q", igw_base_url=url, inference_objective="queue-objective")
     request = Request(

@@ -139,8 +139,3 @@ async def test_response_body_over_the_cap_is_a_fatal_attempt(
     assert attempt.fatal and attempt.status == 0
     assert "larger than 4096" in attempt.error
     assert (fine.status, len(fine.body)) == (200, 5000)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"

@@ -20,11 +20,6 @@ EXAMPLES = [
 ]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def test_the_page_has_the_epp_recipes() -> None:
     scraped = [e["gate_params"] for e in EXAMPLES if e["gate_type"] == "endpoint-scrape"]
     names = [p.get("pods_metric") or p["metric"] for p in scraped]

@@ -32,11 +32,6 @@ from async_processor.messages import Envelope, Request, Routing
 from async_processor.metrics import Metrics
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def msg(request_id: str = "r1", **labels: str) -> Envelope:
     return Envelope(Request(id=request_id, deadline=2_000_000_000), Routing(labels=dict(labels)))
 

@@ -19,11 +19,6 @@ from async_processor.messages import Envelope, Request
 from async_processor.metrics import Metrics
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class LogRecorder:
     """Stands in for the module's logger (other tests may configure structlog globally)."""
 

@@ -24,12 +24,7 @@ from async_processor.transports.gcp_pubsub import (
 )
 from tests.fixtures.servers import free_port
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+pytestmark = [pytest.mark.anyio, pytest.mark.gcp]
 
 
 def api_error(kind: type[gexc.GoogleAPICallError], message: str) -> gexc.GoogleAPICallError:

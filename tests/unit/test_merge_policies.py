@@ -24,11 +24,6 @@ from async_processor.work import Work
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 METRICS = Metrics()
 
 

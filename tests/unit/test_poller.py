@@ -24,11 +24,6 @@ T = TypeVar("T")
 QUEUE = QueueSpec(id="q", name="q", batch_size=4, poll_interval=0.05)
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class FakeTransport:
     """Serves ``raws`` once, then blocks each fetch until cancelled (``blocked`` is set)."""
 

@@ -24,11 +24,6 @@ QUEUES = [{"queue_name": "q", "igw_base_url": "http://gw"}]
 SENTINEL = {"mode": "sentinel", "sentinels": ["127.0.0.1:26379"], "sentinel_master": "m"}
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def _transport(**fields: Any) -> SortedSetConfig:
     return SortedSetConfig.model_validate({"url": "redis://h:6379/0", "queues": QUEUES, **fields})
 

@@ -17,11 +17,6 @@ from async_processor.transports.base import Deferral, Delivery, QueueSpec
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.fixture(autouse=True)
 def fast_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
     real_sleep = anyio.sleep

@@ -24,11 +24,6 @@ from tests.unit.test_tracing import _work, _worker
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Abandoning:
     kind = "redis-sortedset"
 

@@ -21,11 +21,6 @@ from tests.fixtures.simulator import LocalSimulator
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def post(
     url: str, path: str = "/v1/completions", body: Any = None, **headers: str
 ) -> tuple[int, dict[str, str], bytes]:

@@ -26,11 +26,6 @@ Q = "queue-a"
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def fake() -> AsyncIterator[fakeredis.FakeAsyncRedis]:
     client = fakeredis.FakeAsyncRedis()
     yield client

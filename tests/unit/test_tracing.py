@@ -44,11 +44,6 @@ TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN}-01"
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def exporter() -> Iterator[InMemorySpanExporter]:
     spans = InMemorySpanExporter()
     tracing.install_exporter(spans)

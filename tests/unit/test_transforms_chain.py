@@ -16,11 +16,6 @@ from async_processor.transforms.base import Outgoing, TransformContext
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 GCS = {"name": "audio", "type": "gcs_uri_multipart", "parameters": {"providers": ["openai"]}}
 MODEL = {"name": "model", "type": "set_params", "parameters": {"set": {"model": "whisper-2"}}}
 HEADER = {

@@ -18,11 +18,6 @@ from async_processor.transforms.gcs_multipart import GcsMultipart, multipart_for
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 DEADLINE = 1_800_000_000  # 2027-01-15T08:00:00Z
 
 

@@ -14,11 +14,6 @@ from async_processor.transforms.base import TRANSFORMS, Outgoing, Transform, Tra
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def build(type_name: str, params: dict[str, Any]) -> Transform:
     return TRANSFORMS.build(type_name, params, TransformContext(name="t"))
 

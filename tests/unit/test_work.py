@@ -36,8 +36,3 @@ async def test_shed_pause_waits_out_the_pause_and_no_longer() -> None:
     started = time.monotonic()
     await pause.wait()  # over: no wait at all
     assert time.monotonic() - started < 0.05
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"

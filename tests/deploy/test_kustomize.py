@@ -20,9 +20,10 @@ from urllib.parse import urlsplit
 import pytest
 
 from async_processor.config import SortedSetConfig, load_config
+from tests.fixtures.servers import require_module
 
-helm = pytest.importorskip("helm_python", reason="helm-python-sdk parses the YAML")
-from tests.unit.test_chart import parse_docs  # noqa: E402 - after the skip guard
+helm = require_module("helm_python", "helm-python-sdk (a dev dependency) parses the YAML")
+from tests.deploy.test_chart import parse_docs  # noqa: E402 - after the skip guard
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -129,7 +130,7 @@ def test_daemon_args_and_transport_config_load(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def kind_render() -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
-    if kubectl is None:
+    if kubectl is None:  # an optional tool, not a service: make test does not install it
         pytest.skip("kubectl not installed: only the structural checks ran")
     done = subprocess.run(
         [kubectl, "kustomize", str(DEPLOY / "overlays" / "kind")],

@@ -15,11 +15,6 @@ from tests.fixtures.inprocess import sortedset_config
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_a_releasing_poller_cannot_jump_the_queue() -> None:
     capacity = PoolCapacity(2)
     assert await capacity.reserve(2) == 2

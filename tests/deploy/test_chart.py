@@ -48,11 +48,10 @@ from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.health import serve_metrics
 from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
-from tests.fixtures.redis_modes import require_binary
-from tests.fixtures.servers import free_port, stop_process
+from tests.fixtures.servers import free_port, require_binary, require_module, stop_process
 from tests.fixtures.simulator import SimulatorProcess
 
-helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
+helm = require_module("helm_python", "helm-python-sdk is a dev dependency")
 helm.disable_logging()
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -939,11 +938,6 @@ def test_dashboard_configmap_carries_the_dashboard_file() -> None:
     config_map = render(values)["ConfigMap:dashboards"]
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "yes"
     assert json.loads(config_map["data"]["async-processor.json"]) == dashboard()
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.mark.anyio
