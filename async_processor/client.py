@@ -44,6 +44,15 @@ SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many
 MAX_DEADLINE = 253_402_300_799
 
 
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """One submission's outcome: its token, and whether it was queued (False: the id was
+    already live, and ``token`` is that live submission's)."""
+
+    token: str
+    queued: bool
+
+
 @dataclass(slots=True)
 class UndecodableResult(Result):
     """A result-list entry that is not a result: its bytes as popped, and why."""
@@ -113,27 +122,43 @@ class SortedSetClient:
         queue: str | None = None,
         result_queue: str | None = None,
     ) -> list[str]:
-        """Enqueue many requests, one MULTI/EXEC round trip per chunk; returns the tokens."""
+        """Enqueue many requests; returns the tokens (for an id already live, that
+        submission's token: see ``submit_each``)."""
+        done = await self.submit_each(requests, queue=queue, result_queue=result_queue)
+        return [s.token for s in done]
+
+    async def submit_each(
+        self,
+        requests: Iterable[dict[str, Any] | Request],
+        *,
+        queue: str | None = None,
+        result_queue: str | None = None,
+    ) -> list[Submitted]:
+        """Enqueue many requests, one MULTI/EXEC round trip per chunk. An id that is
+        already queued, in flight or retrying is not queued again (``queued=False``, with
+        the live submission's token); once its result is written, it may be submitted anew."""
         target = queue or self.request_queue
         results_to = result_queue or self.result_queue
         if self._keys.cluster and (problem := cluster_problem(target, results_to)):
             raise ValueError(problem)
-        tokens: list[str] = []
+        done: list[Submitted] = []
         batch = [_as_request(r) for r in requests]
         for start in range(0, len(batch), SUBMIT_CHUNK):
             chunk = batch[start : start + SUBMIT_CHUNK]
             with redis_errors("submit"):
                 async with self._redis.pipeline(transaction=True) as pipe:
                     for request in chunk:
-                        tokens.append(await self._queue_submit(pipe, request, target, results_to))
-                    await pipe.execute()
-        return tokens
+                        await self._queue_submit(pipe, request, target, results_to)
+                    replies = await pipe.execute()
+            done += [Submitted(token.decode(), bool(queued)) for queued, token in replies]
+        return done
 
     async def _queue_submit(
         self, pipe: Pipeline, request: Request, queue: str, result_queue: str
-    ) -> str:
+    ) -> None:
         """The reference producer's three commands for one request, as one script added to
-        ``pipe``; its score orders equal deadlines by submission (``lua/submit.lua``)."""
+        ``pipe``: it queues nothing while the id is live, and its score orders equal
+        deadlines by submission (``lua/submit.lua``)."""
         token = secrets.token_hex(16)
         envelope = Envelope(
             request=request,
@@ -149,11 +174,11 @@ class SortedSetClient:
                 self._keys.active(queue, request.id),
                 self._keys.cancel(queue, request.id),
                 self._keys.sequence(queue, request.deadline),
+                self._keys.live(queue, request.id),
             ],
-            args=[envelope.encode(), request.deadline, token, ttl],
+            args=[envelope.encode(), request.deadline, token, ttl, ttl + keys.LIVE_GRACE_SECONDS],
             client=pipe,
         )
-        return token
 
     async def cancel(self, ids: Iterable[str], *, queue: str | None = None) -> int:
         """Mark requests cancelled (idempotent); returns how many were still active."""

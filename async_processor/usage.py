@@ -4,7 +4,7 @@ Stage: after an HTTP attempt, beside dispatch. Input: a successful answer's body
 OpenAI format: ``"usage": {"prompt_tokens": …, "completion_tokens": …}``) and the
 message's metadata. Output: ``llm_d_async_async_tokens_total{queue_name, pool_name,
 tenant, kind}`` (kind ``prompt`` or ``completion``). The body itself is not changed: the
-result carries the gateway's bytes as they came (DESIGN.md §5.7).
+result carries the gateway's bytes as they came, as every result does.
 
 Cheap and bounded: the body is never parsed as a whole. ``usage`` comes after the choices
 in OpenAI answers, so only the last ``USAGE_WINDOW`` bytes are searched for the key, and

@@ -16,6 +16,9 @@ Keys (the reference's names where it has them):
     result-list               list of result JSON (LPUSH by us, BRPOP by the producer)
     <queue>:seq:<deadline>    submissions so far with that deadline (the client's order
                               tie-breaker in the score), expires 60 s after the deadline
+    <queue>:live:<id>         the id's live submission on that queue (client library;
+                              deleted with its result, else expires LIVE_GRACE after
+                              the deadline): a second submission of the id is refused
     request-active:<id>       the live submission's token, TTL until its deadline
     request-cancel:<id>       the token being cancelled, TTL 7 days
     request-done:<id>:<digest>  dedup marker: a terminal result was written for this
@@ -56,6 +59,9 @@ DEFAULT_REQUEST_QUEUE = "request-sortedset"
 DEFAULT_RESULT_LIST = "result-list"
 DEFAULT_RETRY_QUEUE = "retry-sortedset"
 CANCEL_TTL_SECONDS = 7 * 24 * 3600
+# A live marker outlives its deadline by this much: the deadline sweep answers (and frees
+# the id) within a second, so the grace only matters for a member deleted by hand.
+LIVE_GRACE_SECONDS = 300
 DEAD_LETTER_RAW_BYTES = 4096  # of a dead-lettered message's text kept in its entry
 
 SCRIPT_NAMES = (
@@ -199,6 +205,10 @@ async def marked_cancelled(redis: Redis, markers: Sequence[tuple[str, str]]) -> 
 
 def sequence_key(queue: str, deadline: int) -> str:
     return f"{queue}:seq:{deadline}"
+
+
+def live_key(queue: str, request_id: str) -> str:
+    return f"{queue}:live:{request_id}"
 
 
 def inflight_key(queue: str) -> str:

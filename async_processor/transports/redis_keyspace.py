@@ -57,6 +57,12 @@ class KeySpace:
             return self._own(queue, f"seq:{deadline}")
         return keys.sequence_key(queue, deadline)
 
+    def live(self, queue: str, request_id: str) -> str:
+        """The queue's id index: the token of the id's live submission (client library)."""
+        if self.cluster:
+            return self._own(queue, f"live:{request_id}")
+        return keys.live_key(queue, request_id)
+
     def retry(self, queue: str, configured: str) -> str:
         """The retry set ``queue``'s deferrals go to: the shared one, or per queue (cluster)."""
         return self._own(queue, "retry") if self.cluster else configured

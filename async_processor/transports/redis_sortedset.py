@@ -160,19 +160,43 @@ class SortedSetTransport:
             delivery = Delivery(queue=queue, raw=bytes(flat[i + 1]), handle=claim)
             held[claim.id] = delivery
             deliveries.append(delivery)
-        await self._check_cancels(deliveries)
-        return deliveries
+        return await self._check_markers(deliveries)
 
-    async def _check_cancels(self, deliveries: list[Delivery]) -> None:
-        """Read the batch's cancel markers in one MGET (best effort: a failure leaves the
-        check to ``is_cancelled``, since the claim has already succeeded)."""
-        decoded = [d for d in deliveries if self._decodes(d)]
+    async def _check_markers(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """Read the batch's cancel and live markers in one MGET (best effort: a failure
+        leaves the cancel check to ``is_cancelled``, since the claim has succeeded).
+
+        A member whose queue's ``live:<id>`` marker holds another token is a second entry
+        of a live id (written around the client's index, e.g. by a plain ZADD): it is
+        parked as ``superseded``, so two entries of one id are never both dispatched."""
+        tokened = [d for d in deliveries if self._decodes(d) and _token(d)]
+        if not tokened:
+            return deliveries
+        names = [self._cancel_key(d) for d in tokened] + [self._live_key(d) for d in tokened]
         try:
-            flags = await self.cancelled(decoded)
+            with redis_errors("cancel check"):
+                values = await self._redis.mget(names)
         except TransportError:
-            return
-        for delivery, cancelled in zip(decoded, flags, strict=True):
-            delivery.handle = replace(_claim(delivery), cancelled=cancelled)
+            return deliveries
+        superseded = []
+        for delivery, cancel, live in zip(
+            tokened, values[: len(tokened)], values[len(tokened) :], strict=True
+        ):
+            token = _token(delivery).encode()
+            delivery.handle = replace(_claim(delivery), cancelled=cancel == token)
+            if live is not None and live != token:
+                superseded.append(delivery)
+        for delivery in superseded:
+            await self._park_superseded(delivery)
+        return [d for d in deliveries if d not in superseded]
+
+    async def _park_superseded(self, delivery: Delivery) -> None:
+        queue = delivery.queue
+        await self.dead_letter(
+            delivery, "superseded", "another submission of this id is live on this queue"
+        )
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.queue(queue.id, queue.name, queue.pool).dead_letter("superseded")
 
     def _decodes(self, delivery: Delivery) -> bool:
         try:
@@ -271,6 +295,7 @@ class SortedSetTransport:
             self._keys.active(name, result.id),
             self._keys.cancel(name, result.id),
             self._configured_list(delivery),
+            self._keys.live(name, result.id),
         ]
 
     def _result_list(self, delivery: Delivery) -> str:
@@ -388,6 +413,10 @@ class SortedSetTransport:
     def _cancel_key(self, delivery: Delivery) -> str:
         request_id = delivery.envelope.id if delivery.envelope else ""
         return self._keys.cancel(delivery.queue.name, request_id)
+
+    def _live_key(self, delivery: Delivery) -> str:
+        request_id = delivery.envelope.id if delivery.envelope else ""
+        return self._keys.live(delivery.queue.name, request_id)
 
     def _release(self, delivery: Delivery) -> None:
         self._held.get(delivery.queue.name, {}).pop(_claim(delivery).id, None)

@@ -107,9 +107,11 @@ async def test_cancel_copies_the_active_token(client, r, unique) -> None:
     assert await r.get(redis_keys.cancel_key(f"{unique}-c")) == token.encode()
     assert await r.ttl(redis_keys.cancel_key(f"{unique}-c")) > 6 * 24 * 3600
     assert not await r.exists(redis_keys.cancel_key(f"{unique}-unknown"))
-    # A resubmission clears the old cancellation.
-    await client.submit(request(f"{unique}-c"))
-    assert not await r.exists(redis_keys.cancel_key(f"{unique}-c"))
+    # A resubmission while it is still queued is refused: the cancel still applies.
+    [again] = await client.submit_each([request(f"{unique}-c")])
+    assert (again.token, again.queued) == (token, False)
+    assert await r.get(redis_keys.cancel_key(f"{unique}-c")) == token.encode()
+    assert await client.request_depth() == 1
 
 
 async def test_round_trip_through_the_transport(client, redis_url, unique) -> None:

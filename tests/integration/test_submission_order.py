@@ -1,4 +1,4 @@
-"""Equal deadlines come out in submission order (issue 16.3), against real Redis and the
+"""Equal deadlines come out in submission order, against real Redis and the
 simulator over HTTP.
 
 The client's score is the deadline plus a per-deadline sequence fraction; before it, equal

@@ -1,4 +1,4 @@
-"""Token accounting per tenant (issue 16.4): the daemon against real Redis and the
+"""Token accounting per tenant: the daemon against real Redis and the
 simulator over HTTP counts each answer's ``usage`` under the message's tenant, caps the
 tenants, and leaves the gateway's body in the result unchanged."""
 

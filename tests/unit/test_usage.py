@@ -1,4 +1,4 @@
-"""Token accounting (issue 16.4): the bounded ``usage`` scan and the tenant cap."""
+"""Token accounting: the bounded ``usage`` scan and the tenant cap."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 -- Write one terminal result and acknowledge its claim, atomically.
 -- KEYS[1] dedup marker (request-done:<id>:<digest>), KEYS[2] result list,
 -- KEYS[3] in-flight zset, KEYS[4] in-flight hash, KEYS[5] request-active:<id>,
--- KEYS[6] request-cancel:<id>, KEYS[7] fallback result list (the transport's default)
+-- KEYS[6] request-cancel:<id>, KEYS[7] fallback result list (the transport's default),
+-- KEYS[8] <queue>:live:<id> (the client's idempotency marker: the id is free again)
 -- ARGV[1] claim id, ARGV[2] encoded result, ARGV[3] marker TTL seconds, ARGV[4] request
 -- token, ARGV[5] "claim", or "queued": then KEYS[3] is the request queue and ARGV[1] a
 -- member of it (the deadline sweep), answered only while still queued, since another
@@ -17,7 +18,7 @@ if not usable_as(target, 'list') then
   target, fell_back = KEYS[7], 1
 end
 expect_types(target, 'list', KEYS[1], 'string', KEYS[3], 'zset', KEYS[4], 'hash',
-  KEYS[5], 'string', KEYS[6], 'string')
+  KEYS[5], 'string', KEYS[6], 'string', KEYS[8], 'string')
 if ARGV[5] == 'queued' and not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
   return {0, 0, 0}
 end
@@ -31,7 +32,7 @@ local held = redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 -- The reference's cleanup: drop the markers only while they belong to this submission.
 if ARGV[4] ~= '' then
-  for _, key in ipairs({KEYS[5], KEYS[6]}) do
+  for _, key in ipairs({KEYS[5], KEYS[6], KEYS[8]}) do
     if redis.call('GET', key) == ARGV[4] then
       redis.call('DEL', key)
     end
