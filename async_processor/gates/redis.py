@@ -26,6 +26,7 @@ from async_processor.gates.params import Duration, Int, Params, Str
 from async_processor.gates.shared import Throttle, shielded
 from async_processor.messages import Envelope
 from async_processor.transports.redis_conn import connect
+from async_processor.transports.redis_keys import lua_source
 from async_processor.transports.redis_settings import Mode, RedisConnection, RedisConnectionFields
 
 log = structlog.get_logger(__name__)
@@ -124,36 +125,12 @@ def _redis(params: RedisBudgetParams, ctx: GateContext) -> Gate:
     return RedisBudgetGate(redis_client(ctx, params), params.budget_key)
 
 
-# ------------------------------------------------------------------------ redis-quota
+def gate_lua(name: str) -> str:
+    """A gate's Lua script, ``gates/lua/<name>.lua``."""
+    return lua_source(name, "async_processor.gates")
 
-# KEYS[1] quota key; ARGV limit, ttl seconds. 1 = reserved, 0 = over the limit.
-CONCURRENCY_ACQUIRE = """
-local current = tonumber(redis.call('GET', KEYS[1]) or '0')
-if current >= tonumber(ARGV[1]) then return 0 end
-redis.call('INCR', KEYS[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-# Never below zero; a key left at 0 keeps its TTL and expires on its own.
-CONCURRENCY_RELEASE = """
-local current = tonumber(redis.call('GET', KEYS[1]) or '0')
-if current > 0 then
-  local left = redis.call('DECR', KEYS[1])
-  if left > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
-end
-return 1
-"""
-# Sliding-window log. ARGV now_ns, window_ns, limit, ttl, member. The member carries a
-# unique suffix so two acquires in the same nanosecond both count (the reference's
-# member == score collapses them).
-RATE_ACQUIRE = """
-local now = tonumber(ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], 0, now - tonumber(ARGV[2]))
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[5])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return 1
-"""
+
+# ------------------------------------------------------------------------ redis-quota
 
 
 class QuotaParams(RedisAddress):
@@ -175,11 +152,11 @@ class RedisQuotaGate:
         window = int(params.window)
         if self._concurrency:
             self._ttl = window if window > 0 else 300
-            self._acquire = client.register_script(CONCURRENCY_ACQUIRE)
-            self._release = client.register_script(CONCURRENCY_RELEASE)
+            self._acquire = client.register_script(gate_lua("quota_concurrency_acquire"))
+            self._release = client.register_script(gate_lua("quota_concurrency_release"))
         else:
             self._ttl = window * 2 if window > 0 else 3600
-            self._acquire = client.register_script(RATE_ACQUIRE)
+            self._acquire = client.register_script(gate_lua("quota_rate_acquire"))
 
     def key(self, value: str) -> str:
         return f"{self.params.prefix}{self.params.attribute}:{value}"

@@ -228,9 +228,13 @@ def script_source(name: str) -> str:
     shared helpers of ``lua/lib.lua``."""
     if name not in SCRIPT_NAMES:
         raise KeyError(f"unknown Lua script {name!r} (known: {', '.join(SCRIPT_NAMES)})")
-    folder = resources.files("async_processor.transports") / "lua"
-    prelude = (folder / "lib.lua").read_text(encoding="utf-8")
-    return prelude + (folder / f"{name}.lua").read_text(encoding="utf-8")
+    return lua_source("lib") + lua_source(name)
+
+
+def lua_source(name: str, package: str = "async_processor.transports") -> str:
+    """The text of ``<package>/lua/<name>.lua`` (packaged as data); scripts live in files,
+    not in Python strings, so they read, diff and lint as Lua."""
+    return (resources.files(package) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
 
 
 def register_scripts(client: Redis) -> dict[str, AsyncScript]:

@@ -69,63 +69,6 @@ DEPRECATION = (
     "subscribed are lost."
 )
 
-# One result per submission: publish only if this call sets the dedup marker.
-# KEYS[1] marker; ARGV[1] channel, ARGV[2] result, ARGV[3] marker TTL.
-# Returns the number of receivers, or -1 when a result was already published.
-PUBLISH_RESULT = """
-if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[3])) then
-  return -1
-end
-return redis.call('PUBLISH', ARGV[1], ARGV[2])
-"""
-
-# Add to the retry set, due ARGV[2] seconds after Redis's clock (the mover's clock).
-# KEYS[1] retry set; ARGV[1] member, ARGV[2] delay.
-DEFER = """
-local t = redis.call('TIME')
-redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2]), ARGV[1])
-return 1
-"""
-
-# Pop due retries of our channels, at most ``room`` per channel (what our buffers can take);
-# others' retries are left for the replicas that subscribe to their channel.
-# KEYS[1] retry set, KEYS[2] this pop's record (named by a pop id unique per process and
-# pop); ARGV[1] members to examine, ARGV[2] record TTL, then pairs (channel, room).
-# Returns a flat list {channel, member, ...}. The record makes it idempotent: redis-py
-# sends the same call again when the reply was lost, and gets the same batch back
-# instead of the next one (the first would be gone: popped, and nobody got it).
-POP_DUE = """
-local done = redis.call('LRANGE', KEYS[2], 0, -1)
-if #done > 0 then
-  return done
-end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local room = {}
-for i = 3, #ARGV, 2 do
-  room[ARGV[i]] = tonumber(ARGV[i + 1])
-end
-local out = {}
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
-for _, member in ipairs(due) do
-  local ok, msg = pcall(cjson.decode, member)
-  if ok and type(msg) == 'table' and type(msg['internal']) == 'table' then
-    local name = msg['internal']['request_queue_name']
-    if type(name) == 'string' and (room[name] or 0) > 0 then
-      room[name] = room[name] - 1
-      redis.call('ZREM', KEYS[1], member)
-      out[#out + 1] = name
-      out[#out + 1] = member
-    end
-  end
-end
-if #out > 0 then
-  redis.call('RPUSH', KEYS[2], unpack(out))
-  redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
-end
-return out
-"""
-
 
 class RedisPubSubTransport:
     kind = "redis-pubsub"
@@ -137,9 +80,9 @@ class RedisPubSubTransport:
         self.queues: Sequence[QueueSpec] = config.queue_specs()
         self._ctx = ctx
         self._redis = client if client is not None else connect(config.redis_connection())
-        self._publish_result = self._redis.register_script(PUBLISH_RESULT)
-        self._defer = self._redis.register_script(DEFER)
-        self._pop_due = self._redis.register_script(POP_DUE)
+        self._publish_result = self._redis.register_script(keys.lua_source("pubsub_publish_result"))
+        self._defer = self._redis.register_script(keys.lua_source("pubsub_defer"))
+        self._pop_due = self._redis.register_script(keys.lua_source("pubsub_pop_due"))
         self._by_name = {q.name: q for q in self.queues}
         self._buffers: dict[str, _Buffer] = {}
         for queue in self.queues:

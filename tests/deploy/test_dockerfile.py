@@ -198,6 +198,17 @@ def test_constraints_pin_every_declared_dependency() -> None:
     assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
 
 
+def test_every_lua_script_ships_as_package_data() -> None:
+    """A script left out of package-data loads from a checkout but not from the image."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = setuptools["package-data"]["async_processor"]
+    package = ROOT / "async_processor"
+    scripts = [p.relative_to(package).as_posix() for p in package.rglob("*.lua")]
+    assert any(s.startswith("gates/lua/") for s in scripts)
+    for script in scripts:
+        assert any(fnmatch.fnmatch(script, g) for g in globs), script
+
+
 def test_fakeredis_is_demo_only() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not [d for d in project["dependencies"] if d.startswith("fakeredis")]
@@ -243,6 +254,7 @@ def test_build_context_holds_what_the_build_copies(stages: list[Stage]) -> None:
         assert (ROOT / src).exists(), src
         assert not ignored(src, patterns), f"{src} is excluded by .dockerignore"
     assert not ignored("async_processor/transports/lua/claim.lua", patterns)
+    assert not ignored("async_processor/gates/lua/leased_rate_take.lua", patterns)
     for private in (".venv/bin/python", ".git/config", "tests/conftest.py"):
         assert ignored(private, patterns), private
 
