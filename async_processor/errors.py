@@ -1,4 +1,4 @@
-"""One exception tree for the daemon; classification lives on the error.
+"""One exception tree for the daemon.
 
 AsyncProcessorError
 ├── ConfigError                 startup: bad flag, file or field (exit code 2)
@@ -6,8 +6,10 @@ AsyncProcessorError
 │   ├── InvalidMessage          undecodable / invalid -> INVALID_REQUEST or dead-letter
 │   └── PayloadUnavailable      a referenced payload could not be fetched
 ├── GateError                   a gate could not decide (its backend failed)
-├── TransportError              the broker failed (retried with backoff by callers)
-└── DispatchError               one HTTP attempt failed without a usable response
+└── TransportError              the broker failed (retried with backoff by callers)
+
+An HTTP attempt that fails is not an exception: ``dispatch.send`` returns it as a
+``retry.Attempt``, and ``retry.decide`` classifies it (retry, shed, final).
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from __future__ import annotations
 
 class AsyncProcessorError(Exception):
     """Root of every error the daemon raises on purpose."""
-
-    retryable: bool = False
 
 
 class ConfigError(AsyncProcessorError):
@@ -51,11 +51,3 @@ class GateError(AsyncProcessorError):
 
 class TransportError(AsyncProcessorError):
     """The broker failed; callers retry with backoff."""
-
-    retryable = True
-
-
-class DispatchError(AsyncProcessorError):
-    """One HTTP attempt failed with no usable response (refused, reset, timed out)."""
-
-    retryable = True
