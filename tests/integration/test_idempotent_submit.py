@@ -25,11 +25,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def client(redis_url: str, unique: str) -> AsyncIterator[SortedSetClient]:
     async with SortedSetClient(redis_url, unique, f"{unique}:results") as c:
         yield c

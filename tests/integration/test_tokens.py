@@ -20,11 +20,6 @@ pytestmark = pytest.mark.anyio
 TOKENS = "llm_d_async_async_tokens_total"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def _req(request_id: str, tenant: str | None, prompt: str, max_tokens: int) -> dict[str, Any]:
     metadata = {"team": tenant} if tenant else {}
     payload = {"model": "m", "prompt": prompt, "max_tokens": max_tokens}
