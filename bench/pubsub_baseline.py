@@ -21,67 +21,76 @@ from google.pubsub_v1.types import PubsubMessage, ReceivedMessage
 MAX_PULL = 1000
 
 
-async def consume(args: argparse.Namespace) -> None:
-    subscriber, publisher = SubscriberAsyncClient(), PublisherAsyncClient()
-    inbox_send, inbox = anyio.create_memory_object_stream[ReceivedMessage](args.workers)
-    ready: list[tuple[str, bytes]] = []  # (ack id, result) awaiting publish
-    state = {"free": args.workers, "left": args.count}
-    freed, produced = anyio.Event(), anyio.Event()
-    url = args.gateway_url + "/v1/completions"
+class Baseline:
+    """The consumer's state, shared by its pull loop, its workers and its publisher."""
 
-    async def pull() -> None:
-        nonlocal freed
-        while state["left"] > 0:
-            if state["free"] == 0:
-                await freed.wait()
-                freed = anyio.Event()
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.subscriber, self.publisher = SubscriberAsyncClient(), PublisherAsyncClient()
+        self.inbox_send, self.inbox = anyio.create_memory_object_stream[ReceivedMessage](
+            args.workers
+        )
+        self.ready: list[tuple[str, bytes]] = []  # (ack id, result) awaiting publish
+        self.free, self.left = args.workers, args.count
+        self.freed, self.produced = anyio.Event(), anyio.Event()
+        self.url = args.gateway_url + "/v1/completions"
+
+    async def pull(self) -> None:
+        while self.left > 0:
+            if self.free == 0:
+                await self.freed.wait()
+                self.freed = anyio.Event()
                 continue
-            asked = min(state["free"], MAX_PULL)
-            state["free"] -= asked
+            asked = min(self.free, MAX_PULL)
+            self.free -= asked
             try:
-                got = await subscriber.pull(
-                    subscription=args.subscription, max_messages=asked, timeout=5, retry=None
+                got = await self.subscriber.pull(
+                    subscription=self.args.subscription, max_messages=asked, timeout=5, retry=None
                 )
                 received = list(got.received_messages)
             except gexc.DeadlineExceeded:
                 received = []
-            state["free"] += asked - len(received)
+            self.free += asked - len(received)
             for message in received:
-                await inbox_send.send(message)
+                await self.inbox_send.send(message)
 
-    async def work(session: aiohttp.ClientSession) -> None:
-        async for message in inbox:
+    async def work(self, session: aiohttp.ClientSession) -> None:
+        async for message in self.inbox:
             request = json.loads(message.message.data)
-            async with session.post(url, json=request["payload"]) as response:
+            async with session.post(self.url, json=request["payload"]) as response:
                 text = await response.text()
             result = {"id": request["id"], "status_code": response.status, "payload": text}
-            ready.append((message.ack_id, json.dumps(result).encode()))
-            state["free"] += 1
-            freed.set()
-            produced.set()
+            self.ready.append((message.ack_id, json.dumps(result).encode()))
+            self.free += 1
+            self.freed.set()
+            self.produced.set()
 
-    async def publish() -> None:
-        nonlocal produced
-        while state["left"] > 0:
-            await produced.wait()
-            produced = anyio.Event()
-            while ready:
-                batch, ready[:MAX_PULL] = ready[:MAX_PULL], []
+    async def publish(self) -> None:
+        while self.left > 0:
+            await self.produced.wait()
+            self.produced = anyio.Event()
+            while self.ready:
+                batch, self.ready[:MAX_PULL] = self.ready[:MAX_PULL], []
                 messages = [PubsubMessage(data=data) for _, data in batch]
-                await publisher.publish(topic=args.topic, messages=messages)
+                await self.publisher.publish(topic=self.args.topic, messages=messages)
                 ack_ids = [ack_id for ack_id, _ in batch]
-                await subscriber.acknowledge(subscription=args.subscription, ack_ids=ack_ids)
-                state["left"] -= len(batch)
+                await self.subscriber.acknowledge(
+                    subscription=self.args.subscription, ack_ids=ack_ids
+                )
+                self.left -= len(batch)
 
+
+async def consume(args: argparse.Namespace) -> None:
+    baseline = Baseline(args)
     connector = aiohttp.TCPConnector(limit=args.workers)
     async with (
         aiohttp.ClientSession(connector=connector) as session,
         anyio.create_task_group() as tg,
     ):
         for _ in range(args.workers):
-            tg.start_soon(work, session)
-        tg.start_soon(pull)
-        await publish()
+            tg.start_soon(baseline.work, session)
+        tg.start_soon(baseline.pull)
+        await baseline.publish()
         tg.cancel_scope.cancel()
 
 

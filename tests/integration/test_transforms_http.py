@@ -32,31 +32,36 @@ class Server:
     forms: list[list[tuple[str, str]]] = field(default_factory=list)
 
 
+async def _payload(state: Server, request: web.Request) -> web.StreamResponse:
+    """The payload server: ``/payload/<name>`` answers as its name says."""
+    name = request.match_info["name"]
+    state.hits[name] += 1
+    if name == "flaky" and state.hits[name] <= 2:
+        return web.Response(status=(404, 500)[state.hits[name] - 1])
+    if name == "never":
+        return web.Response(status=503)
+    if name == "big":
+        return web.Response(body=b"{" + b" " * LIMIT + b"}")
+    if name == "big-chunked":
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for _ in range(4):
+            await response.write(b" " * (LIMIT // 2))
+        return response
+    if name == "redirect":
+        raise web.HTTPFound("/payload/ok")
+    if name == "text":
+        return web.Response(text="not json")
+    return web.Response(body=PAYLOAD, content_type="application/json")
+
+
 @pytest.fixture
 async def server() -> AsyncIterator[Server]:
     state = Server(url="")
 
     async def payload(request: web.Request) -> web.StreamResponse:
-        name = request.match_info["name"]
-        state.hits[name] += 1
-        if name == "flaky" and state.hits[name] <= 2:
-            return web.Response(status=(404, 500)[state.hits[name] - 1])
-        if name == "never":
-            return web.Response(status=503)
-        if name == "big":
-            return web.Response(body=b"{" + b" " * LIMIT + b"}")
-        if name == "big-chunked":
-            response = web.StreamResponse()
-            response.enable_chunked_encoding()
-            await response.prepare(request)
-            for _ in range(4):
-                await response.write(b" " * (LIMIT // 2))
-            return response
-        if name == "redirect":
-            raise web.HTTPFound("/payload/ok")
-        if name == "text":
-            return web.Response(text="not json")
-        return web.Response(body=PAYLOAD, content_type="application/json")
+        return await _payload(state, request)
 
     async def gateway(request: web.Request) -> web.Response:
         reader = await request.multipart()
