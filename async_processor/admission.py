@@ -5,7 +5,7 @@ when admitted, else an outcome for the worker to settle: a ``Final`` result (dro
 gate error, deadline) or a ``HandBack`` (refused, waited too long, shutting down).
 
 Wait parks the worker without spinning: it re-asks the gate at most every 50 ms, or
-sooner when the gate can signal a change (an optional ``wait_changed`` method). Past
+sooner when the gate can signal a change (``gates.base.WaitsForChange``). Past
 ``--gate-wait-timeout`` the message goes back to the broker instead of failing, since
 its deadline may be hours away (the reference failed it with DEADLINE_EXCEEDED).
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import anyio
 import structlog
 
-from async_processor.gates.base import Action, Gate, Releases
+from async_processor.gates.base import Action, Gate, Releases, WaitsForChange, refusal_decision
 from async_processor.messages import (
     GATE_DROPPED_TEXT,
     ErrorCode,
@@ -71,8 +71,7 @@ async def admit(
             )
             return Final(result, None)
         if not waited:
-            overflow = envelope.routing.labels.get("classification") == "overflow"
-            pool.metrics.gate_decision("quota_exhausted" if overflow else "gate_closed")
+            pool.metrics.gate_decision(refusal_decision(envelope))
         if verdict.action is Action.REFUSE:
             return HandBack(REFUSE_DELAY)
         waited = True
@@ -85,9 +84,8 @@ async def admit(
 
 
 async def _park(gate: Gate, timeout: float) -> None:
-    wait_changed = getattr(gate, "wait_changed", None)
-    if wait_changed is None:
+    if not isinstance(gate, WaitsForChange):
         await anyio.sleep(timeout)
         return
     with anyio.move_on_after(timeout):
-        await wait_changed(timeout)
+        await gate.wait_changed(timeout)

@@ -28,6 +28,7 @@ from async_processor.admission import HandBack, PoolGate, admit
 from async_processor.cancels import CancelWatch
 from async_processor.config import TLSConfig
 from async_processor.errors import ConfigError, InvalidMessage, PayloadUnavailable, TransportError
+from async_processor.gates.base import Observes
 from async_processor.merge.headers import (
     DEFAULT_FAIRNESS_HEADER,
     apply_stamped,
@@ -491,9 +492,9 @@ class Worker:
 
     def _feedback(self, envelope: Envelope, attempt: Attempt, latency: float) -> None:
         """Gates that learn from outcomes (adaptive-concurrency) get every attempt."""
-        observe = getattr(self.pool_gate.gate, "observe", None) if self.pool_gate else None
-        if observe is not None:
-            observe(envelope, attempt.status or None, latency, attempt.dropped_reason)
+        gate = self.pool_gate.gate if self.pool_gate else None
+        if isinstance(gate, Observes):
+            gate.observe(envelope, attempt.status or None, latency, attempt.dropped_reason)
 
     async def _cancelled(self, work: Work) -> bool:
         # The poller checked at fetch; check again only for messages that waited a while.

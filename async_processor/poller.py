@@ -25,7 +25,7 @@ import structlog
 from anyio.abc import ObjectSendStream
 
 from async_processor.errors import InvalidMessage, TransportError
-from async_processor.gates.base import Action, Gate, Releases
+from async_processor.gates.base import Action, Gate, Releases, refusal_decision
 from async_processor.messages import (
     CANCELLED_TEXT,
     GATE_DROPPED_TEXT,
@@ -197,8 +197,7 @@ class Poller:
                 forwarded = True
                 self._handed_on.add(delivery)
             elif verdict.action is Action.REFUSE:
-                overflow = envelope.routing.labels.get("classification") == "overflow"
-                self._metrics.gate_decision("quota_exhausted" if overflow else "gate_closed")
+                self._metrics.gate_decision(refusal_decision(envelope))
                 await self._defer(delivery, REFUSE_DELAY)
             else:
                 self._metrics.gate_decision("dropped")

@@ -38,6 +38,27 @@ class Verdict:
 CONTINUE = Verdict(Action.CONTINUE)
 REFUSE = Verdict(Action.REFUSE)
 WAIT = Verdict(Action.WAIT)
+
+# The label a classifying ``redis-quota`` stamps on each message it judges; read by the
+# ``tier-priority`` merge and admission, and by the gate-decision metric of a refusal.
+CLASSIFICATION_LABEL = "classification"
+RESERVED, OVERFLOW = "reserved", "overflow"
+
+
+def classification(message: Envelope) -> str | None:
+    """``reserved`` (within its quota), ``overflow`` (over it) or None (not classified)."""
+    return message.routing.labels.get(CLASSIFICATION_LABEL)
+
+
+def classify(message: Envelope, *, reserved: bool) -> None:
+    message.routing.labels[CLASSIFICATION_LABEL] = RESERVED if reserved else OVERFLOW
+
+
+def refusal_decision(message: Envelope) -> str:
+    """The ``gate_decision`` label of a refusal: ``quota_exhausted`` for over-quota traffic."""
+    return "quota_exhausted" if classification(message) == OVERFLOW else "gate_closed"
+
+
 DROP = Verdict(Action.DROP)
 
 Release = Callable[[], Awaitable[None]]

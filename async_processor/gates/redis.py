@@ -21,7 +21,16 @@ from pydantic import AfterValidator, Field, model_validator
 from redis.exceptions import RedisError
 
 from async_processor.errors import GateError
-from async_processor.gates.base import CONTINUE, GATES, REFUSE, Gate, GateContext, Releases, Verdict
+from async_processor.gates.base import (
+    CONTINUE,
+    GATES,
+    REFUSE,
+    Gate,
+    GateContext,
+    Releases,
+    Verdict,
+    classify,
+)
 from async_processor.gates.params import Duration, Int, Params, Str
 from async_processor.gates.shared import Throttle, shielded
 from async_processor.messages import Envelope
@@ -173,7 +182,7 @@ class RedisQuotaGate:
             reserved = bool(await self._acquire(keys=[key], args=self._acquire_args()))
         except (RedisError, OSError) as exc:
             raise GateError(f"redis-quota on {key!r}: {exc}") from exc
-        message.routing.labels["classification"] = "reserved" if reserved else "overflow"
+        classify(message, reserved=reserved)
         if not reserved and self.params.gating_mode == "blocking":
             return REFUSE
         if reserved and self._concurrency:

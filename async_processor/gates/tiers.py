@@ -15,13 +15,16 @@ from pydantic import BeforeValidator, Field
 from async_processor.gates.base import (
     CONTINUE,
     GATES,
+    OVERFLOW,
     REFUSE,
+    RESERVED,
     WAIT,
     Action,
     Gate,
     GateContext,
     Releases,
     Verdict,
+    classification,
 )
 from async_processor.gates.basic import build_inner
 from async_processor.gates.params import GateSpec, Params, Str, json_object
@@ -51,11 +54,11 @@ class TierPriorityAdmissionGate(InnerGate):
         verdict = await self.apply_inner(message, releases)
         if verdict.action is not Action.REFUSE:
             return CONTINUE  # an inner WAIT or DROP does not mean saturated
-        labels = message.routing.labels
-        classification = labels.get("classification")
-        if classification == "reserved":
+        classified = classification(message)
+        if classified == RESERVED:
             return WAIT
-        if labels.get(self.tier_label) == "interactive" and classification == "overflow":
+        interactive = message.routing.labels.get(self.tier_label) == "interactive"
+        if interactive and classified == OVERFLOW:
             return Verdict(Action.DROP, Result(id=message.id, payload=TOO_MANY_REQUESTS))
         return REFUSE
 

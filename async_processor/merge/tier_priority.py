@@ -20,6 +20,7 @@ import anyio
 from anyio.abc import ObjectSendStream
 from pydantic import Field, field_validator
 
+from async_processor.gates.base import CLASSIFICATION_LABEL, RESERVED
 from async_processor.merge.base import MERGE_POLICIES, MergeContext, MergePolicy, Source, emit
 from async_processor.merge.headers import MergeParams, check_header_name, check_header_value
 from async_processor.work import Work
@@ -34,8 +35,6 @@ LANES = (
 )
 TIERS = {"interactive": 0, "async": 1}
 BATCH_TIER = 2
-CLASSIFICATION_LABEL = "classification"
-RESERVED = "reserved"
 DEFAULT_PRIORITY_HEADER = "x-gateway-priority"
 DEFAULT_OBJECTIVE_HEADER = "x-llm-d-inference-objective"
 DEFAULT_TIER_LABEL = "tier"
