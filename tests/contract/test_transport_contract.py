@@ -1,9 +1,9 @@
 """The transport contract: every transport, the same cases, the daemon running in-process.
 
 Parametrised over redis-sortedset, redis-pubsub and gcp-pubsub (the real Pub/Sub emulator;
-those cases are skipped with the reason when it is not installed, and carry the
-``xdist_group("pubsub")`` mark so that one worker's emulator serves them). Each case drives
-the ``Processor`` against the simulator (in-process, over real HTTP) through a
+those cases are skipped with the reason when it is not installed, failed under ``CI=true``,
+and carry the ``xdist_group("pubsub")`` mark so that one worker's emulator serves them).
+Each case drives the ``Processor`` against the simulator (in-process, over real HTTP) through a
 ``TransportHarness`` (tests/contract/harness.py), which speaks the transport's wire
 format. Cases: dispatch, headers, retries, deadlines, results, metrics, drain, bad input
 (``check-config`` on each transport's example config: test_check_config.py).
