@@ -21,10 +21,12 @@ MAX_CONNECTIONS = 1024
 
 
 async def consume(args: argparse.Namespace) -> None:
-    # One connection per worker at most, waiting instead of failing; no more than
-    # MAX_CONNECTIONS (10,000 workers opening one each timed out connecting).
+    # One connection per worker at most, waiting (without a time limit) instead of failing;
+    # no more than MAX_CONNECTIONS (10,000 workers opening one each timed out connecting).
     connections = min(args.workers, MAX_CONNECTIONS)
-    pool = BlockingConnectionPool.from_url(args.redis_url, max_connections=connections)
+    pool = BlockingConnectionPool.from_url(
+        args.redis_url, max_connections=connections, timeout=None
+    )
     redis = Redis(connection_pool=pool)
     connector = aiohttp.TCPConnector(limit=args.workers)
     remaining = args.count
