@@ -107,13 +107,18 @@ class Routing:
         )
 
 
+# The payload's JSON text, verbatim. Decoded from a message, a view into the message's own
+# bytes (kept anyway for its acknowledgement), so a request in flight holds no second copy.
+Payload = bytes | memoryview
+
+
 @dataclass(slots=True)
 class Request:
     """The public request message. ``payload`` is the payload's JSON text, verbatim."""
 
     id: str
     deadline: int
-    payload: bytes = b"null"
+    payload: Payload = b"null"
     created: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
@@ -122,7 +127,7 @@ class Request:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        parts = [b'{"id":', _dumps(self.id)]
+        parts: list[Payload] = [b'{"id":', _dumps(self.id)]
         if self.created:
             parts += [b',"created":', str(self.created).encode()]
         parts += [b',"deadline":', str(self.deadline).encode(), b',"payload":', self.payload]
@@ -241,20 +246,19 @@ def decode_envelope(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BY
     if "request_kind" not in top and "data" not in raws:
         return Envelope(request=_request_from(top, raws))
     data = raws.get("data")
-    data_id = _peek_id(data)
     kind = top.get("request_kind")
     if kind not in ENVELOPE_KINDS:
         raise InvalidMessage(
             f"unknown request_kind {kind!r} (known: {', '.join(ENVELOPE_KINDS)})",
             reason="unknown_kind",
-            request_id=data_id,
+            request_id=_peek_id(data),
         )
     if data is None:
         raise InvalidMessage("envelope has no data", reason="malformed", request_id=None)
     try:
         routing = Routing.from_obj(top.get("internal"))
     except ValueError as exc:
-        raise InvalidMessage(str(exc), reason="malformed", request_id=data_id) from exc
+        raise InvalidMessage(str(exc), reason="malformed", request_id=_peek_id(data)) from exc
     fields, data_raws = _decode_object(data, "data", ("payload",))
     return Envelope(request=_request_from(fields, data_raws), routing=routing, kind=str(kind))
 
@@ -341,7 +345,7 @@ def peek_id(raw: bytes | str) -> str | None:
     return None
 
 
-def _request_from(obj: dict[str, Any], raws: dict[str, bytes]) -> Request:
+def _request_from(obj: dict[str, Any], raws: dict[str, Payload]) -> Request:
     request_id = usable_id(obj.get("id"))
     if request_id is None:
         raise InvalidMessage("request has no usable string id", reason="missing_id")
@@ -367,7 +371,7 @@ def _request_from(obj: dict[str, Any], raws: dict[str, bytes]) -> Request:
     payload = raws.get("payload")
     if payload is not None:
         request.payload = payload
-        if request.payload[:1] not in (b"{", b"n"):
+        if bytes(payload[:1]) not in (b"{", b"n"):
             raise InvalidMessage(
                 "payload must be a JSON object", reason="malformed", request_id=request_id
             )
@@ -389,17 +393,20 @@ def _deadline_of(obj: dict[str, Any], request_id: str) -> int:
 
 
 def _decode_object(
-    raw: bytes | str, what: str, raw_keys: tuple[str, ...]
-) -> tuple[dict[str, Any], dict[str, bytes]]:
+    raw: Payload | str, what: str, raw_keys: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, Payload]]:
     """Parse one JSON object; the values of ``raw_keys`` are kept as their exact bytes.
 
     msgspec (C) takes what it can: members as ``Raw`` (views of ``raw``, not parsed yet),
-    then each member but the raw ones decoded. Whatever it refuses (malformed JSON, lone
-    surrogates, numbers beyond a double, invalid UTF-8) goes through ``_scan_object``, so
-    odd input is accepted, refused and explained exactly as before.
+    then each member but the raw ones decoded; the raw ones stay views, not copies.
+    Whatever it refuses (malformed JSON, lone surrogates, numbers beyond a double, invalid
+    UTF-8) goes through ``_scan_object``, so odd input is accepted, refused and explained
+    exactly as before.
     """
+    # msgspec does not validate the UTF-8 of members it keeps raw; a member (a view) is
+    # part of a message checked already.
     if isinstance(raw, bytes) and not raw.isascii():
-        try:  # msgspec does not validate the UTF-8 of members it keeps raw
+        try:
             raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidMessage("message is not UTF-8", reason="malformed") from exc
@@ -408,13 +415,13 @@ def _decode_object(
         values = {k: _ANY.decode(v) for k, v in members.items() if k not in raw_keys}
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return _scan_object(raw, what, raw_keys)
-    raws = {k: bytes(v) for k, v in members.items() if k in raw_keys}
+    raws: dict[str, Payload] = {k: memoryview(v) for k, v in members.items() if k in raw_keys}
     return values, raws
 
 
 def _scan_object(
-    raw: bytes | str, what: str, raw_keys: tuple[str, ...]
-) -> tuple[dict[str, Any], dict[str, bytes]]:
+    raw: Payload | str, what: str, raw_keys: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, Payload]]:
     """The pure-Python path of ``_decode_object``: spans of the text, then their bytes."""
     text = _as_text(raw)
     try:
@@ -461,11 +468,12 @@ def _scan_object_unchecked(
     return values, spans
 
 
-def _peek_id(data: bytes | None) -> str | None:
+def _peek_id(data: Payload | None) -> str | None:
+    """The id in an envelope's ``data`` (parsed again: only for an error's result)."""
     if data is None:
         return None
     try:
-        obj = json.loads(data)
+        obj = json.loads(bytes(data))
     except (ValueError, RecursionError):
         return None
     return usable_id(obj.get("id") if isinstance(obj, dict) else None)
@@ -487,11 +495,11 @@ def usable_id(candidate: object) -> str | None:
     return candidate
 
 
-def _as_text(raw: bytes | str) -> str:
+def _as_text(raw: Payload | str) -> str:
     if isinstance(raw, str):
         return raw
     try:
-        return raw.decode("utf-8")
+        return str(raw, "utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidMessage("message is not UTF-8", reason="malformed") from exc
 

@@ -17,12 +17,13 @@ import anyio
 from redis.asyncio import BlockingConnectionPool, Redis
 
 IDLE_SLEEP = 0.005
-MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS = 256
 
 
 async def consume(args: argparse.Namespace) -> None:
     # One connection per worker at most, waiting (without a time limit) instead of failing;
-    # no more than MAX_CONNECTIONS (10,000 workers opening one each timed out connecting).
+    # no more than MAX_CONNECTIONS (10,000 workers, then 1,024 connections opened at once
+    # timed out connecting under load).
     connections = min(args.workers, MAX_CONNECTIONS)
     pool = BlockingConnectionPool.from_url(
         args.redis_url, max_connections=connections, timeout=None

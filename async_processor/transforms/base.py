@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from async_processor.messages import Envelope
+from async_processor.messages import Envelope, Payload
 from async_processor.registry import Registry
 
 
 @dataclass(slots=True)
 class Outgoing:
     url: str
-    body: bytes
+    body: Payload  # the request's payload (a view into the message) until a transform sets it
     headers: dict[str, str] = field(default_factory=dict)
     content_type: str = "application/json"
     body_claimed: bool = False

@@ -23,7 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from async_processor.errors import InvalidMessage
-from async_processor.messages import Envelope
+from async_processor.messages import Envelope, Payload
 from async_processor.transforms.base import TRANSFORMS, Outgoing, Transform, TransformContext
 from async_processor.transforms.json_fields import Fields, scan
 
@@ -126,7 +126,7 @@ def multipart_form(fields: list[tuple[str, str]]) -> tuple[bytes, str]:
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
-def _fields(payload: bytes, envelope: Envelope) -> Fields:
+def _fields(payload: Payload, envelope: Envelope) -> Fields:
     try:
         return scan(payload)
     except ValueError as exc:

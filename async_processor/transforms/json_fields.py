@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from async_processor.messages import Payload
+
 _WS = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
 
@@ -53,10 +55,10 @@ class Fields:
         return "".join(parts).encode()
 
 
-def scan(body: bytes) -> Fields:
+def scan(body: Payload) -> Fields:
     """Locate the top-level fields; ValueError when ``body`` is not one JSON object."""
     try:
-        text = body.decode("utf-8")
+        text = str(body, "utf-8")
         return _scan(text)
     except (UnicodeDecodeError, IndexError, RecursionError) as exc:  # deep nesting
         raise ValueError(f"not a JSON object: {exc}") from exc

@@ -111,7 +111,7 @@ def test_list_show_replay_purge(
     assert (code, out.strip()) == (0, "replayed 1"), err
     fresh = decode_envelope(r.zrange(queue, -1, -1)[0])
     assert fresh.id == "m1" and abs(fresh.request.deadline - (time.time() + 7200)) < 30
-    assert json.loads(fresh.request.payload) == {"s": SECRET}
+    assert json.loads(bytes(fresh.request.payload)) == {"s": SECRET}
 
     # Purge m3; replaying it afterwards finds nothing.
     code, out, _ = run(capsys, "purge", m3, *flags)
