@@ -47,6 +47,15 @@ def test_payload_bytes_pass_through_verbatim() -> None:
     assert json.loads(bytes(again.request.payload))["a"] == 12345678901234567890
 
 
+def test_a_decoded_payload_is_a_view_into_the_message_not_a_copy() -> None:
+    # A request in flight would otherwise hold its payload twice (the message's bytes are
+    # kept for its acknowledgement): 4 KiB more per request at 10,000 in flight.
+    raw = envelope_bytes()
+    payload = decode_envelope(raw).request.payload
+    assert isinstance(payload, memoryview) and payload == PAYLOAD
+    assert bytes(payload) == PAYLOAD
+
+
 def test_invalid_utf8_inside_the_payload_is_refused() -> None:
     # msgspec keeps the payload as raw bytes without validating them: checked separately.
     raw = b'{"id": "u1", "deadline": 1900000000, "payload": {"p": "\xff"}}'
