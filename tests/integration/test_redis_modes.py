@@ -21,7 +21,7 @@ import redis
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError
+from redis.exceptions import NoPermissionError, NoScriptError
 from structlog.testing import capture_logs
 
 from async_processor.cli import main as cli_main
@@ -39,8 +39,10 @@ from async_processor.messages import Envelope, Request
 from async_processor.metrics import Metrics
 from async_processor.processor import Processor
 from async_processor.producer_cli import main as producer_main
+from async_processor.transports import redis_keyspace
 from async_processor.transports.base import TransportContext
 from async_processor.transports.redis_conn import connect
+from async_processor.transports.redis_keyspace import KeySpace
 from async_processor.transports.redis_settings import RedisConnection
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.inprocess import running, sortedset_config
@@ -376,3 +378,30 @@ def test_cancel_command_marks_in_the_queues_slot_on_a_cluster(
         assert cluster.get(f"{{{queue}}}:request-cancel:x") == token.encode()
     finally:
         cluster.close()
+
+
+async def test_cluster_pipelines_load_their_scripts_on_every_primary(
+    redis_cluster: RedisClusterNodes, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scripts in a cluster pipeline go as EVALSHA, loaded on every primary first and again
+    after ``RELOAD_EVERY``, so a node that lost them (here: SCRIPT FLUSH) recovers."""
+    client = connect(RedisConnection(url=redis_cluster.url, mode="cluster"))
+    extend = KeySpace(cluster=True).scripts(client)["extend"]
+    inflight = KeySpace(cluster=True).inflight(unique)
+
+    async def extend_in_a_pipeline() -> Any:
+        async with client.pipeline(transaction=False) as pipe:
+            await extend(keys=[inflight], args=[30, "no-such-claim"], client=pipe)
+            return (await pipe.execute())[0]
+
+    assert await extend_in_a_pipeline() == [b"no-such-claim"]  # not held: reported lost
+    for port in redis_cluster.ports:
+        node = aioredis.Redis(port=port)
+        assert await node.script_exists(extend.sha) == [True]
+        await node.script_flush()
+        await node.aclose()
+    with pytest.raises(NoScriptError):  # until the next reload, the callers retry
+        await extend_in_a_pipeline()
+    monkeypatch.setattr(redis_keyspace, "RELOAD_EVERY", 0.0)
+    assert await extend_in_a_pipeline() == [b"no-such-claim"]
+    await client.aclose()
