@@ -282,8 +282,7 @@ class SortedSetClient:
 
 def processing_key(result_queue: str, consumer: str) -> str:
     """The consumer's processing list, in the result list's cluster hash slot."""
-    tagged = result_queue if "{" in result_queue else f"{{{result_queue}}}"
-    return f"{tagged}:processing:{consumer}"
+    return keys.result_side_key(result_queue, f"processing:{consumer}")
 
 
 def _decoded(raw: bytes) -> Result:

@@ -128,6 +128,9 @@ class SortedSetQueue(QueueEntry):
     queue_name: str = Field(min_length=1)
     id: str = ""
     result_queue_name: str = ""
+    # Ours: results on this queue's result list unconsumed this long are trimmed (None:
+    # the transport's result_ttl_seconds).
+    result_ttl_seconds: Annotated[int, Field(ge=0)] | None = None
 
 
 class RedisQueue(QueueEntry):
@@ -174,12 +177,25 @@ class SortedSetConfig(RedisTransportBase):
     # Ours: a glob a message's own result_queue_name must match ("" = any name that is not
     # one of the daemon's keys); otherwise its result goes to the configured list.
     result_queue_pattern: str = ""
+    # Ours: results nobody consumed for this long are trimmed from the result lists (0 = kept).
+    result_ttl_seconds: Annotated[int, Field(ge=0)] = 0
     # Ours: each <queue>:dead-letter list keeps at most this many entries (oldest trimmed).
     dead_letter_max_entries: Annotated[int, Field(gt=0)] = 100_000
     # Ours: after each result+ack step, WAIT for this many replicas (0 = off) up to the timeout.
     wait_replicas: Annotated[int, Field(ge=0)] = 0
     wait_timeout_ms: Annotated[int, Field(gt=0)] = 1000
     queues: list[SortedSetQueue] = Field(min_length=1)
+
+    def result_ttls(self) -> dict[str, int]:
+        """Configured result list -> its retention TTL: the smallest non-zero one of the
+        queues writing to it (0 = kept)."""
+        ttls: dict[str, int] = {self.result_queue_name: self.result_ttl_seconds}
+        for q in self.queues:
+            name = q.result_queue_name or self.result_queue_name
+            ttl = self.result_ttl_seconds if q.result_ttl_seconds is None else q.result_ttl_seconds
+            known = ttls.get(name, 0)
+            ttls[name] = min(known, ttl) if known and ttl else known or ttl
+        return ttls
 
     @model_validator(mode="after")
     def _unique(self) -> SortedSetConfig:

@@ -88,6 +88,12 @@ class Metrics:
             ("queue_name",),
             registry=r,
         )
+        self.results_trimmed_total = Counter(
+            PREFIX + "results_trimmed",
+            "Results trimmed from a result list unconsumed past result_ttl_seconds.",
+            ("result_list",),
+            registry=r,
+        )
         self.abandoned_total = Counter(
             PREFIX + "abandoned_claims",
             "Claims given up after a write failed (lease left to expire), by reason.",

@@ -3,7 +3,8 @@
 Stage: outside the daemon (read-only; also the source of ``exporter``'s gauges). Input:
 the daemon's own flags and config (so it looks at exactly the keys the daemon uses).
 Output: per queue its depth, claims in flight, retries due / parked, oldest deadline and
-dead letters; per result list its length; as a table, or JSON with ``--json``.
+dead letters; per result list its length and the age of its oldest unconsumed result;
+as a table, or JSON with ``--json``.
 
 What each transport can tell: the sorted set has all of it. redis-pubsub channels keep no
 backlog (depth and in flight are unknown), but its retry set and dead-letter lists are
@@ -32,7 +33,7 @@ from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig
 from async_processor.durations import format_duration
 from async_processor.errors import TransportError
 from async_processor.transports.redis_conn import connect
-from async_processor.transports.redis_keys import redis_errors
+from async_processor.transports.redis_keys import redis_errors, result_side_key
 from async_processor.transports.redis_keyspace import KeySpace
 
 RETRY_SCAN_CHUNK = 1000  # retry-set members read per round trip
@@ -58,6 +59,9 @@ class Status:
     result_lists: dict[str, int | None] = field(default_factory=dict)
     # retry set -> {"due": n, "parked": m}, counted by score (cheap, whatever its size)
     retry_sets: dict[str, dict[str, int]] = field(default_factory=dict)
+    # result list -> seconds since its oldest unconsumed result was written (redis-sortedset;
+    # dated by the daemon's retention rounds, so up to 10 s older; null: empty or unknown)
+    oldest_results: dict[str, float | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,7 +112,33 @@ async def redis_status(
         statuses.append(status)
     lengths = {result_list: next(replies) for result_list in _result_lists(config)}
     retries = {r: {"due": next(replies), "parked": next(replies)} for r in retry_sets}
-    return Status(name, now, statuses, lengths, retries)
+    oldest = await _oldest_results(client, keyspace, config, now)
+    return Status(name, now, statuses, lengths, retries, oldest)
+
+
+async def _oldest_results(
+    client: Redis, keyspace: KeySpace, config: SortedSetConfig | RedisPubSubConfig, now: float
+) -> dict[str, float | None]:
+    """Per result list, the age of its oldest unconsumed result, from the marks the
+    daemon's retention rounds keep (``lua/retain.lua``): result n was written no later
+    than the first mark whose count reaches n."""
+    if not isinstance(config, SortedSetConfig):
+        return {}
+    lists = _result_lists(config)
+    with redis_errors("status"):
+        async with client.pipeline(transaction=not keyspace.cluster) as pipe:
+            for result_list in lists:
+                pipe.llen(result_list)
+                pipe.get(result_side_key(result_list, "pushed"))
+                pipe.zrange(result_side_key(result_list, "marks"), 0, -1, withscores=True)
+            replies = iter(await pipe.execute())
+    ages: dict[str, float | None] = {}
+    for result_list in lists:
+        length, pushed, marks = next(replies), next(replies), next(replies)
+        oldest = int(pushed or 0) - int(length) + 1
+        dated = [when for count, when in marks if int(count) >= oldest]
+        ages[result_list] = None if not length or not marks else now - min(dated, default=now)
+    return ages
 
 
 def _retry_sets(
@@ -232,8 +262,9 @@ def render(status: Status) -> str:
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]  # fmt: skip
     if status.result_lists:
-        lines += ["", "RESULT LIST  LENGTH"]
-        lines += [f"{name}  {_text(length)}" for name, length in status.result_lists.items()]
+        lines += ["", "RESULT LIST  LENGTH  OLDEST UNCONSUMED"]
+        lines += [f"{name}  {_text(length)}  {_age(status.oldest_results.get(name))}"
+                  for name, length in status.result_lists.items()]  # fmt: skip
     for name, counts in status.retry_sets.items():
         lines += ["", f"retry set {name}: {counts['due']} due, {counts['parked']} parked"]
     return "\n".join(lines)
@@ -244,6 +275,10 @@ def _cell(queue: QueueStatus, attr: str, now: float) -> str:
     if attr == "oldest_deadline" and value is not None:
         return _relative(value - now)
     return _text(value)
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else _relative(-seconds)
 
 
 def _text(value: object) -> str:

@@ -19,6 +19,8 @@ Keys (the reference's names where it has them):
     <queue>:live:<id>         the id's live submission on that queue (client library;
                               deleted with its result, else expires LIVE_GRACE after
                               the deadline): a second submission of the id is refused
+    {result-list}:pushed      results ever pushed to the list (retention bookkeeping)
+    {result-list}:marks       zset: pushed count -> the first time it was seen
     request-active:<id>       the live submission's token, TTL until its deadline
     request-cancel:<id>       the token being cancelled, TTL 7 days
     request-done:<id>:<digest>  dedup marker: a terminal result was written for this
@@ -62,6 +64,8 @@ CANCEL_TTL_SECONDS = 7 * 24 * 3600
 # A live marker outlives its deadline by this much: the deadline sweep answers (and frees
 # the id) within a second, so the grace only matters for a member deleted by hand.
 LIVE_GRACE_SECONDS = 300
+# Result-list marks are kept at least this long, so ``status`` can date older results.
+MARKS_HORIZON_SECONDS = 24 * 3600
 DEAD_LETTER_RAW_BYTES = 4096  # of a dead-lettered message's text kept in its entry
 
 SCRIPT_NAMES = (
@@ -75,6 +79,7 @@ SCRIPT_NAMES = (
     "cancel",
     "expired",
     "submit",
+    "retain",
 )
 
 
@@ -205,6 +210,13 @@ async def marked_cancelled(redis: Redis, markers: Sequence[tuple[str, str]]) -> 
 
 def sequence_key(queue: str, deadline: int) -> str:
     return f"{queue}:seq:{deadline}"
+
+
+def result_side_key(result_list: str, suffix: str) -> str:
+    """A key kept beside a result list, in its cluster hash slot (its tag, or its name as
+    the tag): ``{R}:pushed`` and ``{R}:marks`` (retention), ``{R}:processing:<consumer>``."""
+    tagged = result_list if "{" in result_list else f"{{{result_list}}}"
+    return f"{tagged}:{suffix}"
 
 
 def live_key(queue: str, request_id: str) -> str:

@@ -59,6 +59,7 @@ CHUNK = 500  # members per reaper / retry-mover / heartbeat script call
 ROUTE_REJECTIONS = ("reserved_key", "pattern_mismatch", "wrong_type", "cross_slot")
 ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed")
 EXPIRE_INTERVAL = 0.5  # seconds between deadline sweeps: results within ~1 s of a deadline
+RETAIN_INTERVAL = 10.0  # seconds between retention rounds: results trimmed within TTL + this
 EXPIRE_CHUNK = 20  # members decoded per sweep round trip (each up to --max-message-bytes)
 UPKEEP_MAX_BACKOFF = 5.0
 # Stop extending a claim this long after its deadline: by then the pipeline has answered
@@ -116,6 +117,8 @@ class SortedSetTransport:
                 for reason in ABANDON_REASONS:
                     ctx.metrics.abandoned_total.labels(queue.name, reason)
                 ctx.metrics.dead_letter_trimmed_total.labels(queue.name)
+            for result_list in config.result_ttls():
+                ctx.metrics.results_trimmed_total.labels(result_list)
 
     # ------------------------------------------------------------------ fetch and decode
 
@@ -296,6 +299,8 @@ class SortedSetTransport:
             self._keys.cancel(name, result.id),
             self._configured_list(delivery),
             self._keys.live(name, result.id),
+            keys.result_side_key(target, "pushed"),
+            keys.result_side_key(self._configured_list(delivery), "pushed"),
         ]
 
     def _result_list(self, delivery: Delivery) -> str:
@@ -467,6 +472,7 @@ class SortedSetTransport:
             tg.start_soon(_every, "reap", lease / 2, self.reap)
             tg.start_soon(_every, "retry_move", RETRY_MOVE_INTERVAL, self.move_due)
             tg.start_soon(_every, "expire", EXPIRE_INTERVAL, self.expire_due)
+            tg.start_soon(_every, "retain", RETAIN_INTERVAL, self.retain)
             task_status.started()
 
     async def heartbeat(self) -> None:
@@ -503,6 +509,24 @@ class SortedSetTransport:
             name = queue.name
             inflight = [name, self._keys.inflight(name), self._keys.inflight_meta(name)]
             await _drain("reap", self._scripts["reap"], inflight)
+
+    async def retain(self) -> None:
+        """Per configured result list: record its pushed count (the marks that date its
+        entries, also read by ``status``) and trim what is unconsumed past its TTL."""
+        for result_list, ttl in self.config.result_ttls().items():
+            with redis_errors("retain"):
+                trimmed, _, _ = await self._scripts["retain"](
+                    keys=[
+                        result_list,
+                        keys.result_side_key(result_list, "pushed"),
+                        keys.result_side_key(result_list, "marks"),
+                    ],
+                    args=[ttl, max(ttl, keys.MARKS_HORIZON_SECONDS)],
+                )
+            if trimmed:
+                log.warning("results_trimmed", result_list=result_list, count=trimmed, ttl=ttl)
+                if self._ctx.metrics is not None:
+                    self._ctx.metrics.results_trimmed_total.labels(result_list).inc(trimmed)
 
     async def move_due(self) -> None:
         """Move every due retry back to its origin queue, scored by its deadline (in

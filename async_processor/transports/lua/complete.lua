@@ -2,7 +2,8 @@
 -- KEYS[1] dedup marker (request-done:<id>:<digest>), KEYS[2] result list,
 -- KEYS[3] in-flight zset, KEYS[4] in-flight hash, KEYS[5] request-active:<id>,
 -- KEYS[6] request-cancel:<id>, KEYS[7] fallback result list (the transport's default),
--- KEYS[8] <queue>:live:<id> (the client's idempotency marker: the id is free again)
+-- KEYS[8] <queue>:live:<id> (the client's idempotency marker: the id is free again),
+-- KEYS[9], KEYS[10] the results-pushed counters of KEYS[2] and KEYS[7] (retention)
 -- ARGV[1] claim id, ARGV[2] encoded result, ARGV[3] marker TTL seconds, ARGV[4] request
 -- token, ARGV[5] "claim", or "queued": then KEYS[3] is the request queue and ARGV[1] a
 -- member of it (the deadline sweep), answered only while still queued, since another
@@ -14,8 +15,9 @@ local fell_back = 0
 local target = KEYS[2]
 -- KEYS[2] may come from the message (result_queue_name): a key of another type is not
 -- written to, the result goes to the configured list instead.
+local pushed = KEYS[9]
 if not usable_as(target, 'list') then
-  target, fell_back = KEYS[7], 1
+  target, fell_back, pushed = KEYS[7], 1, KEYS[10]
 end
 expect_types(target, 'list', KEYS[1], 'string', KEYS[3], 'zset', KEYS[4], 'hash',
   KEYS[5], 'string', KEYS[6], 'string', KEYS[8], 'string')
@@ -25,6 +27,11 @@ end
 local written = 0
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('LPUSH', target, ARGV[2])
+  -- Counted for result retention (lua/retain.lua); a counter name taken by a key of
+  -- another type (a message may name any list) only stops the counting.
+  if usable_as(pushed, 'string') then
+    redis.call('INCR', pushed)
+  end
   redis.call('SET', KEYS[1], '1', 'EX', tonumber(ARGV[3]))
   written = 1
 end

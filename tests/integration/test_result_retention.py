@@ -1,0 +1,109 @@
+"""Result retention on redis-sortedset against a real redis-server: results nobody
+consumed within ``result_ttl_seconds`` are trimmed (counted), consumed ones are not
+miscounted, and ``status`` dates the oldest unconsumed result."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from async_processor.client import SortedSetClient
+from async_processor.config import SortedSetConfig
+from async_processor.messages import Result
+from async_processor.metrics import Metrics
+from async_processor.status import redis_status
+from async_processor.transports.base import TransportContext
+from async_processor.transports.redis_sortedset import SortedSetTransport
+
+pytestmark = pytest.mark.anyio
+
+
+def config(redis_url: str, unique: str, ttl: int) -> SortedSetConfig:
+    return SortedSetConfig.model_validate(
+        {"url": redis_url, "result_queue_name": f"{unique}:results", "result_ttl_seconds": ttl,
+         "retry_queue_name": f"{unique}:retry",
+         "queues": [{"queue_name": unique, "igw_base_url": "http://gw:1"}]}
+    )  # fmt: skip
+
+
+@pytest.fixture
+async def client(redis_url: str, unique: str) -> AsyncIterator[SortedSetClient]:
+    async with SortedSetClient(redis_url, unique, f"{unique}:results") as c:
+        yield c
+
+
+async def answer(transport: SortedSetTransport, client: SortedSetClient, ids: list[str]) -> None:
+    deadline = int(time.time()) + 600
+    await client.submit_many({"id": i, "deadline": deadline, "payload": {}} for i in ids)
+    deliveries = await transport.fetch(transport.queues[0], len(ids), 0)
+    done = [(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in deliveries]
+    await transport.complete(done)
+
+
+async def test_unconsumed_results_past_the_ttl_are_trimmed_and_counted(
+    client: SortedSetClient, redis_url: str, unique: str
+) -> None:
+    metrics = Metrics()
+    cfg = config(redis_url, unique, ttl=2)
+    transport = SortedSetTransport(cfg, TransportContext(metrics=metrics))
+    try:
+        await answer(transport, client, [f"old-{i}" for i in range(5)])
+        await transport.retain()  # dates them: a mark (now, 5 pushed)
+        consumed = await client.drain_results(2, 5)
+        await anyio.sleep(2.2)
+        await answer(transport, client, ["new-0", "new-1"])
+        before = await redis_status("redis-sortedset", cfg, transport._redis)
+        await transport.retain()
+        after = await redis_status("redis-sortedset", cfg, transport._redis)
+        left = await client.drain_results(10, 1)
+    finally:
+        await transport.aclose()
+    assert [r.id for r in consumed] == ["old-0", "old-1"]
+    # The three old results nobody read went; the two new ones stay, in order.
+    trimmed = metrics.registry.get_sample_value(
+        "llm_d_async_async_results_trimmed_total", {"result_list": f"{unique}:results"}
+    )
+    assert trimmed == 3
+    assert [r.id for r in left] == ["new-0", "new-1"]
+    assert before.result_lists[f"{unique}:results"] == 5
+    assert before.oldest_results[f"{unique}:results"] >= 2.0
+    assert after.result_lists[f"{unique}:results"] == 2
+    assert after.oldest_results[f"{unique}:results"] < 1.0
+
+
+async def test_without_a_ttl_nothing_is_trimmed_but_results_are_dated(
+    client: SortedSetClient, redis_url: str, unique: str
+) -> None:
+    cfg = config(redis_url, unique, ttl=0)
+    transport = SortedSetTransport(cfg, TransportContext())
+    try:
+        await answer(transport, client, ["a", "b"])
+        await transport.retain()
+        await anyio.sleep(1.1)
+        await transport.retain()
+        status = await redis_status("redis-sortedset", cfg, transport._redis)
+    finally:
+        await transport.aclose()
+    assert status.result_lists[f"{unique}:results"] == 2
+    assert status.oldest_results[f"{unique}:results"] >= 1.0
+    assert len(await client.drain_results(5, 1)) == 2
+
+
+async def test_a_message_naming_the_counter_cannot_break_retention(
+    client: SortedSetClient, redis_url: str, unique: str
+) -> None:
+    """A message may route its result to any list name, even the counter's: the counter
+    then stops counting, but results are still written and retention still runs."""
+    cfg = config(redis_url, unique, ttl=1)
+    transport = SortedSetTransport(cfg, TransportContext())
+    counter = "{" + f"{unique}:results" + "}:pushed"
+    try:
+        await transport._redis.lpush(counter, b"squatted")
+        await answer(transport, client, ["x"])
+        await transport.retain()
+    finally:
+        await transport.aclose()
+    assert [r.id for r in await client.drain_results(5, 1)] == ["x"]
