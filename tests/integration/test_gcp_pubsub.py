@@ -282,6 +282,21 @@ async def test_dead_letter_copies_and_acks(admin: PubSubAdmin, names: dict[str, 
         await t.aclose()
 
 
+async def test_dead_letter_without_its_topic_is_acked_uncopied(
+    admin: PubSubAdmin, names: dict[str, str]
+) -> None:
+    """No ``<subscription>-dead-letter`` topic: the operator chose none; no hot loop."""
+    t = transport_for(names)
+    try:
+        await admin.publish(names["requests"], [b'{"no": "id"}'])
+        [delivery] = await fetch_n(t, 1)
+        await t.dead_letter(delivery, "missing_id", "no id")  # NotFound: not an error
+        await t.defer([Deferral(delivery, 0.0)])  # would bring it back had it not been acked
+        assert await admin.pull_until(names["sub"], 1, timeout=2.0) == []
+    finally:
+        await t.aclose()
+
+
 async def test_dead_letter_unconfirmed_is_redelivered_not_acked(
     admin: PubSubAdmin,
     names: dict[str, str],
