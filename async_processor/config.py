@@ -112,6 +112,8 @@ class QueueEntry(Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     gate_type: str = ""
     gate_params: GateParams = Field(default_factory=dict)
+    # Ours: queues naming one group share one queue-gate instance (same endpoint and gate).
+    gate_group: str = ""
 
     @field_validator("igw_base_url")
     @classmethod
@@ -407,9 +409,31 @@ class AppConfig(Strict):
     def queue_specs(self) -> list[QueueSpec]:
         return self.transport_config.queue_specs()
 
+    @model_validator(mode="after")
+    def _gate_groups(self) -> AppConfig:
+        """Queues share a gate only when they send to one endpoint with one gate: anything
+        else would gate one queue on another endpoint's capacity."""
+        first: dict[str, QueueSpec] = {}
+        for q in self.queue_specs():
+            if not q.gate_group:
+                continue
+            lead = first.setdefault(q.gate_group, q)
+            if _gated_endpoint(q) != _gated_endpoint(lead):
+                raise ValueError(
+                    f"gate_group {q.gate_group!r}: queue {q.name!r} differs from {lead.name!r} "
+                    "in igw_base_url, request_path_url, gate_type or gate_params; queues "
+                    "sharing a gate must send to one endpoint through one gate"
+                )
+        return self
+
     def effective_pools(self) -> list[PoolConfig]:
         """The pools file, or one ``default`` pool of ``--concurrency`` workers."""
         return self.pools or [PoolConfig(id=DEFAULT_POOL, workers=self.runtime.concurrency)]
+
+
+def _gated_endpoint(q: QueueSpec) -> tuple[str, str, str]:
+    url = q.igw_base_url.rstrip("/") + "/" + q.request_path_url.lstrip("/")
+    return url, q.gate_type, json.dumps(dict(q.gate_params), sort_keys=True)
 
 
 def check_http_url(value: str) -> str:
@@ -442,6 +466,7 @@ def _spec(
         labels=dict(entry.labels),
         gate_type=entry.gate_type,
         gate_params=dict(entry.gate_params),
+        gate_group=entry.gate_group,
         result_queue_name=result_queue_name,
         batch_size=batch_size,
         poll_interval=poll_interval_ms / 1000,

@@ -102,7 +102,7 @@ class Processor:
         self.merge_policy: MergePolicy = build_merge_policy(
             config.merge_policy, MergeContext(metrics=self.metrics)
         )
-        self.queue_gates = {q.name: self._queue_gate(q) for q in config.queue_specs()}
+        self.queue_gates = self._queue_gates(config.queue_specs())
         self.pools = [self._pool(p, config.queue_specs()) for p in config.effective_pools()]
         self.ready = False
         self.stopping = anyio.Event()
@@ -275,8 +275,26 @@ class Processor:
             merged.close()
         return pollers
 
+    def _queue_gates(self, queues: Sequence[QueueSpec]) -> dict[str, Gate]:
+        """One gate per queue; the queues of a ``gate_group`` share the first one built, so
+        its counts and readings cover the whole endpoint."""
+        gates: dict[str, Gate] = {}
+        groups: dict[str, Gate] = {}
+        for queue in queues:
+            if queue.gate_group not in groups:
+                gates[queue.name] = self._queue_gate(queue)
+                if queue.gate_group:
+                    groups[queue.gate_group] = gates[queue.name]
+            else:
+                gates[queue.name] = groups[queue.gate_group]
+        return gates
+
     def _queue_gate(self, queue: QueueSpec) -> Gate:
-        owner = GateOwner(queue.id, queue.name, queue.pool)
+        # A shared gate's own series (metric gate gauges) carry the group as queue_name.
+        if queue.gate_group:
+            owner = GateOwner("", queue.gate_group, queue.pool)
+        else:
+            owner = GateOwner(queue.id, queue.name, queue.pool)
         with _naming(f"queue {queue.name!r}"):
             return build_gate(
                 queue.gate_type, dict(queue.gate_params), self.gate_ctx.for_owner(owner)

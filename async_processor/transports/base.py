@@ -39,6 +39,7 @@ class QueueSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     gate_type: str = ""
     gate_params: Mapping[str, Any] = field(default_factory=dict)
+    gate_group: str = ""  # queues of one group share one queue gate
     result_queue_name: str = ""
     batch_size: int = 10
     poll_interval: float = 1.0
