@@ -7,12 +7,12 @@ policy; importing the policy modules here registers them in ``MERGE_POLICIES``.
 from __future__ import annotations
 
 from async_processor.config import MergePolicyConfig
-from async_processor.merge import random_robin, tier_priority
+from async_processor.merge import random_robin, tier_priority, weighted_fair
 from async_processor.merge.base import MERGE_POLICIES, MergeContext, MergePolicy
 
 __all__ = ["MERGE_POLICIES", "MergeContext", "MergePolicy", "build_merge_policy"]
 
-_POLICY_MODULES = (random_robin, tier_priority)  # imported for their registrations
+_POLICY_MODULES = (random_robin, tier_priority, weighted_fair)  # imported for their registrations
 
 
 def build_merge_policy(config: MergePolicyConfig, ctx: MergeContext) -> MergePolicy:

@@ -15,7 +15,7 @@ emitter.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -54,15 +54,16 @@ class _Offers:
         self.open_readers -= 1
         self._wakeup.set()
 
-    async def take_random(self, rng: random.Random) -> _Offer | None:
-        """A uniformly random ready offer; None once every reader is done and none is left."""
+    async def take(self, pick: Callable[[list[_Offer]], int]) -> _Offer | None:
+        """The ready offer ``pick`` chooses (an index into the ready list); None once every
+        reader is done and none is left."""
         while not self.ready:
             if self.open_readers == 0:
                 return None
             # No await between the check and the new event: a put cannot slip through.
             self._wakeup = anyio.Event()
             await self._wakeup.wait()
-        index = rng.randrange(len(self.ready))
+        index = pick(self.ready)
         # Swap-remove: order in the ready list carries no meaning.
         self.ready[index], self.ready[-1] = self.ready[-1], self.ready[index]
         return self.ready.pop()
@@ -86,9 +87,13 @@ class RandomRobin:
         async with sink, anyio.create_task_group() as tg:
             for source in sources:
                 tg.start_soon(self._read, source, offers)
-            while (offer := await offers.take_random(self._rng)) is not None:
+            while (offer := await offers.take(self._pick)) is not None:
                 offer.taken.set()
                 await self._emit(offer.work, sink)
+
+    def _pick(self, ready: list[_Offer]) -> int:
+        """Uniformly random among the ready queues."""
+        return self._rng.randrange(len(ready))
 
     async def _read(self, source: Source, offers: _Offers) -> None:
         try:
