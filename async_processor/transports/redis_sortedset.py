@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import anyio
 import structlog
@@ -221,7 +222,8 @@ class SortedSetTransport:
     # ------------------------------------------------------------------ acknowledgements
 
     async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
-        """Per item, one script: result + dedup marker + ack + cancellation cleanup."""
+        """Per item, atomically: result + dedup marker + ack + cancellation cleanup (one
+        script per queue of the batch)."""
         if not items:
             return
         with self._acking(d for d, _ in items):
@@ -236,28 +238,23 @@ class SortedSetTransport:
     async def _write_results(
         self, items: Sequence[tuple[Delivery, Result]], *, queued: bool
     ) -> list[tuple[int, int, int]]:
-        """The complete script per item, in one round trip: for claims, or (``queued``)
-        for members still waiting in their queue. Replies: (written, held, fell_back)."""
+        """The complete script once per queue of the batch, all in one round trip: for
+        claims, or (``queued``) for members still waiting in their queue. Replies, in the
+        order of ``items``: (written, held, fell_back)."""
         targets = [self._result_list(delivery) for delivery, _ in items]
+        groups = _by_queue(items)
         with redis_errors("complete"):
             async with self._redis.pipeline(transaction=False) as pipe:
-                for (delivery, result), target in zip(items, targets, strict=True):
-                    await self._scripts["complete"](
-                        keys=self._complete_keys(delivery, result, target, queued=queued),
-                        args=[
-                            delivery.raw if queued else _claim(delivery).id,
-                            result.encode(),
-                            self.config.dedup_ttl_seconds,
-                            _token(delivery),
-                            "queued" if queued else "claim",
-                        ],
-                        client=pipe,
-                    )
+                for group in groups.values():
+                    await self._complete_group(pipe, items, targets, group, queued=queued)
                 if self.config.wait_replicas:  # same round trip: WAIT follows the scripts
                     pipe.wait(self.config.wait_replicas, self.config.wait_timeout_ms)
                 replies = await pipe.execute()
-        scripts, waited = replies[: len(items)], replies[len(items) :]
-        self._check_replicas(waited)
+        self._check_replicas(replies[len(groups) :])
+        scripts: list[tuple[int, int, int]] = [(0, 0, 0)] * len(items)
+        for group, group_replies in zip(groups.values(), replies[: len(groups)], strict=True):
+            for index, reply in zip(group, group_replies, strict=True):
+                scripts[index] = (int(reply[0]), int(reply[1]), int(reply[2]))
         for (delivery, result), target, (written, held, fell_back) in zip(
             items, targets, scripts, strict=True
         ):
@@ -265,7 +262,29 @@ class SortedSetTransport:
                 self._duplicate(delivery, result)
             if fell_back:
                 self._route_rejected(delivery, target, "wrong_type")
-        return [tuple(reply) for reply in scripts]
+        return scripts
+
+    async def _complete_group(
+        self,
+        pipe: Any,
+        items: Sequence[tuple[Delivery, Result]],
+        targets: Sequence[str],
+        group: Sequence[int],
+        *,
+        queued: bool,
+    ) -> None:
+        """Queue one complete script for the items at ``group`` (one queue: one slot)."""
+        script_keys: list[str] = []
+        args: list[bytes | str | int] = [
+            self.config.dedup_ttl_seconds,
+            "queued" if queued else "claim",
+        ]
+        for index in group:
+            delivery, result = items[index]
+            script_keys += self._complete_keys(delivery, result, targets[index], queued=queued)
+            member = delivery.raw if queued else _claim(delivery).id
+            args += [member, result.encode(), _token(delivery)]
+        await self._scripts["complete"](keys=script_keys, args=args, client=pipe)
 
     def _duplicate(self, delivery: Delivery, result: Result) -> None:
         """A second delivery of a submission already answered (a redelivery, or the same
@@ -609,6 +628,15 @@ async def _every(name: str, interval: float, step: Callable[[], Awaitable[None]]
             log.warning("upkeep_failed", task=name, error=str(exc), failures=failures)
         delay = interval if not failures else min(UPKEEP_MAX_BACKOFF, interval * 2**failures)
         await anyio.sleep(delay)
+
+
+def _by_queue(items: Sequence[tuple[Delivery, Result]]) -> dict[str, list[int]]:
+    """Indexes of ``items`` per queue name, in order: a queue's keys share one cluster slot
+    (its hash tag), so one script may touch them all."""
+    groups: dict[str, list[int]] = {}
+    for index, (delivery, _) in enumerate(items):
+        groups.setdefault(delivery.queue.name, []).append(index)
+    return groups
 
 
 def _claim(delivery: Delivery) -> Claim:

@@ -54,6 +54,32 @@ def soon() -> int:
     return int(time.time()) + 600
 
 
+async def test_a_batch_of_results_is_one_script_call(fake) -> None:
+    # One script per result cost a script run and its command encoding per message (#13);
+    # each item is still answered on its own: written, duplicate, or lease lost.
+    transport = make(fake)
+    deadline = soon()
+    await fake.zadd(
+        Q, {envelope(f"b{i}", deadline + i, token=f"t{i}"): deadline + i for i in range(4)}
+    )
+    deliveries = await transport.fetch(transport.queues[0], 10, 0)
+    script = transport._scripts["complete"]
+    calls: list[int] = []
+
+    async def counting(**kwargs: object) -> object:
+        calls.append(len(kwargs["keys"]))  # type: ignore[arg-type]
+        return await script(**kwargs)  # type: ignore[arg-type]
+
+    transport._scripts["complete"] = counting  # type: ignore[assignment]
+    await fake.zrem(redis_keys.inflight_key(Q), deliveries[3].handle.id)  # its lease lapsed
+    items = [(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in deliveries]
+    replies = await transport._write_results([*items, items[0]], queued=False)
+    assert len(calls) == 1
+    assert replies == [(1, 1, 0), (1, 1, 0), (1, 1, 0), (1, 0, 0), (0, 0, 0)]
+    assert await fake.llen("result-list") == 4
+    assert await fake.zcard(redis_keys.inflight_key(Q)) == 0
+
+
 async def test_claim_then_complete_acknowledges_and_writes_once(fake) -> None:
     transport = make(fake)
     await fake.zadd(Q, {envelope("x", soon(), token="t"): soon()})

@@ -1,48 +1,65 @@
--- Write one terminal result and acknowledge its claim, atomically.
--- KEYS[1] dedup marker (request-done:<id>:<digest>), KEYS[2] result list,
--- KEYS[3] in-flight zset, KEYS[4] in-flight hash, KEYS[5] request-active:<id>,
--- KEYS[6] request-cancel:<id>, KEYS[7] fallback result list (the transport's default),
--- KEYS[8] <queue>:live:<id> (the client's idempotency marker: the id is free again),
--- KEYS[9], KEYS[10] the results-pushed counters of KEYS[2] and KEYS[7] (retention)
--- ARGV[1] claim id, ARGV[2] encoded result, ARGV[3] marker TTL seconds, ARGV[4] request
--- token, ARGV[5] "claim", or "queued": then KEYS[3] is the request queue and ARGV[1] a
--- member of it (the deadline sweep), answered only while still queued, since another
--- replica's claim or sweep may have taken it since it was read.
--- Returns {1 if the result was written (0 = already done), 1 if the claim was still held,
--- 1 if KEYS[2] was not a list and the result went to KEYS[7]}.
--- Every type is checked before the first write, so a failure changes nothing.
-local fell_back = 0
-local target = KEYS[2]
--- KEYS[2] may come from the message (result_queue_name): a key of another type is not
--- written to, the result goes to the configured list instead.
-local pushed = KEYS[9]
-if not usable_as(target, 'list') then
-  target, fell_back, pushed = KEYS[7], 1, KEYS[10]
-end
-expect_types(target, 'list', KEYS[1], 'string', KEYS[3], 'zset', KEYS[4], 'hash',
-  KEYS[5], 'string', KEYS[6], 'string', KEYS[8], 'string')
-if ARGV[5] == 'queued' and not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
-  return {0, 0, 0}
-end
-local written = 0
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('LPUSH', target, ARGV[2])
-  -- Counted for result retention (lua/retain.lua); a counter name taken by a key of
-  -- another type (a message may name any list) only stops the counting.
-  if usable_as(pushed, 'string') then
-    redis.call('INCR', pushed)
+-- Write the terminal results of a batch of one queue's messages and acknowledge each
+-- claim, in one call (one script run per batch instead of one per result).
+-- Per item i (0-based), KEYS[10i+1..10i+10]: dedup marker (request-done:<id>:<digest>),
+-- result list, in-flight zset, in-flight hash, request-active:<id>, request-cancel:<id>,
+-- fallback result list (the transport's default), <queue>:live:<id> (the client's
+-- idempotency marker: the id is free again), the results-pushed counters of the result
+-- list and of the fallback list (retention).
+-- ARGV[1] marker TTL seconds, ARGV[2] "claim", or "queued": then each item's in-flight
+-- zset key is the request queue and its member a member of it (the deadline sweep),
+-- answered only while still queued, since another replica's claim or sweep may have taken
+-- it since it was read. Per item, ARGV[3i+3..3i+5]: claim id (or member), encoded
+-- result, request token.
+-- Returns, per item, {1 if the result was written (0 = already done), 1 if the claim was
+-- still held, 1 if its result list was not a list and the result went to the fallback}.
+-- Every type of every item is checked before the first write, so a failure changes nothing.
+local items = #KEYS / 10
+local targets, pushed, fell_back = {}, {}, {}
+for i = 0, items - 1 do
+  local k = 10 * i
+  -- The result list may come from the message (result_queue_name): a key of another type
+  -- is not written to, the result goes to the configured list instead.
+  targets[i], pushed[i], fell_back[i] = KEYS[k + 2], KEYS[k + 9], 0
+  if not usable_as(targets[i], 'list') then
+    targets[i], pushed[i], fell_back[i] = KEYS[k + 7], KEYS[k + 10], 1
   end
-  redis.call('SET', KEYS[1], '1', 'EX', tonumber(ARGV[3]))
-  written = 1
+  expect_types(targets[i], 'list', KEYS[k + 1], 'string', KEYS[k + 3], 'zset',
+    KEYS[k + 4], 'hash', KEYS[k + 5], 'string', KEYS[k + 6], 'string', KEYS[k + 8], 'string')
 end
-local held = redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
--- The reference's cleanup: drop the markers only while they belong to this submission.
-if ARGV[4] ~= '' then
-  for _, key in ipairs({KEYS[5], KEYS[6], KEYS[8]}) do
-    if redis.call('GET', key) == ARGV[4] then
-      redis.call('DEL', key)
+
+local function complete_one(i)
+  local k, a = 10 * i, 3 * i + 2
+  local member = ARGV[a + 1]
+  if ARGV[2] == 'queued' and not redis.call('ZSCORE', KEYS[k + 3], member) then
+    return {0, 0, 0}
+  end
+  local written = 0
+  if redis.call('EXISTS', KEYS[k + 1]) == 0 then
+    redis.call('LPUSH', targets[i], ARGV[a + 2])
+    -- Counted for result retention (lua/retain.lua); a counter name taken by a key of
+    -- another type (a message may name any list) only stops the counting.
+    if usable_as(pushed[i], 'string') then
+      redis.call('INCR', pushed[i])
+    end
+    redis.call('SET', KEYS[k + 1], '1', 'EX', tonumber(ARGV[1]))
+    written = 1
+  end
+  local held = redis.call('ZREM', KEYS[k + 3], member)
+  redis.call('HDEL', KEYS[k + 4], member)
+  -- The reference's cleanup: drop the markers only while they belong to this submission.
+  local token = ARGV[a + 3]
+  if token ~= '' then
+    for _, key in ipairs({KEYS[k + 5], KEYS[k + 6], KEYS[k + 8]}) do
+      if redis.call('GET', key) == token then
+        redis.call('DEL', key)
+      end
     end
   end
+  return {written, held, fell_back[i]}
 end
-return {written, held, fell_back}
+
+local replies = {}
+for i = 0, items - 1 do
+  replies[i + 1] = complete_one(i)
+end
+return replies
