@@ -56,7 +56,7 @@ lint: venv
 bench: venv sysdeps
 	$(BIN)/python -m bench
 
-# Harvest of idle pool capacity vs interactive impact, per gate strategy (about 13 min;
+# Harvest of idle pool capacity vs interactive impact, per gate strategy (about 15 min;
 # HARVEST_ARGS=--quick for about 3). Tables, JSON and PNGs under /tmp/async-processor-bench.
 bench-harvest: venv sysdeps
 	$(BIN)/pip install -q -c constraints.txt -e '.[bench]'

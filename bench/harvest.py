@@ -19,6 +19,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -32,7 +33,7 @@ from bench.harvest_runs import SIM_URL, RunResult, Strategy, as_json, dumps, run
 TTFT_LIMIT = E2E_LIMIT = 1.3
 POOL = "sim-pool"
 SATURATION = epp.POOL_SATURATION.current  # what the simulator exports by default
-RECOMMENDED = "scrape-saturation in-flight 0.5s 192w"
+RECOMMENDED = "scrape-saturation in-flight 0.5s 192w pause h10"
 QUICK = ("fixed-64", "prometheus-saturation", RECOMMENDED)
 
 DEFINITIONS = """\
@@ -70,7 +71,11 @@ def strategies(s: Scenario) -> list[Strategy]:
         },
     }
     prometheus = {"gate_type": "prometheus-saturation", "gate_params": {"pool": POOL}}
-    with_headroom = {**saturation, "gate_params": {**saturation["gate_params"], "baseline": 0.05}}
+    shed_pause = ("--shed-pause", "1s")
+
+    def headroom(baseline: float) -> dict[str, Any]:
+        return {**saturation, "gate_params": {**saturation["gate_params"], "baseline": baseline}}
+
     return [
         Strategy("fixed-16", 16, note="16 workers, no gate"),
         Strategy("fixed-64", 64, note="64 workers (the default), no gate"),
@@ -83,17 +88,24 @@ def strategies(s: Scenario) -> list[Strategy]:
                  note="one pod's running count / max-num-seqs, budget sizes fetches, 5 s cache"),
         Strategy("adaptive-concurrency", 64, pool_gate={"gate_type": "adaptive-concurrency"},
                  note="the adaptive gate's defaults, as the pool's gate"),
+        Strategy("fixed-64 shed-pause", 64, flags=shed_pause,
+                 note="after: the pool waits out Retry-After after a 429 (--shed-pause 1s)"),
         Strategy("prometheus-saturation in-flight", 64, prometheus, prometheus=True,
                  note="after: the budget caps what is in flight (--budget-scope in-flight)"),
         Strategy("scrape-saturation in-flight", 64, saturation,
                  note="after: --budget-scope in-flight (vs scrape-saturation)"),
         Strategy("scrape-saturation in-flight 0.5s", 64, saturation, flags=fast_cache,
                  note="after: a 500 ms cache (--prometheus-cache-ttl) instead of 5 s"),
-        Strategy(RECOMMENDED, 192, saturation, flags=fast_cache,
+        Strategy("scrape-saturation in-flight 0.5s 192w", 192, saturation, flags=fast_cache,
                  note="after: 192 workers, so the in-flight cap (budget x slots) can reach the "
                       "pool's 128 slots"),
-        Strategy(RECOMMENDED + " headroom", 192, with_headroom, flags=fast_cache,
+        Strategy("scrape-saturation in-flight 0.5s 192w pause", 192, saturation,
+                 flags=fast_cache + shed_pause, note="after: --shed-pause 1s"),
+        Strategy("scrape-saturation in-flight 0.5s 192w pause h5", 192, headroom(0.05),
+                 flags=fast_cache + shed_pause,
                  note="after: baseline 0.05 keeps 5 % of the pool for interactive arrivals"),
+        Strategy(RECOMMENDED, 192, headroom(0.1), flags=fast_cache + shed_pause,
+                 note="after: baseline 0.1 (10 % headroom)"),
     ]  # fmt: skip
 
 
@@ -210,13 +222,13 @@ def parse(argv: list[str]) -> tuple[Scenario, list[Strategy], Path]:
     p.add_argument(
         "--quick", action="store_true", help=f"short runs of {', '.join(QUICK)} (≤ 3 min in all)"
     )
-    p.add_argument("--duration", type=float, help="seconds per run (default 60, quick 20)")
+    p.add_argument("--duration", type=float, help="seconds per run (default 45, quick 20)")
     p.add_argument("--time-factor-under-load", type=float, default=1.5)
     p.add_argument("--no-preemption", action="store_true")
     p.add_argument("--only", default="", help="comma-separated strategy names")
     p.add_argument("--out", type=Path, help=f"output directory (default {LOG_DIR}/harvest-F<f>)")
     args = p.parse_args(argv)
-    duration = args.duration or (20.0 if args.quick else 60.0)
+    duration = args.duration or (20.0 if args.quick else 45.0)
     s = replace(Scenario(), duration=duration, time_factor=args.time_factor_under_load,
                 preemption=not args.no_preemption)  # fmt: skip
     chosen = strategies(s)

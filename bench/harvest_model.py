@@ -37,7 +37,7 @@ class Scenario:
     interactive_output: tuple[int, int] = (50, 150)  # uniform max_tokens range
     batch_prompt_tokens: int = 200
     batch_output_tokens: int = 200
-    duration: float = 60.0
+    duration: float = 45.0
     seed: int = 11
 
     def pool(self) -> PoolConfig:

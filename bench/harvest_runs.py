@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from async_processor.sim_serving import TIMING_HEADER
 from bench.common import cpu_seconds, simulator
-from bench.harness import Lane, bulk_load, start_daemon
+from bench.harness import LOG_DIR, Lane, bulk_load, start_daemon
 from bench.harvest_model import CHARS_PER_TOKEN, Scenario, interactive_trace
 from tests.fixtures.prometheus import start_prometheus
 from tests.fixtures.servers import free_port, stop_process
@@ -133,8 +133,13 @@ async def sample(session: aiohttp.ClientSession, sim: SimulatorProcess, out: lis
 
 
 async def daemon_retries(session: aiohttp.ClientSession, port: int) -> float:
-    async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
-        text = await r.text()
+    """The daemon's retries so far; NaN (and a warning) when it no longer answers."""
+    try:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+            text = await r.text()
+    except aiohttp.ClientError as exc:
+        print(f"  warning: the daemon's /metrics did not answer ({exc}); see {LOG_DIR}")
+        return math.nan
     return sum(
         s.value
         for f in text_string_to_metric_families(text)
@@ -161,8 +166,8 @@ async def measure(
         after = await _pool(session, sim)
         result.counters = counter_delta(before, after)
         if pid:
-            result.daemon_cpu = cpu_seconds(pid) - cpu0
             result.retries = await daemon_retries(session, metrics_port)
+            result.daemon_cpu = cpu_seconds(pid) - cpu0 if Path(f"/proc/{pid}").exists() else 0
     return result
 
 

@@ -263,6 +263,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "config"
     ("transport", "name", "queues"),
     [
         ("redis-sortedset", "sortedset.json", ["requests-interactive", "requests-batch"]),
+        ("redis-sortedset", "harvest-sortedset.json", ["requests-batch"]),
         ("redis-pubsub", "redis-pubsub.json", ["request-queue"]),
         ("gcp-pubsub", "gcp-pubsub.json", ["async-requests-sub"]),
     ],
