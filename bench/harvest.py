@@ -33,7 +33,7 @@ from bench.harvest_runs import SIM_URL, RunResult, Strategy, as_json, dumps, run
 TTFT_LIMIT = E2E_LIMIT = 1.3
 POOL = "sim-pool"
 SATURATION = epp.POOL_SATURATION.current  # what the simulator exports by default
-RECOMMENDED = "scrape-saturation in-flight 0.5s 192w pause h10"
+RECOMMENDED = "scrape-saturation in-flight 0.5s 128w pause"
 QUICK = ("fixed-64", "prometheus-saturation", RECOMMENDED)
 
 DEFINITIONS = """\
@@ -96,16 +96,23 @@ def strategies(s: Scenario) -> list[Strategy]:
                  note="after: --budget-scope in-flight (vs scrape-saturation)"),
         Strategy("scrape-saturation in-flight 0.5s", 64, saturation, flags=fast_cache,
                  note="after: a 500 ms cache (--prometheus-cache-ttl) instead of 5 s"),
+        Strategy("scrape-saturation in-flight 0.5s 128w", 128, saturation, flags=fast_cache,
+                 note="after: 128 workers (the pool's slots) instead of 64"),
+        Strategy("scrape-saturation in-flight 0.5s 128w pause", 128, saturation,
+                 flags=fast_cache + shed_pause, note="after: --shed-pause 1s"),
         Strategy("scrape-saturation in-flight 0.5s 192w", 192, saturation, flags=fast_cache,
                  note="after: 192 workers, so the in-flight cap (budget x slots) can reach the "
                       "pool's 128 slots"),
         Strategy("scrape-saturation in-flight 0.5s 192w pause", 192, saturation,
                  flags=fast_cache + shed_pause, note="after: --shed-pause 1s"),
-        Strategy("scrape-saturation in-flight 0.5s 192w pause h5", 192, headroom(0.05),
+        Strategy("scrape-saturation in-flight 0.5s 192w pause h10", 192, headroom(0.1),
                  flags=fast_cache + shed_pause,
-                 note="after: baseline 0.05 keeps 5 % of the pool for interactive arrivals"),
-        Strategy(RECOMMENDED, 192, headroom(0.1), flags=fast_cache + shed_pause,
-                 note="after: baseline 0.1 (10 % headroom)"),
+                 note="after: baseline 0.1 keeps a tenth of the pool for interactive arrivals"),
+        Strategy("scrape-saturation in-flight 0.5s 192w pause h10 adaptive", 192, headroom(0.1),
+                 flags=fast_cache + shed_pause,
+                 pool_gate={"gate_type": "adaptive-concurrency",
+                            "gate_params": {"initial_limit": 64, "max_limit": 192}},
+                 note="after: an adaptive-concurrency pool gate learns the limit from 429s"),
     ]  # fmt: skip
 
 
@@ -222,13 +229,13 @@ def parse(argv: list[str]) -> tuple[Scenario, list[Strategy], Path]:
     p.add_argument(
         "--quick", action="store_true", help=f"short runs of {', '.join(QUICK)} (≤ 3 min in all)"
     )
-    p.add_argument("--duration", type=float, help="seconds per run (default 45, quick 20)")
+    p.add_argument("--duration", type=float, help="seconds per run (default 40, quick 20)")
     p.add_argument("--time-factor-under-load", type=float, default=1.5)
     p.add_argument("--no-preemption", action="store_true")
     p.add_argument("--only", default="", help="comma-separated strategy names")
     p.add_argument("--out", type=Path, help=f"output directory (default {LOG_DIR}/harvest-F<f>)")
     args = p.parse_args(argv)
-    duration = args.duration or (20.0 if args.quick else 45.0)
+    duration = args.duration or (20.0 if args.quick else 40.0)
     s = replace(Scenario(), duration=duration, time_factor=args.time_factor_under_load,
                 preemption=not args.no_preemption)  # fmt: skip
     chosen = strategies(s)
