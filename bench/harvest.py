@@ -33,7 +33,7 @@ from bench.harvest_runs import SIM_URL, RunResult, Strategy, as_json, dumps, run
 TTFT_LIMIT = E2E_LIMIT = 1.3
 POOL = "sim-pool"
 SATURATION = epp.POOL_SATURATION.current  # what the simulator exports by default
-RECOMMENDED = "scrape-saturation in-flight 0.5s 128w pause"
+RECOMMENDED = "scrape-saturation in-flight 0.5s"
 QUICK = ("fixed-64", "prometheus-saturation", RECOMMENDED)
 
 DEFINITIONS = """\
