@@ -29,6 +29,10 @@ from redis.backoff import ExponentialBackoff
 from async_processor.transports.redis_settings import DEFAULT_URL, RedisConnection, host_port
 
 CONNECT_TIMEOUT = 5.0
+# redis-py 8 caps a pool at 100 connections and fails the 101st caller ("Too many
+# connections"); a daemon with 200 queues has 200 pollers claiming at once. Its callers are
+# bounded by its queues and workers, so leave the limit to the server's maxclients.
+MAX_CONNECTIONS = 10_000
 
 
 def connect(
@@ -43,6 +47,7 @@ def connect(
         "socket_connect_timeout": CONNECT_TIMEOUT,
         "socket_timeout": socket_timeout,
         "health_check_interval": 30,
+        "max_connections": MAX_CONNECTIONS,
         "retry": Retry(ExponentialBackoff(cap=retry_cap, base=0.05), retries=1),
         **conn.tls_options(),
     }
