@@ -267,6 +267,12 @@ class SortedSetClient:
         with redis_errors("depth"):
             return int(await self._redis.llen(result_queue or self.result_queue))
 
+    async def clear_matching(self, *patterns: str) -> None:
+        """Delete every key matching one of ``patterns`` (SCAN, never KEYS): all a run
+        left behind, including bookkeeping keys named after ids and deadlines."""
+        with redis_errors("clear"):
+            await delete_matching(self._redis, patterns)
+
     async def clear(self, names: Sequence[str] | None = None) -> None:
         """Delete the request queue, its in-flight keys and the result list (or ``names``)."""
         q = self.request_queue
@@ -309,3 +315,11 @@ def _as_request(request: dict[str, Any] | Request) -> Request:
             f"{MAX_DEADLINE} (9999-12-31, Unix seconds)"
         )
     return request
+
+
+async def delete_matching(redis: Redis, patterns: Sequence[str]) -> None:
+    """Delete the keys matching ``patterns``, a SCAN page at a time (standalone Redis)."""
+    for pattern in patterns:
+        batch = [key async for key in redis.scan_iter(match=pattern, count=500)]
+        for start in range(0, len(batch), 500):
+            await redis.delete(*batch[start : start + 500])

@@ -22,7 +22,7 @@ from google.api_core import exceptions as gexc
 from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
 from google.pubsub_v1.types import PubsubMessage, ReceivedMessage
 
-from async_processor.client import SortedSetClient
+from async_processor.client import SortedSetClient, delete_matching
 from async_processor.config import (
     GcpPubSubConfig,
     PubSubTopic,
@@ -33,7 +33,6 @@ from async_processor.config import (
     TransportConfig,
 )
 from async_processor.messages import Envelope, Request, Result, Routing
-from async_processor.transports import redis_keys as keys
 from async_processor.transports.gcp_pubsub import resource_path
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_settings import RedisConnection
@@ -69,12 +68,9 @@ class _RedisFeed:
         self.result_name = f"demo-{run_id}-results"
         self.retry_name = f"demo-{run_id}-retry"
 
-    def _leftovers(self) -> list[str]:
-        names = [self.result_name, self.retry_name]
-        for queue in self.queues:
-            names += [queue, keys.inflight_key(queue), keys.inflight_meta_key(queue)]
-            names.append(keys.dead_letter_key(queue))
-        return names
+        # Every key of the run starts with its prefix, bare or as a hash tag ({R}:pushed):
+        # queues, in-flight and dead-letter keys, and the per-id/per-deadline bookkeeping.
+        self.leftovers = (f"demo-{run_id}-*", f"{{demo-{run_id}-*")
 
 
 class SortedSetFeed(_RedisFeed):
@@ -103,7 +99,7 @@ class SortedSetFeed(_RedisFeed):
         return await self.client.drain_results(n, wait)
 
     async def tidy(self) -> None:
-        await self.client.clear(self._leftovers())
+        await self.client.clear_matching(*self.leftovers)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -149,7 +145,7 @@ class RedisPubSubFeed(_RedisFeed):
         await self.listener.subscribe(self.result_name)
 
     async def tidy(self) -> None:
-        await self.redis.delete(*self._leftovers())
+        await delete_matching(self.redis, self.leftovers)
 
     async def aclose(self) -> None:
         await self.listener.aclose()  # type: ignore[no-untyped-call]
