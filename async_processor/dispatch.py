@@ -13,7 +13,7 @@ import ssl
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Protocol
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -353,6 +353,12 @@ class Worker:
     shed_pause: ShedPause | None = None  # shared by the pool's workers
     cancels: CancelWatch | None = None  # None: a cancel is honoured before dispatch only
     tokens: TokenAccounting | None = None  # None: answers' usage is not counted
+    # Asked once: isinstance on a runtime-checkable Protocol costs ~0.05 ms per message.
+    observer: Observes | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        gate = self.pool_gate.gate if self.pool_gate else None
+        self.observer = gate if isinstance(gate, Observes) else None
 
     async def run(self, stream: ObjectReceiveStream[Work]) -> None:
         async with stream, self.writer:
@@ -492,9 +498,8 @@ class Worker:
 
     def _feedback(self, envelope: Envelope, attempt: Attempt, latency: float) -> None:
         """Gates that learn from outcomes (adaptive-concurrency) get every attempt."""
-        gate = self.pool_gate.gate if self.pool_gate else None
-        if isinstance(gate, Observes):
-            gate.observe(envelope, attempt.status or None, latency, attempt.dropped_reason)
+        if self.observer is not None:
+            self.observer.observe(envelope, attempt.status or None, latency, attempt.dropped_reason)
 
     async def _cancelled(self, work: Work) -> bool:
         # The poller checked at fetch; check again only for messages that waited a while.
