@@ -1,0 +1,72 @@
+"""The one config surface: settings (flags + environment) and the JSON config files.
+
+Input: command-line flags, ``ASYNC_PROCESSOR_*`` environment variables (flags win),
+``REDIS_URL``, and the transport / pool / merge-policy / transform files. Output: one
+frozen ``AppConfig`` for ``processor.run``. Field names and defaults follow the Go
+reference; unknown fields are errors (docs/architecture.md G15).
+
+Split by seam: ``base`` (what the models share), ``transports`` (one model per
+``--transport``), ``models`` (pools, merge policy, transforms, runtime, ``AppConfig``),
+``flags`` (the command line and its environment twins) and ``load`` (reading the files
+and putting it together). Import from this package, not from its modules.
+"""
+
+from async_processor.config.base import DEFAULT_POOL
+from async_processor.config.flags import (
+    ENV_PREFIX,
+    FLAGS,
+    ExtendParser,
+    Flag,
+    Settings,
+    flag_parser,
+    parse_settings,
+    usable_env,
+)
+from async_processor.config.load import build_config, load_config, redis_connection_file
+from async_processor.config.models import (
+    AppConfig,
+    MergePolicyConfig,
+    PoolConfig,
+    RuntimeConfig,
+    TLSConfig,
+    TransformConfig,
+    TransformEntry,
+)
+from async_processor.config.transports import (
+    GcpPubSubConfig,
+    PubSubTopic,
+    RedisPubSubConfig,
+    RedisQueue,
+    SortedSetConfig,
+    SortedSetQueue,
+    TransportConfig,
+)
+
+__all__ = [
+    "DEFAULT_POOL",
+    "ENV_PREFIX",
+    "FLAGS",
+    "AppConfig",
+    "ExtendParser",
+    "Flag",
+    "GcpPubSubConfig",
+    "MergePolicyConfig",
+    "PoolConfig",
+    "PubSubTopic",
+    "RedisPubSubConfig",
+    "RedisQueue",
+    "RuntimeConfig",
+    "Settings",
+    "SortedSetConfig",
+    "SortedSetQueue",
+    "TLSConfig",
+    "TransformConfig",
+    "TransformEntry",
+    "TransportConfig",
+    "build_config",
+    "flag_parser",
+    "load_config",
+    "parse_settings",
+    "redis_connection_file",
+    "usable_env",
+]
