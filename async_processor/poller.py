@@ -2,7 +2,8 @@
 
 Input: the transport and the queue's gate. Output: ``Work`` items into the queue's
 bounded stream (read by the pool's merge policy), results for messages that end here
-(poison, expired, cancelled, dropped) and deferrals for refused ones.
+(poison, expired, cancelled, dropped) and deferrals for refused ones, all through the
+poller's ``Settler``, which also gives back the pool slots a fetch did not use.
 
 Fetching is demand-driven (docs/architecture.md G4): it waits for free pool slots, fetches at
 most min(free slots, floor(batch_size x budget)) in one call, and fetches again at once
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from contextlib import aclosing
 
 import anyio
 import structlog
@@ -34,10 +36,10 @@ from async_processor.messages import (
     Result,
 )
 from async_processor.metrics import QueueMetrics
-from async_processor.results import Completion, Op
 from async_processor.retry import REFUSE_DELAY, expired, last_answer
-from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport, abandon
-from async_processor.work import PoolCapacity, Work, put
+from async_processor.settle import Settler
+from async_processor.transports.base import Delivery, QueueSpec, Transport
+from async_processor.work import Work, put
 
 log = structlog.get_logger(__name__)
 
@@ -48,22 +50,21 @@ MAX_ERROR_BACKOFF = 5.0
 class Poller:
     def __init__(
         self,
+        *,
         queue: QueueSpec,
         transport: Transport,
         gate: Gate,
-        capacity: PoolCapacity,
+        settler: Settler,
         lane: ObjectSendStream[Work],
-        writer: ObjectSendStream[Op],
         metrics: QueueMetrics,
-        *,
         bound_in_flight: bool = True,
     ) -> None:
         self.queue = queue
         self._transport = transport
         self._gate = gate
-        self._capacity = capacity
+        self._settler = settler  # this poller's own: it closes the writer's sender when done
+        self._capacity = settler.capacity
         self._lane = lane
-        self._writer = writer
         self._metrics = metrics
         self._log = log.bind(queue=queue.name, pool=queue.pool)
         self._error_backoff = 0.0
@@ -77,7 +78,7 @@ class Poller:
 
     async def run(self) -> None:
         """Poll until cancelled; closes the lane so the merge policy can finish."""
-        async with self._lane, self._writer, anyio.create_task_group() as tg:
+        async with self._lane, aclosing(self._settler), anyio.create_task_group() as tg:
             for index in range(self.queue.fetches_in_flight):
                 tg.start_soon(self._poll, index)
 
@@ -104,19 +105,19 @@ class Poller:
             return
         reserved = await self._reserve(wanted, budget)
         if reserved > room:
-            self._capacity.release(reserved - room)
+            self._settler.release(reserved - room)
             reserved = room
         try:
             deliveries = await self._transport.fetch(self.queue, reserved, self.queue.poll_interval)
         except BaseException as exc:  # also cancellation: the slots must not leak
-            self._capacity.release(reserved)
+            self._settler.release(reserved)
             if not isinstance(exc, TransportError):
                 raise
             await self._back_off(exc)
             return
         self._error_backoff = 0.0
         self._idle = not deliveries
-        self._capacity.release(reserved - len(deliveries))
+        self._settler.release(reserved - len(deliveries))
         await self._admit_all(deliveries)
 
     def _wanted(self, budget: float) -> int:
@@ -134,7 +135,7 @@ class Poller:
         reserved = await self._capacity.reserve(wanted)
         if self.queue.max_fetch:
             kept = max(1, math.floor(reserved * budget))
-            self._capacity.release(reserved - kept)
+            self._settler.release(reserved - kept)
             reserved = kept
         return reserved
 
@@ -238,13 +239,7 @@ class Poller:
             )
             return
         self._metrics.dead_letter(exc.reason)
-        try:
-            await self._transport.dead_letter(delivery, exc.reason, str(exc))
-        except TransportError as err:
-            # Given up at once, not kept leased: the lease brings it back for another try.
-            self._log.warning("dead_letter_failed", error=str(err))
-            abandon(self._transport, delivery, "dead_letter_failed")
-        self._capacity.release()
+        await self._settler.dead_letter(delivery, exc.reason, str(exc))
 
     async def _cancelled(self, delivery: Delivery) -> bool:
         try:
@@ -254,14 +249,12 @@ class Poller:
             return False
 
     async def _finish(self, delivery: Delivery, result: Result) -> None:
-        await put(self._writer, Completion(delivery, result))
+        await self._settler.finish(delivery, result)
         self._handed_on.add(delivery)
-        self._capacity.release()
 
     async def _defer(self, delivery: Delivery, delay: float) -> None:
-        await put(self._writer, Deferral(delivery, delay))
+        await self._settler.defer(delivery, delay)
         self._handed_on.add(delivery)
-        self._capacity.release()
 
     async def _hand_back(self, deliveries: Sequence[Delivery]) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(HAND_BACK_TIMEOUT):

@@ -25,14 +25,7 @@ from async_processor import __version__, tracing
 from async_processor.admission import PoolGate
 from async_processor.cancels import CancelWatch
 from async_processor.config import AppConfig, PoolConfig
-from async_processor.dispatch import (
-    Aborter,
-    DispatchSettings,
-    TransformChain,
-    Worker,
-    make_session,
-    stamped_header_names,
-)
+from async_processor.dispatch import DispatchSettings, make_session, stamped_header_names
 from async_processor.errors import ConfigError
 from async_processor.gates.base import Gate, GateContext, GateOwner, build_gate
 from async_processor.health import serve_health, serve_metrics
@@ -42,12 +35,14 @@ from async_processor.merge.headers import DEFAULT_FAIRNESS_ATTRIBUTE
 from async_processor.metrics import Metrics
 from async_processor.poller import Poller
 from async_processor.results import ResultWriter
-from async_processor.transforms import build_transform_chain
+from async_processor.settle import Settler
+from async_processor.transforms import TransformChain, build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports import build_transport
 from async_processor.transports.base import QueueSpec, Transport, TransportContext
 from async_processor.usage import TokenAccounting
 from async_processor.work import PoolCapacity, ShedPause, Work
+from async_processor.worker import Aborter, Worker
 
 log = structlog.get_logger(__name__)
 
@@ -243,13 +238,12 @@ class Processor:
                 metrics = self.metrics.queue(queue.id, queue.name, pool.config.id)
                 pollers.append(
                     Poller(
-                        queue,
-                        self.transport,
-                        self.queue_gates[queue.name],
-                        pool.capacity,
-                        lane_in,
-                        writer.sender(),
-                        metrics,
+                        queue=queue,
+                        transport=self.transport,
+                        gate=self.queue_gates[queue.name],
+                        settler=self._settler(writer, pool.capacity),
+                        lane=lane_in,
+                        metrics=metrics,
                         bound_in_flight=rt.budget_scope == "in-flight",
                     )
                 )
@@ -257,23 +251,25 @@ class Processor:
             shed_pause = ShedPause(rt.shed_pause)
             for _ in range(pool.config.workers):
                 worker = Worker(
-                    pool.config.id,
-                    settings,
-                    session,
-                    self.transport,
-                    writer.sender(),
-                    pool.capacity,
-                    transforms,
-                    self.stopping,
-                    self._aborter,
-                    pool.gate,
-                    shed_pause,
-                    self._cancels,
-                    self._tokens,
+                    pool=pool.config.id,
+                    settings=settings,
+                    session=session,
+                    transport=self.transport,
+                    settler=self._settler(writer, pool.capacity),
+                    transforms=transforms,
+                    stopping=self.stopping,
+                    aborter=self._aborter,
+                    pool_gate=pool.gate,
+                    shed_pause=shed_pause,
+                    cancels=self._cancels,
+                    tokens=self._tokens,
                 )
                 tg.start_soon(worker.run, merged.clone())
             merged.close()
         return pollers
+
+    def _settler(self, writer: ResultWriter, capacity: PoolCapacity) -> Settler:
+        return Settler(transport=self.transport, writer=writer.sender(), capacity=capacity)
 
     def _queue_gates(self, queues: Sequence[QueueSpec]) -> dict[str, Gate]:
         """One gate per queue; the queues of a ``gate_group`` share the first one built, so

@@ -8,13 +8,14 @@ from typing import TypeVar, cast
 
 import anyio
 import pytest
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from async_processor.gates.base import ConstantGate
+from async_processor.gates.base import ConstantGate, Gate
 from async_processor.messages import Envelope, decode_envelope
-from async_processor.metrics import Metrics
+from async_processor.metrics import Metrics, QueueMetrics
 from async_processor.poller import Poller
 from async_processor.results import Completion, Op
+from async_processor.settle import Settler
 from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport
 from async_processor.work import PoolCapacity, Work
 
@@ -22,6 +23,29 @@ pytestmark = pytest.mark.anyio
 
 T = TypeVar("T")
 QUEUE = QueueSpec(id="q", name="q", batch_size=4, poll_interval=0.05)
+
+
+def _poller(
+    queue: QueueSpec,
+    transport: Transport,
+    gate: Gate,
+    capacity: PoolCapacity,
+    lane: MemoryObjectSendStream[Work],
+    writer: MemoryObjectSendStream[Op],
+    metrics: QueueMetrics,
+    *,
+    bound_in_flight: bool = True,
+) -> Poller:
+    settler = Settler(transport=transport, writer=writer, capacity=capacity)
+    return Poller(
+        queue=queue,
+        transport=transport,
+        gate=gate,
+        settler=settler,
+        lane=lane,
+        metrics=metrics,
+        bound_in_flight=bound_in_flight,
+    )
 
 
 class FakeTransport:
@@ -67,7 +91,7 @@ async def run_until_blocked(
     writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
     metrics = Metrics().queue("q", "q", "default")
     fake = cast(Transport, transport)  # only the methods a poller calls
-    poller = Poller(QUEUE, fake, ConstantGate(1.0), capacity, lane_in, writer_in, metrics)
+    poller = _poller(QUEUE, fake, ConstantGate(1.0), capacity, lane_in, writer_in, metrics)
     async with anyio.create_task_group() as tg:
         tg.start_soon(poller.run)
         with anyio.fail_after(5):
@@ -128,7 +152,7 @@ async def test_a_failing_or_nan_budget_closes_the_queue_instead_of_crashing(
     metrics = Metrics().queue("q", "q", "default")
     gate = BrokenBudgetGate(budget)
     fake = cast(Transport, transport)
-    poller = Poller(QUEUE, fake, gate, PoolCapacity(8), lane_in, writer_in, metrics)
+    poller = _poller(QUEUE, fake, gate, PoolCapacity(8), lane_in, writer_in, metrics)
     async with lane_out, writer_out, anyio.create_task_group() as tg:
         tg.start_soon(poller.run)
         await anyio.sleep(3 * QUEUE.poll_interval)
@@ -169,7 +193,7 @@ async def test_a_fetch_sized_by_free_slots_asks_for_free_slots_times_budget(
     writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
     metrics = Metrics().queue("q", "q", "default")
     fake = cast(Transport, transport)
-    poller = Poller(queue, fake, ConstantGate(budget), capacity, lane_in, writer_in, metrics)
+    poller = _poller(queue, fake, ConstantGate(budget), capacity, lane_in, writer_in, metrics)
     async with lane_out, writer_out, anyio.create_task_group() as tg:
         tg.start_soon(poller.run)
         with anyio.fail_after(5):
@@ -186,7 +210,7 @@ async def _forwarded_under_budget(
     raws = [message(f"m{i}", time.time() + 600) for i in range(20)]
     lane_in, lane_out = anyio.create_memory_object_stream[Work](16)
     writer_in, _ = anyio.create_memory_object_stream[Op](16)
-    poller = Poller(QUEUE, cast(Transport, FakeTransport(raws)), ConstantGate(budget),
+    poller = _poller(QUEUE, cast(Transport, FakeTransport(raws)), ConstantGate(budget),
                     PoolCapacity(8), lane_in, writer_in, Metrics().queue("q", "q", "default"),
                     bound_in_flight=bound_in_flight)  # fmt: skip
     async with anyio.create_task_group() as tg:
@@ -227,7 +251,7 @@ async def test_slots_freed_during_a_fetch_start_another_when_two_may_be_in_fligh
     writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
     metrics = Metrics().queue("q", "q", "default")
     fake = cast(Transport, transport)
-    poller = Poller(queue, fake, ConstantGate(1.0), capacity, lane_in, writer_in, metrics)
+    poller = _poller(queue, fake, ConstantGate(1.0), capacity, lane_in, writer_in, metrics)
     async with lane_out, writer_out, anyio.create_task_group() as tg:
         tg.start_soon(poller.run)
         with anyio.fail_after(5):

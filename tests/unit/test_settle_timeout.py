@@ -15,7 +15,7 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from async_processor import dispatch
+from async_processor import worker as worker_module
 from async_processor.results import Op
 from async_processor.transports.base import Delivery
 from tests.fixtures.simulator import LocalSimulator
@@ -40,7 +40,7 @@ class Abandoning:
 async def test_a_settle_timeout_abandons_the_claim(
     local_simulator: LocalSimulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dispatch, "SETTLE_TIMEOUT", 0.2)
+    monkeypatch.setattr(worker_module, "SETTLE_TIMEOUT", 0.2)
     transport = Abandoning()
     send, receive = anyio.create_memory_object_stream[Op](0)  # a writer that never reads
     async with aiohttp.ClientSession() as session, send, receive:
@@ -48,4 +48,6 @@ async def test_a_settle_timeout_abandons_the_claim(
         with capture_logs() as logs, anyio.fail_after(5):
             await worker.handle(_work(local_simulator.url))
     assert transport.abandoned == [("qname", "settle_timeout")]
+    # The slot comes back even though the write was cut short (one free + the one released).
+    assert worker.settler.capacity.free == 2
     assert [x["log_level"] for x in logs if x["event"] == "settle_timed_out"] == ["error"]

@@ -26,14 +26,16 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from async_processor import tracing
 from async_processor.config import TransformConfig
-from async_processor.dispatch import Aborter, DispatchSettings, Worker
+from async_processor.dispatch import DispatchSettings
 from async_processor.messages import decode_envelope
 from async_processor.metrics import Metrics
 from async_processor.results import Completion, Op
+from async_processor.settle import Settler
 from async_processor.transforms import build_transform_chain
 from async_processor.transforms.base import TransformContext
-from async_processor.transports.base import Deferral, Delivery, QueueSpec
+from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport
 from async_processor.work import PoolCapacity, Work
+from async_processor.worker import Aborter, Worker
 from tests.fixtures.otlp import OtlpCollector
 from tests.fixtures.servers import free_port
 from tests.fixtures.simulator import LocalSimulator
@@ -68,16 +70,16 @@ def _work(gateway: str, request_id: str = "r1", **extra: Any) -> Work:
 
 
 def _worker(session: aiohttp.ClientSession, writer: MemoryObjectSendStream[Op]) -> Worker:
+    transport: Transport = _NeverCancelled()  # type: ignore[assignment]
     return Worker(
-        "p",
-        DispatchSettings(request_timeout=5.0),
-        session,
-        _NeverCancelled(),  # type: ignore[arg-type]
-        writer,
-        PoolCapacity(1),
-        build_transform_chain(TransformConfig(), TransformContext()),
-        anyio.Event(),
-        Aborter(),
+        pool="p",
+        settings=DispatchSettings(request_timeout=5.0),
+        session=session,
+        transport=transport,
+        settler=Settler(transport=transport, writer=writer, capacity=PoolCapacity(1)),
+        transforms=build_transform_chain(TransformConfig(), TransformContext()),
+        stopping=anyio.Event(),
+        aborter=Aborter(),
     )
 
 
