@@ -38,7 +38,7 @@ local function complete_one(i)
     redis.call('LPUSH', targets[i], ARGV[a + 2])
     -- Counted for result retention (lua/retain.lua); a counter name taken by a key of
     -- another type (a message may name any list) only stops the counting.
-    if usable_as(pushed[i], 'string') then
+    if usable_now(pushed[i], 'string') then
       redis.call('INCR', pushed[i])
     end
     redis.call('SET', KEYS[k + 1], '1', 'EX', tonumber(ARGV[1]))

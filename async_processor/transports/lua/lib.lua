@@ -3,10 +3,22 @@
 -- of the wrong type then fails the whole call with nothing changed, instead of leaving a
 -- half-done step (e.g. members popped from a queue but never recorded as in flight).
 -- Arguments: key, type, key, type, ... ; 'none' (missing key) is always accepted.
+-- The types seen by the checks, asked once per key and call: a batch names the same result
+-- list and in-flight keys for every item. Valid only before the script's first write.
+local checked_types = {}
+local function checked_type(key)
+  local known = checked_types[key]
+  if known == nil then
+    known = redis.call('TYPE', key)['ok']
+    checked_types[key] = known
+  end
+  return known
+end
+
 local function expect_types(...)
   local pairs_ = {...}
   for i = 1, #pairs_, 2 do
-    local actual = redis.call('TYPE', pairs_[i])['ok']
+    local actual = checked_type(pairs_[i])
     if actual ~= 'none' and actual ~= pairs_[i + 1] then
       error(redis.error_reply('WRONGTYPE key ' .. pairs_[i] .. ' is a ' .. actual ..
         ', expected a ' .. pairs_[i + 1]))
@@ -14,8 +26,15 @@ local function expect_types(...)
   end
 end
 
--- True when the key is missing or of the given type (for keys with a fallback).
+-- True when the key is missing or of the given type (for keys with a fallback); before
+-- the first write, like expect_types.
 local function usable_as(key, kind)
+  local actual = checked_type(key)
+  return actual == 'none' or actual == kind
+end
+
+-- The same, asked of Redis now: for a key an earlier write of this call may have created.
+local function usable_now(key, kind)
   local actual = redis.call('TYPE', key)['ok']
   return actual == 'none' or actual == kind
 end
