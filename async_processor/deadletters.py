@@ -35,7 +35,8 @@ from redis.asyncio import Redis
 from async_processor.cliargs import daemon_config, duration
 from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig, SortedSetConfig
 from async_processor.errors import ConfigError, InvalidMessage, TransportError
-from async_processor.messages import decode_envelope, peek_id
+from async_processor.json_scan import peek_id
+from async_processor.messages import decode_envelope
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keys import redis_errors
 from async_processor.transports.redis_keyspace import KeySpace

@@ -38,7 +38,8 @@ from redis.commands.core import AsyncScript
 
 from async_processor.config import SortedSetConfig
 from async_processor.errors import InvalidMessage, TransportError
-from async_processor.messages import ID_PREFIX_BYTES, Envelope, Result, id_from_prefix, too_large
+from async_processor.json_scan import id_from_prefix
+from async_processor.messages import ID_PREFIX_BYTES, Envelope, Result, too_large
 from async_processor.retry import expired, last_answer
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (

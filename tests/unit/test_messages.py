@@ -7,6 +7,7 @@ import json
 import pytest
 
 from async_processor.errors import InvalidMessage
+from async_processor.json_scan import id_from_prefix, peek_id
 from async_processor.messages import (
     INVALID_DEADLINE_TEXT,
     Envelope,
@@ -16,8 +17,6 @@ from async_processor.messages import (
     Routing,
     decode_envelope,
     decode_request,
-    id_from_prefix,
-    peek_id,
 )
 
 # Key order z-before-a, a 20-digit integer (beyond int64 and exact float), escapes.
