@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
@@ -27,9 +26,8 @@ import structlog
 from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from async_processor.messages import Result
 from async_processor.metrics import Metrics
-from async_processor.transports.base import Deferral, Delivery, Transport, abandon
+from async_processor.transports.base import Completion, Deferral, Transport, abandon
 
 log = structlog.get_logger(__name__)
 
@@ -40,13 +38,7 @@ ABANDON_AFTER = 5  # failures of one item (broker up) before it is left to its l
 HELD_MAX = 1024  # abandoned results kept for later writes; beyond, the oldest is dropped
 HELD_ATTEMPTS = 60  # writes of one held result before it is dropped (its lease is back)
 HELD_FIRST_DELAY, HELD_MAX_DELAY = 0.5, 5.0  # backoff between passes over held results
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    delivery: Delivery
-    result: Result
+T = TypeVar("T", bound="Op")
 
 
 Op = Completion | Deferral
@@ -93,7 +85,7 @@ class ResultWriter:
                 await self._write(batch)
 
     async def _write(self, batch: Sequence[Op]) -> None:
-        completions = [(op.delivery, op.result) for op in batch if isinstance(op, Completion)]
+        completions = [op for op in batch if isinstance(op, Completion)]
         deferrals = [op for op in batch if isinstance(op, Deferral)]
         if completions:
             landed = await self._land("complete", completions, self._transport.complete)
@@ -125,7 +117,7 @@ class ResultWriter:
             limit = 1
         return landed
 
-    def _observe(self, written: Sequence[tuple[Delivery, Result]]) -> None:
+    def _observe(self, written: Sequence[Completion]) -> None:
         if self._metrics is None:
             return
         now = time.time()
@@ -134,16 +126,15 @@ class ResultWriter:
             request = delivery.envelope.request if delivery.envelope is not None else None
             self._metrics.queue(q.id, q.name, q.pool).result_written(result, request, now)
 
-    def _abandon(self, what: str, item: object) -> None:
+    def _abandon(self, what: str, item: Op) -> None:
         log.error("result_write_abandoned", op=what, item=_describe(item))
         if isinstance(item, Deferral):
             abandon(self._transport, item.delivery, "write_failed")
             return
-        held = Completion(*item)  # type: ignore[misc]  # a (delivery, result) pair
-        abandon(self._transport, held.delivery, "write_failed")
+        abandon(self._transport, item.delivery, "write_failed")
         if len(self._held) >= HELD_MAX:
             self._drop_held("held_full")
-        self._held.append((held, 0))
+        self._held.append((item, 0))
         self._holding.set()
 
     def _drop_held(self, why: str) -> None:
@@ -169,7 +160,7 @@ class ResultWriter:
         while self._held:
             completion, attempts = self._held[0]
             try:
-                await self._transport.complete([(completion.delivery, completion.result)])
+                await self._transport.complete([completion])
             except Exception as exc:  # a crash here would stop every later write
                 log.warning("held_result_write_failed", attempt=attempts + 1, error=str(exc))
                 if attempts + 1 >= HELD_ATTEMPTS:
@@ -179,7 +170,7 @@ class ResultWriter:
                     self._held.rotate(-1)
                 return False
             self._held.popleft()
-            self._observe([(completion.delivery, completion.result)])
+            self._observe([completion])
             log.info("held_result_written", item=_describe(completion))
         self._holding = anyio.Event()
         return True
@@ -220,8 +211,7 @@ def _take_ready(stream: MemoryObjectReceiveStream[Op], limit: int) -> list[Op]:
     return out
 
 
-def _describe(item: object) -> str:
-    is_op = isinstance(item, Deferral | Completion)
-    delivery: Delivery = item.delivery if is_op else item[0]  # type: ignore[attr-defined,index]
+def _describe(item: Op) -> str:
+    delivery = item.delivery
     envelope = delivery.envelope
     return envelope.id if envelope is not None else f"<undecoded message on {delivery.queue.name}>"

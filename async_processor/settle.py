@@ -16,9 +16,9 @@ from anyio.abc import ObjectSendStream
 
 from async_processor.errors import TransportError
 from async_processor.messages import Result
-from async_processor.results import Completion, Op
+from async_processor.results import Op
 from async_processor.retry import Counter, Final
-from async_processor.transports.base import Deferral, Delivery, Transport, abandon
+from async_processor.transports.base import Completion, Deferral, Delivery, Transport, abandon
 from async_processor.work import PoolCapacity, Work, put
 
 if TYPE_CHECKING:

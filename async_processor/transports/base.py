@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import anyio
 from anyio.abc import TaskStatus
@@ -64,6 +64,16 @@ class Delivery:
     envelope: Envelope | None = None
 
 
+class Completion(NamedTuple):
+    """A delivery's terminal result, to be written and the message acknowledged.
+
+    A named tuple, so a transport may still unpack it as ``delivery, result``.
+    """
+
+    delivery: Delivery
+    result: Result
+
+
 @dataclass(frozen=True, slots=True)
 class Deferral:
     """Hand a delivery back to the broker, due after ``delay`` seconds.
@@ -92,7 +102,7 @@ class Transport(Protocol):
         """Up to ``limit`` messages, waiting at most ``wait`` s for the first; [] if none."""
         ...
 
-    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+    async def complete(self, items: Sequence[Completion]) -> None:
         """Durably write each result and acknowledge its message, atomically per message."""
         ...
 

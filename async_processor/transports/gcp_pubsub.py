@@ -51,9 +51,10 @@ from prometheus_client import Histogram
 
 from async_processor.config import GcpPubSubConfig
 from async_processor.errors import TransportError
-from async_processor.messages import Envelope, Result, Routing, decode_request
+from async_processor.messages import Envelope, Routing, decode_request
 from async_processor.transports.base import (
     TRANSPORTS,
+    Completion,
     Deferral,
     Delivery,
     QueueSpec,
@@ -276,7 +277,7 @@ class GcpPubSubTransport:
 
     # ------------------------------------------------------------------ acknowledgements
 
-    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+    async def complete(self, items: Sequence[Completion]) -> None:
         """Publish the results, await their confirmation, then ack the messages."""
         if not items:
             return

@@ -39,10 +39,11 @@ from redis.exceptions import RedisError
 
 from async_processor.config import RedisPubSubConfig
 from async_processor.errors import InvalidMessage, TransportError
-from async_processor.messages import Envelope, Result
+from async_processor.messages import Envelope
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
     TRANSPORTS,
+    Completion,
     Deferral,
     Delivery,
     QueueSpec,
@@ -110,7 +111,7 @@ class RedisPubSubTransport:
 
     # ------------------------------------------------------------------ writes
 
-    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+    async def complete(self, items: Sequence[Completion]) -> None:
         """PUBLISH each result on the result channel, once per submission (dedup marker)."""
         if not items:
             return

@@ -44,6 +44,7 @@ from async_processor.retry import expired, last_answer
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
     TRANSPORTS,
+    Completion,
     Deferral,
     Delivery,
     QueueSpec,
@@ -222,7 +223,7 @@ class SortedSetTransport:
 
     # ------------------------------------------------------------------ acknowledgements
 
-    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+    async def complete(self, items: Sequence[Completion]) -> None:
         """Per item, atomically: result + dedup marker + ack + cancellation cleanup (one
         script per queue of the batch)."""
         if not items:

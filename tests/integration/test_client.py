@@ -15,7 +15,7 @@ from async_processor.config import SortedSetConfig
 from async_processor.errors import TransportError
 from async_processor.messages import ErrorCode, Request, Result, decode_envelope
 from async_processor.transports import redis_keys
-from async_processor.transports.base import TransportContext
+from async_processor.transports.base import Completion, TransportContext
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.lossy_proxy import lossy_proxy
 from tests.fixtures.servers import RedisServer, free_port
@@ -131,10 +131,12 @@ async def test_round_trip_through_the_transport(client, redis_url, unique) -> No
             envelope = transport.decode(delivery)
             if await transport.is_cancelled(delivery):
                 done.append(
-                    (delivery, Result.failure(envelope.id, ErrorCode.CANCELLED, "cancelled"))
+                    Completion(
+                        delivery, Result.failure(envelope.id, ErrorCode.CANCELLED, "cancelled")
+                    )
                 )
             else:
-                done.append((delivery, Result.http(envelope.id, 200, b'{"ok":true}')))
+                done.append(Completion(delivery, Result.http(envelope.id, 200, b'{"ok":true}')))
         await transport.complete(done)
     finally:
         await transport.aclose()

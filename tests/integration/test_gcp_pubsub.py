@@ -15,7 +15,7 @@ from async_processor.config import GcpPubSubConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
-from async_processor.transports.base import Deferral, Delivery, TransportContext
+from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
 from async_processor.transports.gcp_backlog import newest_point
 from async_processor.transports.gcp_leases import Receipt
 from async_processor.transports.gcp_pubsub import DEAD_LETTER_RETRY, GcpPubSubTransport
@@ -99,7 +99,7 @@ async def test_round_trip_publishes_result_then_acks(
         assert envelope.routing.request_queue_name == names["sub"]
         assert envelope.routing.labels == {"team": "a"}
         assert envelope.routing.retry_count == 0
-        await t.complete([(delivery, Result.http("r1", 200, b'{"ok":true}'))])
+        await t.complete([Completion(delivery, Result.http("r1", 200, b'{"ok":true}'))])
         [result] = await admin.pull_until(names["results_sub"], 1)
         assert Result.decode(result.message.data) == Result.http("r1", 200, b'{"ok":true}')
         # Acked: nacking the old ack id does not bring the message back.
@@ -128,8 +128,8 @@ async def test_complete_retried_after_publish_does_not_duplicate(
         [delivery] = await fetch_n(t, 1)
         t.decode(delivery)
         result = Result.http("dup", 200, b"{}")
-        await t.complete([(delivery, result)])
-        await t.complete([(delivery, result)])  # the writer retrying after a failed ack
+        await t.complete([Completion(delivery, result)])
+        await t.complete([Completion(delivery, result)])  # the writer retrying after a failed ack
         results = await admin.pull_until(names["results_sub"], 2, timeout=3.0)
         assert [Result.decode(m.message.data).id for m in results] == ["dup"]
     finally:
@@ -150,7 +150,7 @@ async def test_defer_redelivers_no_earlier_than_the_delay(
         waited = time.monotonic() - deferred_at
         assert 1.5 <= waited < 6.0
         assert t.decode(again).id == "later"
-        await t.complete([(again, Result.http("later", 200, b"{}"))])
+        await t.complete([Completion(again, Result.http("later", 200, b"{}"))])
     finally:
         await t.aclose()
 
@@ -173,7 +173,7 @@ async def test_defer_during_a_lease_extension_keeps_its_delay(
         # Had the 60 s extension landed after the 1 s deadline, this would time out.
         [again] = await fetch_n(t, 1, timeout=8.0)
         assert time.monotonic() - deferred_at >= 1.0
-        await t.complete([(again, Result.http("race", 200, b"{}"))])
+        await t.complete([Completion(again, Result.http("race", 200, b"{}"))])
     finally:
         await t.aclose()
 
@@ -226,7 +226,7 @@ async def test_more_than_ten_held_at_once(admin: PubSubAdmin, names: dict[str, s
         await admin.publish(names["requests"], [request(i) for i in ids])
         held = await fetch_n(t, 40)
         assert len(held) == 40  # all leased to us at the same time, not 10
-        results = [(d, Result.http(t.decode(d).id, 200, b"{}")) for d in held]
+        results = [Completion(d, Result.http(t.decode(d).id, 200, b"{}")) for d in held]
         await t.complete(results)
         published = await admin.pull_until(names["results_sub"], 40)
         assert sorted(Result.decode(m.message.data).id for m in published) == sorted(ids)
@@ -389,7 +389,7 @@ async def test_lease_extension_keeps_a_long_message(
             tg.cancel_scope.cancel()
         assert isinstance(delivery.handle, Receipt)
         t.decode(delivery)
-        await t.complete([(delivery, Result.http("long", 200, b"{}"))])
+        await t.complete([Completion(delivery, Result.http("long", 200, b"{}"))])
         assert len(await admin.pull_until(names["results_sub"], 1)) == 1
     finally:
         await t.aclose()

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from async_processor.client import SortedSetClient, Submitted
 from async_processor.config import SortedSetConfig
 from async_processor.messages import Result
-from async_processor.transports.base import Deferral, TransportContext
+from async_processor.transports.base import Completion, Deferral, TransportContext
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.inprocess import running, sortedset_config
 from tests.fixtures.simulator import SimulatorProcess
@@ -58,7 +58,7 @@ async def test_a_live_id_is_not_queued_twice_until_its_result(
         )
         await transport.move_due()  # due now: back on the queue
         [delivery] = await transport.fetch(transport.queues[0], 10, 0)
-        await transport.complete([(delivery, Result.http("x", 200, b"{}"))])
+        await transport.complete([Completion(delivery, Result.http("x", 200, b"{}"))])
     finally:
         await transport.aclose()
     [again] = await client.submit_each([request("x")])  # the result is written: free again

@@ -18,7 +18,7 @@ from async_processor.config import RedisPubSubConfig
 from async_processor.errors import TransportError
 from async_processor.messages import Envelope, Request, Result, Routing
 from async_processor.transports import build_transport
-from async_processor.transports.base import Deferral, Delivery, TransportContext
+from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
 from async_processor.transports.redis_pubsub import RedisPubSubTransport
 from tests.fixtures.lossy_proxy import lossy_proxy
 from tests.fixtures.servers import RedisServer
@@ -117,7 +117,10 @@ async def test_channel_to_result_channel(redis_url: str, unique: str) -> None:
         assert env.routing.labels == {"q": "in"}
         assert t.decode(second).kind == "plain"
         await t.complete(
-            [(first, Result.http("e1", 200, b"{}")), (second, Result.http("bare1", 200, b"{}"))]
+            [
+                Completion(first, Result.http("e1", 200, b"{}")),
+                Completion(second, Result.http("bare1", 200, b"{}")),
+            ]
         )
         got = await received(results, 2)
         assert sorted(Result.decode(raw).id for raw in got) == ["bare1", "e1"]
@@ -136,8 +139,8 @@ async def test_one_result_per_submission(redis_url: str, unique: str) -> None:
         t.decode(delivery)
         result = Result.http("same", 200, b"{}")
         # Two replicas (fan-out) completing the same message: one result goes out.
-        await t.complete([(delivery, result)])
-        await t.complete([(delivery, result)])
+        await t.complete([Completion(delivery, result)])
+        await t.complete([Completion(delivery, result)])
         assert len(await received(results, 2, timeout=1.0)) == 1
 
 

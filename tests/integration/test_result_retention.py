@@ -15,7 +15,7 @@ from async_processor.config import SortedSetConfig
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
 from async_processor.status import redis_status
-from async_processor.transports.base import TransportContext
+from async_processor.transports.base import Completion, TransportContext
 from async_processor.transports.redis_sortedset import SortedSetTransport
 
 pytestmark = pytest.mark.anyio
@@ -39,7 +39,7 @@ async def answer(transport: SortedSetTransport, client: SortedSetClient, ids: li
     deadline = int(time.time()) + 600
     await client.submit_many({"id": i, "deadline": deadline, "payload": {}} for i in ids)
     deliveries = await transport.fetch(transport.queues[0], len(ids), 0)
-    done = [(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in deliveries]
+    done = [Completion(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in deliveries]
     await transport.complete(done)
 
 

@@ -19,7 +19,7 @@ from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import ID_PREFIX_BYTES, Envelope, ErrorCode, Request, Result, Routing
 from async_processor.metrics import Metrics
 from async_processor.transports import build_transport, redis_keys
-from async_processor.transports.base import Deferral, Delivery, TransportContext
+from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
 from async_processor.transports.redis_sortedset import CHUNK, SortedSetTransport
 from tests.fixtures.servers import free_port
 
@@ -168,7 +168,7 @@ async def test_heartbeat_keeps_a_long_request_claimed(make_config, r) -> None:
         await anyio.sleep(1.2)  # four leases long
         assert await r.zcard(q) == 0
         assert await r.zcard(redis_keys.inflight_key(q)) == 1
-        await worker.complete([(delivery, Result.http("long", 200, b"{}"))])
+        await worker.complete([Completion(delivery, Result.http("long", 200, b"{}"))])
     assert [x.id for x in await results_of(r, config.result_queue_name)] == ["long"]
     assert await r.zcard(redis_keys.inflight_key(q)) == 0
 
@@ -201,9 +201,9 @@ async def test_one_result_when_completed_twice_or_delivered_twice(make_config, r
         first = await fetch_one(a)
         await r.zadd(q, {raw: deadline})  # the same message delivered again
         second = await fetch_one(b)
-        await a.complete([(first, Result.http("dup", 200, b"one"))])
-        await a.complete([(first, Result.http("dup", 200, b"again"))])
-        await b.complete([(second, Result.http("dup", 200, b"two"))])
+        await a.complete([Completion(first, Result.http("dup", 200, b"one"))])
+        await a.complete([Completion(first, Result.http("dup", 200, b"again"))])
+        await b.complete([Completion(second, Result.http("dup", 200, b"two"))])
     assert [(x.id, x.payload) for x in await results_of(r, config.result_queue_name)] == [
         ("dup", "one")
     ]
@@ -221,7 +221,7 @@ async def test_complete_after_lost_lease_removes_the_returned_message(make_confi
         await anyio.sleep(0.3)
         await transport.reap()
         assert await r.zcard(q) == 1  # back on the queue
-        await transport.complete([(delivery, Result.http("slow", 200, b"{}"))])
+        await transport.complete([Completion(delivery, Result.http("slow", 200, b"{}"))])
     assert await r.zcard(q) == 0
     assert len(await results_of(r, config.result_queue_name)) == 1
 
@@ -241,7 +241,9 @@ async def test_resubmission_gets_a_new_result(make_config, r) -> None:
         for raw in submissions:
             await r.zadd(q, {raw: deadline})
             delivery = await fetch_one(transport)
-            await transport.complete([(delivery, Result.http(delivery.envelope.id, 200, b""))])
+            await transport.complete(
+                [Completion(delivery, Result.http(delivery.envelope.id, 200, b""))]
+            )
     ids = [x.id for x in await results_of(r, config.result_queue_name)]
     assert sorted(ids) == ["bare", "bare", "re", "re"]
 
@@ -266,7 +268,7 @@ async def test_result_routing_precedence(
     await r.zadd(f"{unique}-q", {raw: future()})
     async with opened(config) as transport:
         delivery = await fetch_one(transport)
-        await transport.complete([(delivery, Result.http(request_id, 200, b"{}"))])
+        await transport.complete([Completion(delivery, Result.http(request_id, 200, b"{}"))])
     assert await r.llen(f"{unique}-{expected}") == 1
 
 
@@ -283,7 +285,7 @@ async def test_complete_cleans_cancellation_keys_of_its_own_token_only(make_conf
     async with opened(config) as transport:
         for delivery in await transport.fetch(transport.queues[0], 2, 0):
             envelope = transport.decode(delivery)
-            await transport.complete([(delivery, Result.http(envelope.id, 200, b""))])
+            await transport.complete([Completion(delivery, Result.http(envelope.id, 200, b""))])
     assert await r.exists(redis_keys.active_key("mine"), redis_keys.cancel_key("mine")) == 0
     assert await r.get(redis_keys.active_key("old")) == b"d" * 32
 
@@ -398,7 +400,7 @@ async def test_redis_down_raises_transport_error_and_upkeep_survives(make_config
             await transport.backlog(queue)
         fake = Delivery(queue=queue, raw=member("x", future()), handle=None)
         with pytest.raises(TypeError):  # not one of ours: a programming error, not Redis
-            await transport.complete([(fake, Result.http("x", 200, b""))])
+            await transport.complete([Completion(fake, Result.http("x", 200, b""))])
         with anyio.move_on_after(0.5) as scope:
             await transport.run()
         assert scope.cancelled_caught  # upkeep kept retrying instead of crashing
@@ -421,9 +423,9 @@ async def test_claims_survive_a_redis_crash(make_config, private_redis) -> None:
         delivery = await fetch_one(transport)
         private_redis.kill()
         with pytest.raises(TransportError):
-            await transport.complete([(delivery, Result.http("durable", 200, b""))])
+            await transport.complete([Completion(delivery, Result.http("durable", 200, b""))])
         private_redis.start()  # same port and AOF: the claim is still in flight
-        await transport.complete([(delivery, Result.http("durable", 200, b""))])
+        await transport.complete([Completion(delivery, Result.http("durable", 200, b""))])
     async with Redis.from_url(private_redis.url) as r:
         assert await r.llen(config.result_queue_name) == 1
         assert await r.zcard(redis_keys.inflight_key(q)) == 0
@@ -446,7 +448,7 @@ async def test_unusable_result_list_falls_back_to_the_default_and_acks_once(
     await r.zadd(q, {member("wr", deadline, token="b" * 32, result_queue=wrong): deadline})
     async with opened(config) as transport:
         delivery = await fetch_one(transport)
-        await transport.complete([(delivery, Result.http("wr", 200, b"{}"))])
+        await transport.complete([Completion(delivery, Result.http("wr", 200, b"{}"))])
     assert [x.id for x in await results_of(r, config.result_queue_name)] == ["wr"]
     assert await r.get(wrong) == b"x"
     assert await r.zcard(redis_keys.inflight_key(q)) == 0
@@ -541,8 +543,8 @@ async def test_heartbeat_never_extends_a_lease_another_replica_reclaimed(make_co
         assert await r.zscore(redis_keys.inflight_key(q), second.handle.id) == b_expiry
         assert first.handle.id not in a._held[q]
         # a finishes anyway: its result counts once, and b's later one is the duplicate.
-        await a.complete([(first, Result.http("contested", 200, b"a"))])
-        await b.complete([(second, Result.http("contested", 200, b"b"))])
+        await a.complete([Completion(first, Result.http("contested", 200, b"a"))])
+        await b.complete([Completion(second, Result.http("contested", 200, b"b"))])
     assert [x.payload for x in await results_of(r, config.result_queue_name)] == ["a"]
     assert await r.zcard(q) == 0
     assert await r.zcard(redis_keys.inflight_key(q)) == 0
@@ -614,7 +616,7 @@ async def test_a_message_cannot_route_its_result_into_a_daemon_key(
     ctx = TransportContext(metrics=metrics, gate_params=pool_gates)
     async with opened(config, ctx) as transport:
         delivery = await fetch_one(transport)
-        await transport.complete([(delivery, Result.http(request_id, 200, b"{}"))])
+        await transport.complete([Completion(delivery, Result.http(request_id, 200, b"{}"))])
     assert [x.id for x in await results_of(r, config.result_queue_name)] == [request_id]
     assert await r.type(target) in (b"none", b"zset")  # never turned into a list
     assert rejected(metrics, f"{unique}-q", "reserved_key") == 1
@@ -638,7 +640,7 @@ async def test_result_queue_pattern_bounds_message_routing(
     await r.zadd(q, {member(request_id, deadline, result_queue=routed): deadline})
     async with opened(config, TransportContext(metrics=metrics)) as transport:
         delivery = await fetch_one(transport)
-        await transport.complete([(delivery, Result.http(request_id, 200, b"{}"))])
+        await transport.complete([Completion(delivery, Result.http(request_id, 200, b"{}"))])
     expected = routed if lands_in == "routed" else config.result_queue_name
     assert [x.id for x in await results_of(r, expected)] == [request_id]
     assert rejected(metrics, q, "pattern_mismatch") == (lands_in == "default")
@@ -698,7 +700,7 @@ async def test_complete_changes_nothing_when_a_key_has_the_wrong_type(make_confi
         await r.delete(redis_keys.inflight_meta_key(q))
         await r.set(redis_keys.inflight_meta_key(q), "x")
         with pytest.raises(TransportError, match="WRONGTYPE"):
-            await transport.complete([(delivery, Result.http("half", 200, b"{}"))])
+            await transport.complete([Completion(delivery, Result.http("half", 200, b"{}"))])
     assert await r.llen(config.result_queue_name) == 0
     assert not await r.exists(redis_keys.done_key("half", redis_keys.fingerprint(delivery)))
     assert await r.zcard(redis_keys.inflight_key(q)) == 1
@@ -717,7 +719,7 @@ async def test_different_id_and_token_pairs_never_share_a_dedup_marker(
     async with opened(config) as transport:
         for delivery in await transport.fetch(transport.queues[0], 2, 0):
             envelope = transport.decode(delivery)
-            await transport.complete([(delivery, Result.http(envelope.id, 200, b"{}"))])
+            await transport.complete([Completion(delivery, Result.http(envelope.id, 200, b"{}"))])
     ids = sorted(x.id for x in await results_of(r, config.result_queue_name))
     assert ids == sorted([f"{unique}:b", unique])
 
@@ -736,7 +738,9 @@ async def test_an_identical_resubmission_is_counted_and_logged_not_silent(
             for _ in range(2):
                 await r.zadd(q, {raw: 1})
                 delivery = await fetch_one(transport)
-                await transport.complete([(delivery, Result.http(f"{unique}-again", 200, b""))])
+                await transport.complete(
+                    [Completion(delivery, Result.http(f"{unique}-again", 200, b""))]
+                )
     assert await r.llen(config.result_queue_name) == 1
     labels = {"queue_id": "qid", "queue_name": q, "pool_name": "default"}
     sample = "llm_d_async_async_duplicates_suppressed_total"
@@ -764,7 +768,7 @@ async def test_an_oversized_member_is_answered_without_being_fetched_whole(
         assert (caught.value.reason, caught.value.request_id) == ("too_large", f"{unique}-big")
         assert f"{len(big)} bytes exceeds the 1000-byte limit" in str(caught.value)
         failure = Result.failure(f"{unique}-big", ErrorCode.INVALID_REQUEST, str(caught.value))
-        await transport.complete([(delivery, failure)])
+        await transport.complete([Completion(delivery, failure)])
     [result] = await results_of(r, config.result_queue_name)
     assert result.error_code == ErrorCode.INVALID_REQUEST
     assert await r.zcard(redis_keys.inflight_key(q)) == 0

@@ -14,7 +14,7 @@ from google.pubsub_v1.types import PullResponse
 from async_processor.config import GcpPubSubConfig
 from async_processor.errors import TransportError
 from async_processor.messages import Result
-from async_processor.transports.base import Delivery, TransportContext
+from async_processor.transports.base import Completion, Delivery, TransportContext
 from async_processor.transports.gcp_backlog import BacklogReader
 from async_processor.transports.gcp_leases import Receipt
 from async_processor.transports.gcp_pubsub import (
@@ -71,14 +71,14 @@ def delivery_of(t: GcpPubSubTransport) -> Delivery:
 async def test_expired_ack_ids_do_not_block_the_result_writer() -> None:
     client = Rejecting(api_error(gexc.FailedPrecondition, "ack id expired (exactly-once delivery)"))
     t = transport(client)
-    await t.complete([(delivery_of(t), Result.http("r", 200, b"{}"))])
+    await t.complete([Completion(delivery_of(t), Result.http("r", 200, b"{}"))])
     assert client.published == 1
     await t.health()  # about those ack ids only, not the subscription
 
 
 async def test_deleted_subscription_on_ack_moves_on_but_is_unready() -> None:
     t = transport(Rejecting(api_error(gexc.NotFound, "subscription gone")))
-    await t.complete([(delivery_of(t), Result.http("r", 200, b"{}"))])
+    await t.complete([Completion(delivery_of(t), Result.http("r", 200, b"{}"))])
     with pytest.raises(TransportError, match="NotFound"):
         await t.health()
 
@@ -86,7 +86,7 @@ async def test_deleted_subscription_on_ack_moves_on_but_is_unready() -> None:
 async def test_transient_ack_failure_is_retried_without_publishing_again() -> None:
     client = Rejecting(api_error(gexc.ServiceUnavailable, "try again"))
     t = transport(client)
-    item = (delivery_of(t), Result.http("r", 200, b"{}"))
+    item = Completion(delivery_of(t), Result.http("r", 200, b"{}"))
     for _ in range(2):
         with pytest.raises(TransportError):
             await t.complete([item])

@@ -14,9 +14,9 @@ from async_processor.gates.base import ConstantGate, Gate
 from async_processor.messages import Envelope, decode_envelope
 from async_processor.metrics import Metrics, QueueMetrics
 from async_processor.poller import Poller
-from async_processor.results import Completion, Op
+from async_processor.results import Op
 from async_processor.settle import Settler
-from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport
+from async_processor.transports.base import Completion, Deferral, Delivery, QueueSpec, Transport
 from async_processor.work import PoolCapacity, Work
 
 pytestmark = pytest.mark.anyio

@@ -11,8 +11,8 @@ import pytest
 from async_processor import results as results_mod
 from async_processor.errors import TransportError
 from async_processor.messages import Result, decode_envelope
-from async_processor.results import Completion, ResultWriter
-from async_processor.transports.base import Deferral, Delivery, QueueSpec
+from async_processor.results import ResultWriter
+from async_processor.transports.base import Completion, Deferral, Delivery, QueueSpec
 
 pytestmark = pytest.mark.anyio
 
@@ -37,7 +37,7 @@ class FlakyTransport:
         self.written: list[str] = []
         self.calls = 0
 
-    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+    async def complete(self, items: Sequence[Completion]) -> None:
         self.calls += 1
         if self.down_for > 0:
             self.down_for -= 1
@@ -131,7 +131,7 @@ class RefusingTransport(FlakyTransport):
         self.refusals = refusals
         self.abandoned: list[tuple[str, str]] = []
 
-    async def complete(self, items: Sequence[tuple[Delivery, Result]]) -> None:
+    async def complete(self, items: Sequence[Completion]) -> None:
         if self.refusals > 0:
             self.refusals -= 1
             raise TransportError("NOREPLICAS Not enough good replicas to write.")

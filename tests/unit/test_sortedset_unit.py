@@ -14,7 +14,7 @@ from async_processor.config import SortedSetConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope, Request, Result, Routing
 from async_processor.transports import redis_keys
-from async_processor.transports.base import Deferral, TransportContext
+from async_processor.transports.base import Completion, Deferral, TransportContext
 from async_processor.transports.redis_sortedset import (
     STALE_CLAIM_GRACE,
     SortedSetTransport,
@@ -88,7 +88,7 @@ async def test_claim_then_complete_acknowledges_and_writes_once(fake) -> None:
     meta = await fake.hget(redis_keys.inflight_meta_key(Q), delivery.handle.id)
     score, raw = meta.split(b"|", 1)
     assert (float(score), raw) == (delivery.handle.score, delivery.raw)
-    await transport.complete([(delivery, Result.http("x", 200, b"a"))] * 2)
+    await transport.complete([Completion(delivery, Result.http("x", 200, b"a"))] * 2)
     assert await fake.llen("result-list") == 1
     assert await fake.exists(redis_keys.done_key("x", "t"))
     assert await fake.zcard(redis_keys.inflight_key(Q)) == 0
@@ -161,7 +161,7 @@ async def test_result_list_precedence(fake) -> None:
     await fake.zadd("queue-b", {envelope("rb", soon()): 1})
     [delivery] = await transport.fetch(transport.queues[1], 1, 0)
     transport.decode(delivery)
-    await transport.complete([(delivery, Result.http("rb", 200, b""))])
+    await transport.complete([Completion(delivery, Result.http("rb", 200, b""))])
     assert await fake.llen("qb") == 1  # the queue's own result list beats the default
 
 

@@ -29,11 +29,11 @@ from async_processor.config import TransformConfig
 from async_processor.dispatch import DispatchSettings
 from async_processor.messages import decode_envelope
 from async_processor.metrics import Metrics
-from async_processor.results import Completion, Op
+from async_processor.results import Op
 from async_processor.settle import Settler
 from async_processor.transforms import build_transform_chain
 from async_processor.transforms.base import TransformContext
-from async_processor.transports.base import Deferral, Delivery, QueueSpec, Transport
+from async_processor.transports.base import Completion, Deferral, Delivery, QueueSpec, Transport
 from async_processor.work import PoolCapacity, Work
 from async_processor.worker import Aborter, Worker
 from tests.fixtures.otlp import OtlpCollector
