@@ -23,24 +23,19 @@ next one is written (docs/transports.md has what that buys on a failover).
 from __future__ import annotations
 
 import itertools
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
 import structlog
-from anyio.abc import TaskStatus
 from redis.asyncio import Redis
-from redis.commands.core import AsyncScript
 
 from async_processor.config import SortedSetConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.json_scan import id_from_prefix
 from async_processor.messages import ID_PREFIX_BYTES, Envelope, Result, too_large
-from async_processor.retry import expired, last_answer
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
     TRANSPORTS,
@@ -50,44 +45,26 @@ from async_processor.transports.base import (
     QueueSpec,
     TransportContext,
 )
+from async_processor.transports.redis_claims import (
+    Claim,
+    ClaimBook,
+    claim_of,
+    deadline_of,
+    token_of,
+)
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keys import redis_errors as redis_errors
 from async_processor.transports.redis_keyspace import KeySpace
+from async_processor.transports.redis_upkeep import SortedSetUpkeep
 
 log = structlog.get_logger(__name__)
 
 FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on an empty queue
-RETRY_MOVE_INTERVAL = 0.2  # seconds between checks of the retry set for due members
-CHUNK = 500  # members per reaper / retry-mover / heartbeat script call
 ROUTE_REJECTIONS = ("reserved_key", "pattern_mismatch", "wrong_type", "cross_slot")
 ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed")
-EXPIRE_INTERVAL = 0.5  # seconds between deadline sweeps: results within ~1 s of a deadline
-RETAIN_INTERVAL = 10.0  # seconds between retention rounds: results trimmed within TTL + this
-EXPIRE_CHUNK = 20  # members decoded per sweep round trip (each up to --max-message-bytes)
-UPKEEP_MAX_BACKOFF = 5.0
-# Stop extending a claim this long after its deadline: by then the pipeline has answered
-# it, so a claim still held is a leak, and letting it expire hands the message back.
-STALE_CLAIM_GRACE = 300.0
 
 
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """A delivery's receipt: the claim id in ``<queue>:inflight`` and its original score.
-
-    ``cancelled`` is the cancel check made with the fetch (one MGET per batch instead of a
-    GET per message); the first ``is_cancelled`` uses it, later ones ask Redis again.
-    ``size`` is the member's size in bytes; ``digest`` (its SHA-1) is set only for a member
-    over ``--max-message-bytes``, of which the delivery holds a prefix only.
-    """
-
-    id: str
-    score: float
-    size: int = 0
-    digest: str = ""
-    cancelled: bool | None = None
-
-
-class SortedSetTransport:
+class SortedSetTransport(SortedSetUpkeep):
     kind = "redis-sortedset"
 
     def __init__(
@@ -101,11 +78,8 @@ class SortedSetTransport:
         self._scripts = self._keys.scripts(self._redis)
         self._owner = uuid.uuid4().hex  # claim ids are unique per process and fetch
         self._fetches = itertools.count()
-        # Claims this process holds, per queue name: the heartbeat extends them.
-        self._held: dict[str, dict[str, Delivery]] = {q.name: {} for q in self.queues}
-        # Claims whose ack is on its way: a heartbeat that misses them is not a lost lease.
-        self._settling: set[str] = set()
         names = [q.name for q in self.queues]
+        self._claims = ClaimBook(names)  # the heartbeat extends what it holds
         own = keys.own_keys(
             names,
             config.retry_queue_name,
@@ -154,7 +128,6 @@ class SortedSetTransport:
                     ID_PREFIX_BYTES,
                 ],
             )
-        held = self._held.setdefault(queue.name, {})
         deliveries = []
         for i in range(0, len(flat), 5):
             claim = Claim(
@@ -164,7 +137,7 @@ class SortedSetTransport:
                 digest=flat[i + 4].decode(),
             )
             delivery = Delivery(queue=queue, raw=bytes(flat[i + 1]), handle=claim)
-            held[claim.id] = delivery
+            self._claims.hold(delivery)
             deliveries.append(delivery)
         return await self._check_markers(deliveries)
 
@@ -175,7 +148,7 @@ class SortedSetTransport:
         A member whose queue's ``live:<id>`` marker holds another token is a second entry
         of a live id (written around the client's index, e.g. by a plain ZADD): it is
         parked as ``superseded``, so two entries of one id are never both dispatched."""
-        tokened = [d for d in deliveries if self._decodes(d) and _token(d)]
+        tokened = [d for d in deliveries if self._decodes(d) and token_of(d)]
         if not tokened:
             return deliveries
         names = [self._cancel_key(d) for d in tokened] + [self._live_key(d) for d in tokened]
@@ -188,8 +161,8 @@ class SortedSetTransport:
         for delivery, cancel, live in zip(
             tokened, values[: len(tokened)], values[len(tokened) :], strict=True
         ):
-            token = _token(delivery).encode()
-            delivery.handle = replace(_claim(delivery), cancelled=cancel == token)
+            token = token_of(delivery).encode()
+            delivery.handle = replace(claim_of(delivery), cancelled=cancel == token)
             if live is not None and live != token:
                 superseded.append(delivery)
         for delivery in superseded:
@@ -228,11 +201,11 @@ class SortedSetTransport:
         script per queue of the batch)."""
         if not items:
             return
-        with self._acking(d for d, _ in items):
+        with self._claims.acking(d for d, _ in items):
             replies = await self._write_results(items, queued=False)
         lost = []
         for (delivery, _), (_, held, _) in zip(items, replies, strict=True):
-            self._release(delivery)
+            self._claims.release(delivery)
             if not held:
                 lost.append(delivery)
         await self._drop_returned(lost)
@@ -284,8 +257,8 @@ class SortedSetTransport:
         for index in group:
             delivery, result = items[index]
             script_keys += self._complete_keys(delivery, result, targets[index], queued=queued)
-            member = delivery.raw if queued else _claim(delivery).id
-            args += [member, result.encode(), _token(delivery)]
+            member = delivery.raw if queued else claim_of(delivery).id
+            args += [member, result.encode(), token_of(delivery)]
         await self._scripts["complete"](keys=script_keys, args=args, client=pipe)
 
     def _duplicate(self, delivery: Delivery, result: Result) -> None:
@@ -374,17 +347,17 @@ class SortedSetTransport:
         """Hand back: delay <= 0 to the queue at its deadline, else to the retry set."""
         if not items:
             return
-        with self._acking(i.delivery for i in items), redis_errors("defer"):
+        with self._claims.acking(i.delivery for i in items), redis_errors("defer"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 for item in items:
                     await self._scripts["defer"](
                         keys=self._ack_keys(item.delivery, self._defer_target(item)),
-                        args=[_claim(item.delivery).id, *_defer_args(item)],
+                        args=[claim_of(item.delivery).id, *_defer_args(item)],
                         client=pipe,
                     )
                 replies = await pipe.execute()
         for item, handed_back in zip(items, replies, strict=True):
-            self._release(item.delivery)
+            self._claims.release(item.delivery)
             if not handed_back:
                 log.warning("defer_skipped_lease_lost", queue=item.delivery.queue.name)
 
@@ -394,17 +367,17 @@ class SortedSetTransport:
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Park on ``<queue>:dead-letter`` as {reason, detail, raw, time, queue}; ack it."""
-        claim = _claim(delivery)
+        claim = claim_of(delivery)
         entry = keys.dead_letter_entry(
             delivery, reason, detail, size=claim.size, digest=claim.digest
         )
         target = self._keys.dead_letter(delivery.queue.name)
-        with self._acking([delivery]), redis_errors("dead_letter"):
+        with self._claims.acking([delivery]), redis_errors("dead_letter"):
             parked, trimmed = await self._scripts["dead_letter"](
                 keys=self._ack_keys(delivery, target),
                 args=[claim.id, entry, self.config.dead_letter_max_entries],
             )
-        self._release(delivery)
+        self._claims.release(delivery)
         if not parked:
             log.warning("dead_letter_skipped_lease_lost", queue=delivery.queue.name)
         if trimmed:
@@ -416,20 +389,11 @@ class SortedSetTransport:
         name = delivery.queue.name
         return [self._keys.inflight(name), self._keys.inflight_meta(name), target]
 
-    @contextmanager
-    def _acking(self, deliveries: Iterable[Delivery]) -> Iterator[None]:
-        ids = {_claim(d).id for d in deliveries}
-        self._settling |= ids
-        try:
-            yield
-        finally:
-            self._settling -= ids
-
     def abandon(self, delivery: Delivery, reason: str) -> None:
         """Stop renewing a claim whose write was given up: its lease expires within
         ``lease_seconds`` and any replica's reaper puts the message back
         (docs/architecture.md G11)."""
-        self._release(delivery)
+        self._claims.release(delivery)
         queue = delivery.queue.name
         request_id = delivery.envelope.id if delivery.envelope else None
         log.warning("claim_abandoned", queue=queue, request_id=request_id, reason=reason)
@@ -444,14 +408,11 @@ class SortedSetTransport:
         request_id = delivery.envelope.id if delivery.envelope else ""
         return self._keys.live(delivery.queue.name, request_id)
 
-    def _release(self, delivery: Delivery) -> None:
-        self._held.get(delivery.queue.name, {}).pop(_claim(delivery).id, None)
-
     # ------------------------------------------------------------------ queries
 
     async def is_cancelled(self, delivery: Delivery) -> bool:
         """The producer's cancel marker holds this submission's token (no token: never)."""
-        claim = _claim(delivery)
+        claim = claim_of(delivery)
         if claim.cancelled is not None:
             delivery.handle = replace(claim, cancelled=None)
             return claim.cancelled
@@ -465,7 +426,7 @@ class SortedSetTransport:
         for i, delivery in enumerate(deliveries):
             by_queue.setdefault(delivery.queue.name, []).append(i)
         for indexes in by_queue.values():
-            markers = [(self._cancel_key(deliveries[i]), _token(deliveries[i])) for i in indexes]
+            markers = [(self._cancel_key(deliveries[i]), token_of(deliveries[i])) for i in indexes]
             marked = await keys.marked_cancelled(self._redis, markers)
             for i, flag in zip(indexes, marked, strict=True):
                 flags[i] = flag
@@ -483,154 +444,6 @@ class SortedSetTransport:
     async def aclose(self) -> None:
         await self._redis.aclose()
 
-    # ------------------------------------------------------------------ upkeep
-
-    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Heartbeat, reaper and retry mover, until cancelled."""
-        lease = self.config.lease_seconds
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_every, "heartbeat", lease / 3, self.heartbeat)
-            tg.start_soon(_every, "reap", lease / 2, self.reap)
-            tg.start_soon(_every, "retry_move", RETRY_MOVE_INTERVAL, self.move_due)
-            tg.start_soon(_every, "expire", EXPIRE_INTERVAL, self.expire_due)
-            tg.start_soon(_every, "retain", RETAIN_INTERVAL, self.retain)
-            task_status.started()
-
-    async def heartbeat(self) -> None:
-        """Extend every lease this process holds; forget claims that were taken back."""
-        for name, held in self._held.items():
-            claim_ids = self._live_claims(held)
-            for start in range(0, len(claim_ids), CHUNK):
-                with redis_errors("heartbeat"):
-                    lost = await self._scripts["extend"](
-                        keys=[self._keys.inflight(name)],
-                        args=[self.config.lease_seconds, *claim_ids[start : start + CHUNK]],
-                    )
-                # A claim acked while the extend was on its way is not lost, only done.
-                really_lost = [
-                    claim
-                    for claim in (c.decode() for c in lost)
-                    if claim not in self._settling and held.pop(claim, None) is not None
-                ]
-                if really_lost:
-                    log.warning("leases_lost", queue=name, count=len(really_lost))
-
-    def _live_claims(self, held: dict[str, Delivery]) -> list[str]:
-        """Held claim ids, dropping those long past their deadline (a leak, see above)."""
-        cutoff = time.time() - STALE_CLAIM_GRACE
-        stale = [cid for cid, d in held.items() if _deadline(d) < cutoff]
-        for claim_id in stale:
-            log.warning("stale_claim_released", claim=claim_id)
-            del held[claim_id]
-        return list(held)
-
-    async def reap(self) -> None:
-        """Put every expired claim of every configured queue back with its deadline score."""
-        for queue in self.queues:
-            name = queue.name
-            inflight = [name, self._keys.inflight(name), self._keys.inflight_meta(name)]
-            await _drain("reap", self._scripts["reap"], inflight)
-
-    async def retain(self) -> None:
-        """Per configured result list: record its pushed count (the marks that date its
-        entries, also read by ``status``) and trim what is unconsumed past its TTL."""
-        for result_list, ttl in self.config.result_ttls().items():
-            with redis_errors("retain"):
-                trimmed, _, _ = await self._scripts["retain"](
-                    keys=[
-                        result_list,
-                        keys.result_side_key(result_list, "pushed"),
-                        keys.result_side_key(result_list, "marks"),
-                    ],
-                    args=[ttl, max(ttl, keys.MARKS_HORIZON_SECONDS)],
-                )
-            if trimmed:
-                log.warning("results_trimmed", result_list=result_list, count=trimmed, ttl=ttl)
-                if self._ctx.metrics is not None:
-                    self._ctx.metrics.results_trimmed_total.labels(result_list).inc(trimmed)
-
-    async def move_due(self) -> None:
-        """Move every due retry back to its origin queue, scored by its deadline (in
-        cluster mode each queue's own retry set, one slot per call)."""
-        names = [q.name for q in self.queues]
-        groups = (
-            [[self._keys.retry(n, ""), n] for n in names]
-            if self._keys.cluster
-            else [[self.config.retry_queue_name, *names]]
-        )
-        for retry_keys in groups:
-            await _drain("retry_move", self._scripts["move_due"], retry_keys)
-
-    async def expire_due(self) -> None:
-        """Answer every queued member past its deadline with its DEADLINE_EXCEEDED result
-        (dedup marker included), without a worker slot (docs/architecture.md G7). Any replica may
-        run it: the script answers a member only while it is still queued."""
-        for queue in self.queues:
-            answered = await self._expire_queue(queue)
-            if answered:
-                log.info("expired_answered", queue=queue.name, count=answered)
-                if self._ctx.metrics is not None:
-                    bound = self._ctx.metrics.queue(queue.id, queue.name, queue.pool)
-                    bound.exceeded_deadline_total.inc(answered)
-
-    async def _expire_queue(self, queue: QueueSpec) -> int:
-        answered = skipped = 0
-        while True:
-            now = time.time()
-            with redis_errors("expire"):
-                raws = await self._scripts["expired"](
-                    keys=[queue.name],
-                    args=[now, skipped, EXPIRE_CHUNK, self._ctx.max_message_bytes],
-                )
-            items = [item for raw in raws if (item := self._expired(queue, raw, now))]
-            skipped += len(raws) - len(items)
-            if items:
-                replies = await self._write_results(items, queued=True)
-                answered += sum(held for _, held, _ in replies)
-            if len(raws) < EXPIRE_CHUNK:
-                return answered
-
-    def _expired(self, queue: QueueSpec, raw: bytes, now: float) -> tuple[Delivery, Result] | None:
-        """The member's DEADLINE_EXCEEDED result; None for one a worker must handle (it does
-        not decode, so it is answered INVALID_REQUEST or dead-lettered, or its score lies)."""
-        if not raw:  # over --max-message-bytes: not even fetched
-            return None
-        delivery = Delivery(queue=queue, raw=raw)
-        try:
-            envelope = self.decode(delivery)
-        except InvalidMessage:
-            return None
-        if envelope.request.deadline >= now:
-            return None
-        return delivery, expired(envelope.id, last_answer(envelope.routing)).result
-
-
-async def _drain(action: str, script: AsyncScript, script_keys: list[str]) -> None:
-    """Repeat a chunked move script until a call moves less than a full chunk."""
-    total = 0
-    while True:
-        with redis_errors(action):
-            moved = int(await script(keys=script_keys, args=[CHUNK]))
-        total += moved
-        if moved < CHUNK:
-            break
-    if total:
-        log.info(f"{action}_moved", count=total)
-
-
-async def _every(name: str, interval: float, step: Callable[[], Awaitable[None]]) -> None:
-    """Run ``step`` every ``interval`` s; on failure log and back off, never crash."""
-    failures = 0
-    while True:
-        try:
-            await step()
-            failures = 0
-        except TransportError as exc:
-            failures += 1
-            log.warning("upkeep_failed", task=name, error=str(exc), failures=failures)
-        delay = interval if not failures else min(UPKEEP_MAX_BACKOFF, interval * 2**failures)
-        await anyio.sleep(delay)
-
 
 def _by_queue(items: Sequence[tuple[Delivery, Result]]) -> dict[str, list[int]]:
     """Indexes of ``items`` per queue name, in order: a queue's keys share one cluster slot
@@ -641,28 +454,13 @@ def _by_queue(items: Sequence[tuple[Delivery, Result]]) -> dict[str, list[int]]:
     return groups
 
 
-def _claim(delivery: Delivery) -> Claim:
-    if not isinstance(delivery.handle, Claim):
-        raise TypeError("delivery was not fetched by the redis-sortedset transport")
-    return delivery.handle
-
-
-def _token(delivery: Delivery) -> str:
-    return delivery.envelope.routing.request_token if delivery.envelope else ""
-
-
-def _deadline(delivery: Delivery) -> float:
-    envelope = delivery.envelope
-    return float(envelope.request.deadline) if envelope else _claim(delivery).score
-
-
 def _defer_args(item: Deferral) -> list[bytes | float | str]:
     """(member, score, mode): the updated envelope at its deadline, or due after the delay."""
     delivery = item.delivery
     member = delivery.envelope.encode() if delivery.envelope else delivery.raw
     if item.delay > 0:
-        return [member, item.delay, "delay", _deadline(delivery)]
-    return [member, _deadline(delivery), "at"]
+        return [member, item.delay, "delay", deadline_of(delivery)]
+    return [member, deadline_of(delivery), "at"]
 
 
 @TRANSPORTS.register("redis-sortedset", SortedSetConfig)

@@ -20,7 +20,8 @@ from async_processor.messages import ID_PREFIX_BYTES, Envelope, ErrorCode, Reque
 from async_processor.metrics import Metrics
 from async_processor.transports import build_transport, redis_keys
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
-from async_processor.transports.redis_sortedset import CHUNK, SortedSetTransport
+from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_upkeep import CHUNK
 from tests.fixtures.servers import free_port
 
 pytestmark = pytest.mark.anyio
@@ -541,7 +542,7 @@ async def test_heartbeat_never_extends_a_lease_another_replica_reclaimed(make_co
         await a.heartbeat()
         assert await r.zscore(redis_keys.inflight_key(q), first.handle.id) is None
         assert await r.zscore(redis_keys.inflight_key(q), second.handle.id) == b_expiry
-        assert first.handle.id not in a._held[q]
+        assert first.handle.id not in a._claims.held[q]
         # a finishes anyway: its result counts once, and b's later one is the duplicate.
         await a.complete([Completion(first, Result.http("contested", 200, b"a"))])
         await b.complete([Completion(second, Result.http("contested", 200, b"b"))])

@@ -15,11 +15,9 @@ from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope, Request, Result, Routing
 from async_processor.transports import redis_keys
 from async_processor.transports.base import Completion, Deferral, TransportContext
-from async_processor.transports.redis_sortedset import (
-    STALE_CLAIM_GRACE,
-    SortedSetTransport,
-    _every,
-)
+from async_processor.transports.redis_claims import STALE_CLAIM_GRACE
+from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_upkeep import _every
 
 pytestmark = pytest.mark.anyio
 Q = "queue-a"
@@ -118,7 +116,7 @@ async def test_heartbeat_forgets_lost_and_stale_claims(fake) -> None:
     await anyio.sleep(0.01)
     await transport.heartbeat()
     assert await fake.zscore(redis_keys.inflight_key(Q), deliveries[0].handle.id) > before
-    assert list(transport._held[Q]) == [deliveries[0].handle.id]
+    assert list(transport._claims.held[Q]) == [deliveries[0].handle.id]
 
 
 async def test_defer_after_lost_lease_does_not_duplicate(fake) -> None:
@@ -130,7 +128,7 @@ async def test_defer_after_lost_lease_does_not_duplicate(fake) -> None:
     await transport.dead_letter(delivery, "r", "d")
     assert await fake.zcard("retry-sortedset") == 0
     assert await fake.llen(redis_keys.dead_letter_key(Q)) == 0
-    assert transport._held[Q] == {}
+    assert transport._claims.held[Q] == {}
 
 
 async def test_defer_without_envelope_puts_raw_bytes_back_at_claimed_score(fake) -> None:

@@ -1,0 +1,96 @@
+"""Claim bookkeeping for redis-sortedset: what a fetched delivery's receipt is and which
+claims this process holds.
+
+A fetch records each claim here (``hold``); the heartbeat extends the ones still held and
+not long past their deadline (``renewable``); an ack in flight is marked ``acking`` so a
+heartbeat that misses its claim does not take it for a lost lease; whatever settles or is
+abandoned is ``release``d (docs/architecture.md G1, G11).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import structlog
+
+from async_processor.transports.base import Delivery
+
+log = structlog.get_logger(__name__)
+
+# Stop extending a claim this long after its deadline: by then the pipeline has answered
+# it, so a claim still held is a leak, and letting it expire hands the message back.
+STALE_CLAIM_GRACE = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A delivery's receipt: the claim id in ``<queue>:inflight`` and its original score.
+
+    ``cancelled`` is the cancel check made with the fetch (one MGET per batch instead of a
+    GET per message); the first ``is_cancelled`` uses it, later ones ask Redis again.
+    ``size`` is the member's size in bytes; ``digest`` (its SHA-1) is set only for a member
+    over ``--max-message-bytes``, of which the delivery holds a prefix only.
+    """
+
+    id: str
+    score: float
+    size: int = 0
+    digest: str = ""
+    cancelled: bool | None = None
+
+
+def claim_of(delivery: Delivery) -> Claim:
+    if not isinstance(delivery.handle, Claim):
+        raise TypeError("delivery was not fetched by the redis-sortedset transport")
+    return delivery.handle
+
+
+def token_of(delivery: Delivery) -> str:
+    return delivery.envelope.routing.request_token if delivery.envelope else ""
+
+
+def deadline_of(delivery: Delivery) -> float:
+    envelope = delivery.envelope
+    return float(envelope.request.deadline) if envelope else claim_of(delivery).score
+
+
+class ClaimBook:
+    """The claims this process holds, per queue name, and those whose ack is on its way."""
+
+    def __init__(self, queue_names: Sequence[str]) -> None:
+        self.held: dict[str, dict[str, Delivery]] = {name: {} for name in queue_names}
+        self._settling: set[str] = set()
+
+    def hold(self, delivery: Delivery) -> None:
+        self.held.setdefault(delivery.queue.name, {})[claim_of(delivery).id] = delivery
+
+    def release(self, delivery: Delivery) -> None:
+        self.held.get(delivery.queue.name, {}).pop(claim_of(delivery).id, None)
+
+    @contextmanager
+    def acking(self, deliveries: Iterable[Delivery]) -> Iterator[None]:
+        ids = {claim_of(d).id for d in deliveries}
+        self._settling |= ids
+        try:
+            yield
+        finally:
+            self._settling -= ids
+
+    def renewable(self, queue_name: str) -> list[str]:
+        """Held claim ids, dropping those long past their deadline (a leak, see above)."""
+        held = self.held.get(queue_name, {})
+        cutoff = time.time() - STALE_CLAIM_GRACE
+        stale = [cid for cid, d in held.items() if deadline_of(d) < cutoff]
+        for claim_id in stale:
+            log.warning("stale_claim_released", claim=claim_id)
+            del held[claim_id]
+        return list(held)
+
+    def forget_lost(self, queue_name: str, claim_ids: Iterable[str]) -> list[str]:
+        """Forget claims whose lease Redis no longer has; a claim acked while the extend
+        was on its way is not lost, only done. Returns the ones really lost."""
+        held = self.held.get(queue_name, {})
+        return [c for c in claim_ids if c not in self._settling and held.pop(c, None) is not None]

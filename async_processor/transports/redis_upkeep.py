@@ -1,0 +1,184 @@
+"""Upkeep for redis-sortedset: the loops that keep claims and queues healthy between
+fetches, on every replica (docs/architecture.md G1, G7).
+
+heartbeat (extend this process's leases), reap (expired claims back on their queue, any
+replica's), move_due (due retries back on their origin queue), expire_due (queued members
+past their deadline answered without a worker) and retain (unconsumed results trimmed).
+``SortedSetTransport`` mixes this in; ``run`` is its upkeep task.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from redis.commands.core import AsyncScript
+
+from async_processor.config import SortedSetConfig
+from async_processor.errors import InvalidMessage, TransportError
+from async_processor.messages import Envelope, Result
+from async_processor.retry import expired, last_answer
+from async_processor.transports import redis_keys as keys
+from async_processor.transports.base import Delivery, QueueSpec, TransportContext
+from async_processor.transports.redis_claims import ClaimBook
+from async_processor.transports.redis_keys import redis_errors
+from async_processor.transports.redis_keyspace import KeySpace
+
+log = structlog.get_logger(__name__)
+
+RETRY_MOVE_INTERVAL = 0.2  # seconds between checks of the retry set for due members
+CHUNK = 500  # members per reaper / retry-mover / heartbeat script call
+EXPIRE_INTERVAL = 0.5  # seconds between deadline sweeps: results within ~1 s of a deadline
+RETAIN_INTERVAL = 10.0  # seconds between retention rounds: results trimmed within TTL + this
+EXPIRE_CHUNK = 20  # members decoded per sweep round trip (each up to --max-message-bytes)
+UPKEEP_MAX_BACKOFF = 5.0
+
+WriteResults = Callable[..., Awaitable[list[tuple[int, int, int]]]]
+
+
+class SortedSetUpkeep:
+    """The upkeep half of ``SortedSetTransport``: it uses the transport's state, below."""
+
+    config: SortedSetConfig
+    queues: Sequence[QueueSpec]
+    _ctx: TransportContext
+    _keys: KeySpace
+    _scripts: dict[str, AsyncScript]
+    _claims: ClaimBook
+    decode: Callable[[Delivery], Envelope]
+    _write_results: WriteResults
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Heartbeat, reaper and retry mover, until cancelled."""
+        lease = self.config.lease_seconds
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_every, "heartbeat", lease / 3, self.heartbeat)
+            tg.start_soon(_every, "reap", lease / 2, self.reap)
+            tg.start_soon(_every, "retry_move", RETRY_MOVE_INTERVAL, self.move_due)
+            tg.start_soon(_every, "expire", EXPIRE_INTERVAL, self.expire_due)
+            tg.start_soon(_every, "retain", RETAIN_INTERVAL, self.retain)
+            task_status.started()
+
+    async def heartbeat(self) -> None:
+        """Extend every lease this process holds; forget claims that were taken back."""
+        for name in self._claims.held:
+            claim_ids = self._claims.renewable(name)
+            for start in range(0, len(claim_ids), CHUNK):
+                with redis_errors("heartbeat"):
+                    lost = await self._scripts["extend"](
+                        keys=[self._keys.inflight(name)],
+                        args=[self.config.lease_seconds, *claim_ids[start : start + CHUNK]],
+                    )
+                really_lost = self._claims.forget_lost(name, (c.decode() for c in lost))
+                if really_lost:
+                    log.warning("leases_lost", queue=name, count=len(really_lost))
+
+    async def reap(self) -> None:
+        """Put every expired claim of every configured queue back with its deadline score."""
+        for queue in self.queues:
+            name = queue.name
+            inflight = [name, self._keys.inflight(name), self._keys.inflight_meta(name)]
+            await _drain("reap", self._scripts["reap"], inflight)
+
+    async def retain(self) -> None:
+        """Per configured result list: record its pushed count (the marks that date its
+        entries, also read by ``status``) and trim what is unconsumed past its TTL."""
+        for result_list, ttl in self.config.result_ttls().items():
+            with redis_errors("retain"):
+                trimmed, _, _ = await self._scripts["retain"](
+                    keys=[
+                        result_list,
+                        keys.result_side_key(result_list, "pushed"),
+                        keys.result_side_key(result_list, "marks"),
+                    ],
+                    args=[ttl, max(ttl, keys.MARKS_HORIZON_SECONDS)],
+                )
+            if trimmed:
+                log.warning("results_trimmed", result_list=result_list, count=trimmed, ttl=ttl)
+                if self._ctx.metrics is not None:
+                    self._ctx.metrics.results_trimmed_total.labels(result_list).inc(trimmed)
+
+    async def move_due(self) -> None:
+        """Move every due retry back to its origin queue, scored by its deadline (in
+        cluster mode each queue's own retry set, one slot per call)."""
+        names = [q.name for q in self.queues]
+        groups = (
+            [[self._keys.retry(n, ""), n] for n in names]
+            if self._keys.cluster
+            else [[self.config.retry_queue_name, *names]]
+        )
+        for retry_keys in groups:
+            await _drain("retry_move", self._scripts["move_due"], retry_keys)
+
+    async def expire_due(self) -> None:
+        """Answer every queued member past its deadline with its DEADLINE_EXCEEDED result
+        (dedup marker included), without a worker slot (docs/architecture.md G7). Any replica may
+        run it: the script answers a member only while it is still queued."""
+        for queue in self.queues:
+            answered = await self._expire_queue(queue)
+            if answered:
+                log.info("expired_answered", queue=queue.name, count=answered)
+                if self._ctx.metrics is not None:
+                    bound = self._ctx.metrics.queue(queue.id, queue.name, queue.pool)
+                    bound.exceeded_deadline_total.inc(answered)
+
+    async def _expire_queue(self, queue: QueueSpec) -> int:
+        answered = skipped = 0
+        while True:
+            now = time.time()
+            with redis_errors("expire"):
+                raws = await self._scripts["expired"](
+                    keys=[queue.name],
+                    args=[now, skipped, EXPIRE_CHUNK, self._ctx.max_message_bytes],
+                )
+            items = [item for raw in raws if (item := self._expired(queue, raw, now))]
+            skipped += len(raws) - len(items)
+            if items:
+                replies = await self._write_results(items, queued=True)
+                answered += sum(held for _, held, _ in replies)
+            if len(raws) < EXPIRE_CHUNK:
+                return answered
+
+    def _expired(self, queue: QueueSpec, raw: bytes, now: float) -> tuple[Delivery, Result] | None:
+        """The member's DEADLINE_EXCEEDED result; None for one a worker must handle (it does
+        not decode, so it is answered INVALID_REQUEST or dead-lettered, or its score lies)."""
+        if not raw:  # over --max-message-bytes: not even fetched
+            return None
+        delivery = Delivery(queue=queue, raw=raw)
+        try:
+            envelope = self.decode(delivery)
+        except InvalidMessage:
+            return None
+        if envelope.request.deadline >= now:
+            return None
+        return delivery, expired(envelope.id, last_answer(envelope.routing)).result
+
+
+async def _drain(action: str, script: AsyncScript, script_keys: list[str]) -> None:
+    """Repeat a chunked move script until a call moves less than a full chunk."""
+    total = 0
+    while True:
+        with redis_errors(action):
+            moved = int(await script(keys=script_keys, args=[CHUNK]))
+        total += moved
+        if moved < CHUNK:
+            break
+    if total:
+        log.info(f"{action}_moved", count=total)
+
+
+async def _every(name: str, interval: float, step: Callable[[], Awaitable[None]]) -> None:
+    """Run ``step`` every ``interval`` s; on failure log and back off, never crash."""
+    failures = 0
+    while True:
+        try:
+            await step()
+            failures = 0
+        except TransportError as exc:
+            failures += 1
+            log.warning("upkeep_failed", task=name, error=str(exc), failures=failures)
+        delay = interval if not failures else min(UPKEEP_MAX_BACKOFF, interval * 2**failures)
+        await anyio.sleep(delay)
