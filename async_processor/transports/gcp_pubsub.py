@@ -43,8 +43,6 @@ from google.auth.exceptions import GoogleAuthError
 from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
 from google.pubsub_v1.types import (
     AcknowledgeRequest,
-    PublishRequest,
-    PubsubMessage,
     PullResponse,
 )
 from prometheus_client import Histogram
@@ -70,6 +68,14 @@ from async_processor.transports.gcp_leases import (
     receipt,
     unless_hopeless,
 )
+from async_processor.transports.gcp_publish import (
+    DEDUP_MEMORY,
+    PUBLISH_CHUNK_COUNT,
+    RPC_TIMEOUT,
+    Publisher,
+    dead_letter_topic,
+    message_key,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -77,17 +83,10 @@ LEASE_TICK = 1.0
 MIN_ACK_DEADLINE = 10  # Pub/Sub's minimum (and default)
 MAX_ACK_DEADLINE = 600  # Pub/Sub's maximum; longer deferrals come back after 600 s
 PULL_GRACE = 1.0  # the pull RPC deadline is the fetch's wait plus this
-RPC_TIMEOUT = 10.0
 HEALTH_WINDOW = 30.0  # a pull/publish outcome newer than this decides readiness
-PUBLISH_CHUNK_COUNT = 1000  # Pub/Sub's per-request limits: 1000 messages, 10 MB
-PUBLISH_CHUNK_BYTES = 9 * 1024 * 1024
-DEDUP_MEMORY = 65536  # message ids whose result this process published
 # The raw protobuf classes behind proto-plus: built and read without marshalling per field.
-RAW_MESSAGE: Any = PubsubMessage.pb()
-RAW_PUBLISH: Any = PublishRequest.pb()
 RAW_ACK: Any = AcknowledgeRequest.pb()
 DEAD_LETTER_RETRY = 5.0  # an uncopied dead letter comes back after this, not in a hot loop
-ATTRIBUTE_BYTES = 1024  # Pub/Sub's limit on an attribute value
 
 
 @dataclass(slots=True)
@@ -100,12 +99,6 @@ class _Status:
 def resource_path(project: str, kind: str, name: str) -> str:
     """``projects/<project>/<kind>/<name>``, or ``name`` as is when already a full path."""
     return name if name.startswith("projects/") else f"projects/{project}/{kind}/{name}"
-
-
-def dead_letter_topic(subscription: str) -> str:
-    """The optional topic undecodable messages are copied to: ``<subscription>-dead-letter``."""
-    project, _, short = subscription.removeprefix("projects/").partition("/subscriptions/")
-    return f"projects/{project}/topics/{short}-dead-letter"
 
 
 class GcpPubSubTransport:
@@ -143,7 +136,7 @@ class GcpPubSubTransport:
         self._deadline_lock = anyio.Lock()
         self._ack_deadlines: dict[str, int] = {}  # subscription -> its own ack deadline
         self._status: dict[str, _Status] = defaultdict(_Status)  # resource -> last outcome
-        self._published: OrderedDict[str, None] = OrderedDict()  # "<sub>/<message id>"
+        self._publishing = Publisher(lambda: self._clients()[1], self._rpc)
         # Routing of messages this process deferred: Pub/Sub cannot carry it back, and its
         # delivery_attempt exists only with a dead-letter policy (best effort, per process).
         self._carried: OrderedDict[str, Routing] = OrderedDict()
@@ -260,7 +253,7 @@ class GcpPubSubTransport:
         request = decode_request(delivery.raw, max_bytes=self._ctx.max_message_bytes)
         request.metadata = {**request.metadata, **delivery.attributes}
         held = receipt(delivery)
-        carried = self._carried.pop(_key(held), None)
+        carried = self._carried.pop(message_key(held), None)
         routing = Routing(
             # delivery_attempt counts redeliveries only under a dead-letter policy; what this
             # process deferred it remembers itself.
@@ -281,33 +274,9 @@ class GcpPubSubTransport:
         """Publish the results, await their confirmation, then ack the messages."""
         if not items:
             return
-        pending = [(d, r.encode()) for d, r in items if not self._already_published(receipt(d))]
-        for chunk in _publish_chunks(pending):
-            await self._publish(self._result_topic, [RAW_MESSAGE(data=data) for _, data in chunk])
-            for delivery, _ in chunk:
-                self._remember_published(receipt(delivery))
+        await self._publishing.results(self._result_topic, items)
         await self._acknowledge([d for d, _ in items])
         self._observe_latency(d for d, _ in items)
-
-    def _already_published(self, held: Receipt) -> bool:
-        if held.published or _key(held) in self._published:
-            if not held.published:
-                log.info("duplicate_result_skipped", message_id=held.message_id)
-            return True
-        return False
-
-    def _remember_published(self, held: Receipt) -> None:
-        held.published = True
-        self._published[_key(held)] = None
-        if len(self._published) > DEDUP_MEMORY:
-            self._published.popitem(last=False)
-
-    async def _publish(self, topic: str, messages: list[Any]) -> None:
-        """Publish raw ``PubsubMessage`` protobufs (built without proto-plus, sent as is)."""
-        _, publisher = self._clients()
-        request = PublishRequest.wrap(RAW_PUBLISH(topic=topic, messages=messages))
-        with self._rpc(topic, "publish"):
-            await publisher.publish(request=request, timeout=RPC_TIMEOUT, retry=None)
 
     async def _acknowledge(self, deliveries: Sequence[Delivery]) -> None:
         subscriber, _ = self._clients()
@@ -357,7 +326,7 @@ class GcpPubSubTransport:
         envelope = delivery.envelope
         if envelope is None or not (envelope.routing.retry_count or envelope.routing.last_status):
             return
-        self._carried[_key(receipt(delivery))] = envelope.routing
+        self._carried[message_key(receipt(delivery))] = envelope.routing
         if len(self._carried) > DEDUP_MEMORY:
             self._carried.popitem(last=False)
 
@@ -368,20 +337,18 @@ class GcpPubSubTransport:
         optional: then the message is only logged and counted). Any other publish failure
         hands the message back for redelivery and raises: an unconfirmed copy is no copy.
         """
-        held = receipt(delivery)
-        topic = dead_letter_topic(held.subscription)
-        attributes = {"reason": reason, "detail": _attribute(detail), "message_id": held.message_id}
         try:
-            await self._publish(topic, [RAW_MESSAGE(data=delivery.raw, attributes=attributes)])
+            await self._publishing.dead_letter(delivery, reason, detail)
         except TransportError as exc:
             if not isinstance(exc.__cause__, gexc.NotFound):
                 await self._redeliver_later(delivery, DEAD_LETTER_RETRY)
                 raise
+            topic = dead_letter_topic(receipt(delivery).subscription)
             log.warning("dead_letter_not_copied", topic=topic, error=str(exc))
         log.warning(
             "message_dead_lettered",
             queue=delivery.queue.name,
-            message_id=held.message_id,
+            message_id=receipt(delivery).message_id,
             reason=reason,
             detail=detail,
         )
@@ -477,33 +444,6 @@ class GcpPubSubTransport:
             await self._backlog.aclose()
 
 
-def _publish_chunks(
-    items: Sequence[tuple[Delivery, bytes]],
-) -> Iterator[list[tuple[Delivery, bytes]]]:
-    """Split into publish requests within Pub/Sub's count and size limits."""
-    chunk: list[tuple[Delivery, bytes]] = []
-    size = 0
-    for item in items:
-        if chunk and (
-            len(chunk) >= PUBLISH_CHUNK_COUNT or size + len(item[1]) > PUBLISH_CHUNK_BYTES
-        ):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(item)
-        size += len(item[1])
-    if chunk:
-        yield chunk
-
-
 @TRANSPORTS.register("gcp-pubsub", GcpPubSubConfig)
 def build(config: GcpPubSubConfig, ctx: TransportContext) -> GcpPubSubTransport:
     return GcpPubSubTransport(config, ctx)
-
-
-def _attribute(text: str) -> str:
-    """``text`` cut to an attribute value's byte limit, on a character boundary."""
-    return text.encode()[:ATTRIBUTE_BYTES].decode(errors="ignore")
-
-
-def _key(held: Receipt) -> str:
-    return f"{held.subscription}/{held.message_id}"

@@ -17,11 +17,8 @@ from async_processor.messages import Result
 from async_processor.transports.base import Completion, Delivery, TransportContext
 from async_processor.transports.gcp_backlog import BacklogReader
 from async_processor.transports.gcp_leases import Receipt
-from async_processor.transports.gcp_pubsub import (
-    GcpPubSubTransport,
-    dead_letter_topic,
-    resource_path,
-)
+from async_processor.transports.gcp_publish import dead_letter_topic
+from async_processor.transports.gcp_pubsub import GcpPubSubTransport, resource_path
 from tests.fixtures.servers import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.gcp]
