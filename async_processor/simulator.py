@@ -17,22 +17,21 @@ import random
 import signal
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
 from aiohttp import web
 from anyio.abc import TaskStatus
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
 from async_processor.cliargs import duration, parse, subcommand_parser
 from async_processor.durations import format_duration
-from async_processor.gates import epp
 from async_processor.health import listening
+from async_processor.sim_admin import JSON, add_admin_routes, error_response
+from async_processor.sim_capacity import Slots
+from async_processor.sim_metrics import SimCollector
 from async_processor.sim_pool import PoolConfig
 from async_processor.sim_serving import (
     TIMING_HEADER,
@@ -48,7 +47,6 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 RECORDED_REQUESTS = 1000
 DEFAULT_MAX_TOKENS = 16
-JSON = "application/json"
 
 
 class SimConfig(BaseModel):
@@ -80,28 +78,17 @@ class SimConfig(BaseModel):
 
 
 @dataclass
-class _Waiter:
-    """One request queued for a running slot; ``granted`` means the slot is now its own."""
-
-    event: anyio.Event = field(default_factory=anyio.Event)
-    granted: bool = False
-
-
-@dataclass
 class SimStats:
     total: int = 0
     by_status: Counter[str] = field(default_factory=Counter)
-    max_running_seen: int = 0
-    running: int = 0
-    waiting: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, slots: Slots) -> dict[str, Any]:
         return {
             "total": self.total,
             "by_status": dict(self.by_status),
-            "max_concurrent_seen": self.max_running_seen,
-            "running": self.running,
-            "waiting": self.waiting,
+            "max_concurrent_seen": slots.max_running_seen,
+            "running": slots.running,
+            "waiting": slots.waiting,
         }
 
 
@@ -114,12 +101,12 @@ class Simulator:
         self.pool = PoolRuntime(pool) if pool else None
         self._rng = random.Random(self.config.seed)
         self._stats = SimStats()
-        self._queue: deque[_Waiter] = deque()
+        self._slots = Slots()
         self._recorded: deque[tuple[str, dict[str, str], bytes]] = deque(maxlen=RECORDED_REQUESTS)
         self.registry = CollectorRegistry()
-        self.registry.register(_SimCollector(self))
+        self.registry.register(SimCollector(self))
         if self.pool:
-            self.registry.register(PoolCollector(self.pool, self._vllm_labels))
+            self.registry.register(PoolCollector(self.pool, self.vllm_labels))
 
     # -- run-time control -------------------------------------------------------------
 
@@ -128,13 +115,12 @@ class Simulator:
         self.config = SimConfig.model_validate({**self.config.model_dump(), **changes})
         if "seed" in changes:
             self._rng = random.Random(self.config.seed)
-        self._admit_waiters()
+        self._slots.admit(self.config.max_concurrent)
         return self.config
 
     @property
     def stats(self) -> dict[str, Any]:
-        self._stats.waiting = len(self._queue)
-        return self._stats.as_dict()
+        return self._stats.as_dict(self._slots)
 
     def load(self) -> Load:
         """Running and waiting requests per pod, and the pool's saturation (0..1)."""
@@ -144,7 +130,7 @@ class Simulator:
         saturation = min(1.0, s["running"] / c.max_concurrent) if c.max_concurrent else 0.0
         return Load([("", s["running"], s["waiting"])], saturation)
 
-    def _vllm_labels(self) -> dict[str, str]:
+    def vllm_labels(self) -> dict[str, str]:
         c = self.config
         return {"model_name": c.model, "inference_pool": c.pool, "namespace": c.namespace}
 
@@ -156,51 +142,9 @@ class Simulator:
 
     def reset(self) -> None:
         """Forget counters and recorded requests (running/waiting stay what they are)."""
-        running = self._stats.running
-        self._stats = SimStats(running=running, max_running_seen=running)
+        self._stats = SimStats()
+        self._slots.max_running_seen = self._slots.running
         self._recorded.clear()
-
-    # -- capacity -----------------------------------------------------------------------
-
-    def _has_free_slot(self) -> bool:
-        limit = self.config.max_concurrent
-        return limit == 0 or self._stats.running < limit
-
-    def _take_slot(self) -> None:
-        s = self._stats
-        s.running += 1
-        s.max_running_seen = max(s.max_running_seen, s.running)
-
-    def _release_slot(self) -> None:
-        self._stats.running -= 1
-        self._admit_waiters()
-
-    def _admit_waiters(self) -> None:
-        while self._queue and self._has_free_slot():
-            waiter = self._queue.popleft()
-            waiter.granted = True
-            self._take_slot()
-            waiter.event.set()
-
-    async def _acquire(self) -> bool:
-        """Take a running slot, queueing FIFO; False when the queue is full too."""
-        if self._has_free_slot() and not self._queue:
-            self._take_slot()
-            return True
-        if len(self._queue) >= self.config.max_waiting:
-            return False
-        waiter = _Waiter()
-        self._queue.append(waiter)
-        try:
-            await waiter.event.wait()
-        except BaseException:
-            # The client left: give up the place, or the slot if it was handed over.
-            if waiter.granted:
-                self._release_slot()
-            else:
-                self._queue.remove(waiter)
-            raise
-        return True
 
     # -- handlers -----------------------------------------------------------------------
 
@@ -210,12 +154,12 @@ class Simulator:
         self._recorded.append((request.path, dict(request.headers), body))
         if self.pool:
             return self._answer(await self._pooled(request, body, self.pool))
-        if not await self._acquire():
+        if not await self._slots.acquire(self.config.max_concurrent, self.config.max_waiting):
             return self._answer(_capacity_response(self.config.retry_after))
         try:
             return self._answer(await self._respond(request, body))
         finally:
-            self._release_slot()
+            self._slots.release(self.config.max_concurrent)
 
     def _answer(self, response: web.Response) -> web.Response:
         self._stats.by_status[str(response.status)] += 1
@@ -233,7 +177,7 @@ class Simulator:
             self._stats.by_status["hang"] += 1
             await anyio.sleep_forever()  # cancelled when the client goes away
         if fault == "error":
-            return _error_response(config.error_status, "simulated server error", "server_error")
+            return error_response(config.error_status, "simulated server error", "server_error")
         parsed = _parse(body)
         if isinstance(parsed, web.Response):
             return parsed
@@ -274,47 +218,11 @@ class Simulator:
             draw -= rate
         return ""
 
-    async def _metrics(self, _: web.Request) -> web.Response:
-        body = generate_latest(self.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def _healthz(self, _: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def _get_config(self, _: web.Request) -> web.Response:
-        return web.json_response(self.config.model_dump())
-
-    async def _post_config(self, request: web.Request) -> web.Response:
-        try:
-            changes = await request.json()
-            if not isinstance(changes, dict):
-                raise ValueError("expected a JSON object")
-            config = self.set_config(**changes)
-        except ValueError as exc:  # pydantic's ValidationError is a ValueError
-            return _error_response(400, str(exc), "invalid_request_error")
-        return web.json_response(config.model_dump())
-
-    async def _get_stats(self, _: web.Request) -> web.Response:
-        return web.json_response(self.stats)
-
-    async def _get_requests(self, _: web.Request) -> web.Response:
-        return web.json_response(self.recorded())
-
-    async def _post_reset(self, _: web.Request) -> web.Response:
-        self.reset()
-        return web.json_response(self.stats)
-
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         for path in COMPLETION_PATHS:
             app.router.add_post(path, self._completion)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/admin/config", self._get_config)
-        app.router.add_post("/admin/config", self._post_config)
-        app.router.add_get("/admin/stats", self._get_stats)
-        app.router.add_get("/admin/requests", self._get_requests)
-        app.router.add_post("/admin/reset", self._post_reset)
+        add_admin_routes(app, self)
         if self.pool:
             self.pool.add_routes(app)
         return app
@@ -343,7 +251,7 @@ def _parse(body: bytes) -> dict[str, Any] | web.Response:
             raise ValueError("the body is not a JSON object")
         _max_tokens(parsed)
     except (ValueError, TypeError) as exc:
-        return _error_response(400, f"invalid request body: {exc}", "invalid_request_error")
+        return error_response(400, f"invalid request body: {exc}", "invalid_request_error")
     return parsed
 
 
@@ -380,82 +288,11 @@ def _completion_body(request: dict[str, Any], chat: bool, max_tokens: int) -> by
     ).encode()
 
 
-def _error_response(status: int, message: str, kind: str) -> web.Response:
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}})
-    return web.Response(status=status, text=body, content_type=JSON)
-
-
 def _capacity_response(retry_after: float, reason: str = "capacity") -> web.Response:
-    response = _error_response(429, "simulator capacity is full", "rate_limit_error")
+    response = error_response(429, "simulator capacity is full", "rate_limit_error")
     response.headers["Retry-After"] = f"{retry_after:g}"
     response.headers[DROPPED_REASON_HEADER] = reason
     return response
-
-
-class _SimCollector(Collector):
-    """Gauges computed at scrape time from the live counts (nothing to update per request).
-
-    Names and labels are what the prometheus-budget / -saturation PromQL and the
-    endpoint-scrape gate read: vLLM series carry ``model_name`` and a relabelled
-    ``inference_pool``; EPP pool series carry ``name``; flow-control series carry
-    ``inference_pool``. The queue sizes are the waiting requests, split over the pods.
-    EPP series use the current ``llm_d_epp_*`` names, the legacy ones or both
-    (``epp_metrics``), as llm-d-router v0.9+, older EPPs or dual-emitting ones do.
-    """
-
-    def __init__(self, sim: Simulator) -> None:
-        self._sim = sim
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        c, load = self._sim.config, self._sim.load()
-        vllm = self._sim._vllm_labels()
-        # A pool model reports each pod (label ``pod``); the fixed model one pool-wide series.
-        pods_vllm = [({**vllm, "pod": pod} if pod else vllm, r, w) for pod, r, w in load.per_pod]
-        yield _gauge(
-            "vllm:num_requests_running", "Requests running.", [(v, r) for v, r, _ in pods_vllm]
-        )
-        yield _gauge(
-            "vllm:num_requests_waiting", "Requests waiting.", [(v, w) for v, _, w in pods_vllm]
-        )
-        pods = len(load.per_pod) if self._sim.pool else c.ready_pods
-        for legacy in _EPP_NAMES[c.epp_metrics]:
-            yield from _epp_series(c, legacy, pods, load.waiting, load.saturation)
-
-
-_EPP_NAMES = {"current": (False,), "legacy": (True,), "both": (False, True)}
-
-
-def _epp_series(
-    c: SimConfig, legacy: bool, pods: int, waiting: float, saturation: float
-) -> Iterator[GaugeMetricFamily]:
-    """The EPP's pool and flow-control gauges under the current or the legacy names."""
-
-    def name(metric: epp.EppMetric) -> str:
-        return metric.legacy if legacy else metric.current
-
-    pool = {"name": c.pool, "namespace": c.namespace}
-    flow = {"inference_pool": c.pool, "model_name": c.model, "namespace": c.namespace}
-    endpoint = "model_server_pod" if legacy else "model_server_endpoint"
-    per_pod = [({**pool, endpoint: f"sim-{i}"}, waiting / pods) for i in range(pods)]
-    yield _gauge(name(epp.READY_ENDPOINTS), "Ready endpoints in the pool.", [(pool, pods)])
-    yield _gauge(name(epp.PER_ENDPOINT_QUEUE_SIZE), "Queued requests per endpoint.", per_pod)
-    yield _gauge(name(epp.FLOW_CONTROL_QUEUE_SIZE), "Flow-control queue.", [(flow, waiting)])
-    yield _gauge(
-        name(epp.POOL_SATURATION),
-        "Running / capacity, 0..1.",
-        [({"inference_pool": c.pool, "namespace": c.namespace}, saturation)],
-    )
-
-
-def _gauge(
-    name: str, doc: str, series: Iterable[tuple[dict[str, str], float]]
-) -> GaugeMetricFamily:
-    series = list(series)
-    labels = list(series[0][0]) if series else []
-    family = GaugeMetricFamily(name, doc, labels=labels)
-    for values, value in series:
-        family.add_metric([values[k] for k in labels], value)
-    return family
 
 
 # -- command line ---------------------------------------------------------------------

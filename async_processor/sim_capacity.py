@@ -1,0 +1,72 @@
+"""The simulator's fixed capacity model: ``max_concurrent`` requests run at once (0: no
+limit), up to ``max_waiting`` more queue for a slot in arrival order, the rest are shed.
+
+Limits are passed per call, since the simulator's config changes at run time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import anyio
+
+
+@dataclass
+class _Waiter:
+    """One request queued for a running slot; ``granted`` means the slot is now its own."""
+
+    event: anyio.Event = field(default_factory=anyio.Event)
+    granted: bool = False
+
+
+class Slots:
+    """Running slots with a FIFO queue in front of them."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.max_running_seen = 0
+        self._queue: deque[_Waiter] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    async def acquire(self, limit: int, max_waiting: int) -> bool:
+        """Take a running slot, queueing FIFO; False when the queue is full too."""
+        if self._has_free_slot(limit) and not self._queue:
+            self._take()
+            return True
+        if len(self._queue) >= max_waiting:
+            return False
+        waiter = _Waiter()
+        self._queue.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            # The client left: give up the place, or the slot if it was handed over.
+            if waiter.granted:
+                self.release(limit)
+            else:
+                self._queue.remove(waiter)
+            raise
+        return True
+
+    def release(self, limit: int) -> None:
+        self.running -= 1
+        self.admit(limit)
+
+    def admit(self, limit: int) -> None:
+        """Hand free slots to the longest waiters (after a release or a raised limit)."""
+        while self._queue and self._has_free_slot(limit):
+            waiter = self._queue.popleft()
+            waiter.granted = True
+            self._take()
+            waiter.event.set()
+
+    def _has_free_slot(self, limit: int) -> bool:
+        return limit == 0 or self.running < limit
+
+    def _take(self) -> None:
+        self.running += 1
+        self.max_running_seen = max(self.max_running_seen, self.running)
