@@ -3,11 +3,18 @@
 Input: the ``type`` and raw ``parameters`` mapping from a config file. Output: the built
 plugin (gate, merge policy, transform, transport). One registry per kind of plugin; an
 unknown type or a bad parameter is a ``ConfigError`` naming the known choices or the field.
+
+Every kind registers the same way: a factory decorated with ``REGISTRY.register(type,
+params model)`` in a plug-in module, and the registry names its plug-in modules
+(``plugins``), imported at its first lookup (not before: they import the registry's own
+module). Transports differ only in when: ``transports.build_transport`` imports just the
+module of the type in use, so a Redis deployment never loads the Pub/Sub libraries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import importlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -30,9 +37,12 @@ class _Entry(Generic[T, C]):
 class Registry(Generic[T, C]):
     """Type string -> (params model, factory(params, ctx))."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, plugins: Sequence[str] = ()) -> None:
+        """``plugins``: the modules that register this kind's types, imported at the first
+        lookup (imported once: later lookups find them in ``sys.modules``)."""
         self.kind = kind
         self._entries: dict[str, _Entry[T, C]] = {}
+        self._plugins = tuple(plugins)
 
     def register(
         self, type_name: str, params: type[P]
@@ -46,6 +56,7 @@ class Registry(Generic[T, C]):
         return decorate
 
     def known(self) -> list[str]:
+        self._load_plugins()
         return sorted(self._entries)
 
     def params(self, type_name: str, raw: Mapping[str, Any] | None) -> BaseModel:
@@ -61,12 +72,17 @@ class Registry(Generic[T, C]):
         return self._entry(type_name).factory(params, ctx)
 
     def _entry(self, type_name: str) -> _Entry[T, C]:
+        self._load_plugins()
         try:
             return self._entries[type_name]
         except KeyError:
             raise ConfigError(
                 f"unknown {self.kind} type {type_name!r} (known: {', '.join(self.known())})"
             ) from None
+
+    def _load_plugins(self) -> None:
+        for module in self._plugins:
+            importlib.import_module(module)
 
 
 def describe_validation(exc: ValidationError) -> str:

@@ -1,21 +1,5 @@
-"""Admission control gates (queue level and pool level); see ``gates.base``."""
+"""Admission control gates (queue level and pool level); see ``gates.base``.
 
-from __future__ import annotations
-
-import importlib
-
-# Modules that register gate types in ``GATES`` when imported.
-_GATE_MODULES: tuple[str, ...] = (
-    "basic",
-    "adaptive",
-    "redis",
-    "leased_rate",
-    "prometheus",
-    "scrape",
-    "tiers",
-)
-
-
-def load_all() -> None:
-    for name in _GATE_MODULES:
-        importlib.import_module(f"async_processor.gates.{name}")
+Gate types register in ``gates.base.GATES``, which imports their modules at its first
+lookup (``registry.Registry``).
+"""

@@ -184,7 +184,13 @@ class GateParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-GATES: Registry[Gate, GateContext] = Registry("gate")
+GATES: Registry[Gate, GateContext] = Registry(
+    "gate",
+    plugins=[
+        f"async_processor.gates.{name}"
+        for name in ("basic", "adaptive", "redis", "leased_rate", "prometheus", "scrape", "tiers")
+    ],
+)
 
 
 class ConstantParams(GateParams):
@@ -216,12 +222,4 @@ def build_gate(gate_type: str, gate_params: dict[str, Any] | None, ctx: GateCont
     """Gate for a queue/pool entry; empty type = always open; unknown type = ConfigError."""
     if not gate_type:
         return OPEN_GATE
-    _load_builtin_gates()
     return GATES.build(gate_type, gate_params, ctx)
-
-
-def _load_builtin_gates() -> None:
-    """Import the gate modules so they register (kept lazy to avoid import cycles)."""
-    import async_processor.gates as package
-
-    package.load_all()

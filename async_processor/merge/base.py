@@ -38,7 +38,13 @@ class MergeContext:
     metrics: Metrics | None = None
 
 
-MERGE_POLICIES: Registry[MergePolicy, MergeContext] = Registry("merge policy")
+MERGE_POLICIES: Registry[MergePolicy, MergeContext] = Registry(
+    "merge policy",
+    plugins=[
+        f"async_processor.merge.{name}"
+        for name in ("random_robin", "tier_priority", "weighted_fair")
+    ],
+)
 
 
 async def emit(sink: ObjectSendStream[Work], work: Work) -> None:

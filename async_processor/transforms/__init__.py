@@ -22,12 +22,9 @@ from dataclasses import replace
 from async_processor.config import TransformConfig, TransformEntry
 from async_processor.errors import ConfigError, InvalidMessage, MessageError, PayloadUnavailable
 from async_processor.messages import Envelope
-from async_processor.transforms import gcs_multipart, headers_params, payload_url
 from async_processor.transforms.base import TRANSFORMS, Outgoing, Transform, TransformContext
 
 __all__ = ["TRANSFORMS", "TransformChain", "build_transform_chain"]
-
-_TRANSFORM_MODULES = (gcs_multipart, headers_params, payload_url)  # imported to register
 
 VALIDATE_FAILED = "Failed to validate request for transform"
 TRANSFORM_FAILED = "Failed to transform request body"

@@ -44,4 +44,10 @@ class TransformContext:
     name: str = ""  # the config entry's ``name``, set per transform by the chain builder
 
 
-TRANSFORMS: Registry[Transform, TransformContext] = Registry("transform")
+TRANSFORMS: Registry[Transform, TransformContext] = Registry(
+    "transform",
+    plugins=[
+        f"async_processor.transforms.{name}"
+        for name in ("gcs_multipart", "headers_params", "payload_url")
+    ],
+)

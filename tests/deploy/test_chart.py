@@ -43,7 +43,6 @@ from async_processor.config import (
     load_config,
 )
 from async_processor.durations import parse_duration
-from async_processor.gates import load_all
 from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.health import serve_metrics
 from async_processor.messages import ErrorCode, Result
@@ -139,7 +138,6 @@ def populated_metrics() -> Metrics:
     m.tokens_total.labels("q", "default", "none", "prompt")  # the first answer with usage
     m.results_trimmed_total.labels("result-list")  # made by the sorted-set transport
     # Gate gauges register when their gate is built: build one of each kind that has them.
-    load_all()
     ctx = GateContext(owner=GateOwner("", "", "default"), metrics=m)
     build_gate("adaptive-concurrency", None, ctx)
     build_gate("redis-leased-rate", {"address": "127.0.0.1:1", "control_key": "k"}, ctx)
