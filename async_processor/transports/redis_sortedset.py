@@ -55,12 +55,12 @@ from async_processor.transports.redis_claims import (
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keys import redis_errors as redis_errors
 from async_processor.transports.redis_keyspace import KeySpace
+from async_processor.transports.redis_routing import ROUTE_REJECTIONS, ResultRouting
 from async_processor.transports.redis_upkeep import SortedSetUpkeep
 
 log = structlog.get_logger(__name__)
 
 FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on an empty queue
-ROUTE_REJECTIONS = ("reserved_key", "pattern_mismatch", "wrong_type", "cross_slot")
 ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed")
 
 
@@ -86,7 +86,9 @@ class SortedSetTransport(SortedSetUpkeep):
             [*(q.gate_params for q in self.queues), *ctx.gate_params],
             config.result_queue_pattern,
         )
-        self._own_keys = self._keys.own_keys(own, names)
+        self._routing = ResultRouting(
+            config, self._keys, self._keys.own_keys(own, names), ctx.metrics
+        )
         if ctx.metrics is not None:  # every series at 0 from the start, so alerts see a rise
             for queue in self.queues:
                 for reason in ROUTE_REJECTIONS:
@@ -216,7 +218,7 @@ class SortedSetTransport(SortedSetUpkeep):
         """The complete script once per queue of the batch, all in one round trip: for
         claims, or (``queued``) for members still waiting in their queue. Replies, in the
         order of ``items``: (written, held, fell_back)."""
-        targets = [self._result_list(delivery) for delivery, _ in items]
+        targets = [self._routing.target(delivery) for delivery, _ in items]
         groups = _by_queue(items)
         with redis_errors("complete"):
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -236,7 +238,7 @@ class SortedSetTransport(SortedSetUpkeep):
             if not written and (held or not queued):
                 self._duplicate(delivery, result)
             if fell_back:
-                self._route_rejected(delivery, target, "wrong_type")
+                self._routing.rejected(delivery, target, "wrong_type")
         return scripts
 
     async def _complete_group(
@@ -291,45 +293,11 @@ class SortedSetTransport(SortedSetUpkeep):
             self._keys.inflight_meta(name),
             self._keys.active(name, result.id),
             self._keys.cancel(name, result.id),
-            self._configured_list(delivery),
+            self._routing.configured(delivery),
             self._keys.live(name, result.id),
             keys.result_side_key(target, "pushed"),
-            keys.result_side_key(self._configured_list(delivery), "pushed"),
+            keys.result_side_key(self._routing.configured(delivery), "pushed"),
         ]
-
-    def _result_list(self, delivery: Delivery) -> str:
-        """Queue config > the envelope's routing > the transport default (the reference's
-        order), except that the message may not name one of the daemon's own keys, nor a
-        name outside ``result_queue_pattern``: then the configured list
-        (docs/architecture.md G10)."""
-        configured = self._configured_list(delivery)
-        routed = delivery.envelope.routing.result_queue_name if delivery.envelope else ""
-        if delivery.queue.result_queue_name or not routed:
-            return configured
-        reason = self._own_keys.rejection(routed)
-        if reason is None and not self._keys.routable(delivery.queue.name, routed):
-            reason = "cross_slot"
-        if reason is not None:
-            self._route_rejected(delivery, routed, reason)
-            return configured
-        return routed
-
-    def _configured_list(self, delivery: Delivery) -> str:
-        return delivery.queue.result_queue_name or self.config.result_queue_name
-
-    def _route_rejected(self, delivery: Delivery, routed: str, reason: str) -> None:
-        """Log and count a message-named result list the result did not go to."""
-        queue = delivery.queue.name
-        log.warning(
-            "result_route_rejected",
-            request_id=delivery.envelope.id if delivery.envelope else None,
-            queue=queue,
-            result_list=routed,
-            reason=reason,
-            written_to=self._configured_list(delivery),
-        )
-        if self._ctx.metrics is not None:
-            self._ctx.metrics.result_route_rejected_total.labels(queue, reason).inc()
 
     async def _drop_returned(self, deliveries: list[Delivery]) -> None:
         """A completed message whose lease had expired may be back on its queue: remove it
