@@ -30,9 +30,7 @@ import math
 import os
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -59,8 +57,8 @@ from async_processor.transports.base import (
     TransportContext,
 )
 from async_processor.transports.gcp_backlog import BacklogReader
+from async_processor.transports.gcp_health import Readiness
 from async_processor.transports.gcp_leases import (
-    ACK_ID_ERRORS,
     LEASE_SECONDS,
     Leases,
     Receipt,
@@ -83,17 +81,9 @@ LEASE_TICK = 1.0
 MIN_ACK_DEADLINE = 10  # Pub/Sub's minimum (and default)
 MAX_ACK_DEADLINE = 600  # Pub/Sub's maximum; longer deferrals come back after 600 s
 PULL_GRACE = 1.0  # the pull RPC deadline is the fetch's wait plus this
-HEALTH_WINDOW = 30.0  # a pull/publish outcome newer than this decides readiness
 # The raw protobuf classes behind proto-plus: built and read without marshalling per field.
 RAW_ACK: Any = AcknowledgeRequest.pb()
 DEAD_LETTER_RETRY = 5.0  # an uncopied dead letter comes back after this, not in a hot loop
-
-
-@dataclass(slots=True)
-class _Status:
-    ok_at: float = -math.inf
-    error_at: float = -math.inf
-    error: str = ""
 
 
 def resource_path(project: str, kind: str, name: str) -> str:
@@ -135,8 +125,8 @@ class GcpPubSubTransport:
         # deadline would hold the message for a whole lease instead of the backoff.
         self._deadline_lock = anyio.Lock()
         self._ack_deadlines: dict[str, int] = {}  # subscription -> its own ack deadline
-        self._status: dict[str, _Status] = defaultdict(_Status)  # resource -> last outcome
-        self._publishing = Publisher(lambda: self._clients()[1], self._rpc)
+        self._readiness = Readiness()
+        self._publishing = Publisher(lambda: self._clients()[1], self._readiness.rpc)
         # Routing of messages this process deferred: Pub/Sub cannot carry it back, and its
         # delivery_attempt exists only with a dead-letter policy (best effort, per process).
         self._carried: OrderedDict[str, Routing] = OrderedDict()
@@ -152,19 +142,6 @@ class GcpPubSubTransport:
             raise TransportError(f"pubsub credentials: {exc}") from exc
         return self._subscriber, self._publisher
 
-    @contextmanager
-    def _rpc(self, resource: str, action: str) -> Iterator[None]:
-        """Record the outcome for readiness; a Google API failure becomes TransportError."""
-        try:
-            yield
-        except (gexc.GoogleAPIError, GoogleAuthError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            if not isinstance(exc, ACK_ID_ERRORS):  # about some ack ids, not the resource
-                status = self._status[resource]
-                status.error_at, status.error = time.monotonic(), error
-            raise TransportError(f"pubsub {action} on {resource} failed: {error}") from exc
-        self._status[resource].ok_at = time.monotonic()
-
     # ------------------------------------------------------------------ fetch and decode
 
     async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
@@ -175,7 +152,7 @@ class GcpPubSubTransport:
         lease = await self._ack_deadline(subscription)
         subscriber, _ = self._clients()
         # Shielded: a pull cancelled mid-flight strands its messages until their deadline.
-        with anyio.CancelScope(shield=True), self._rpc(subscription, "pull"):
+        with anyio.CancelScope(shield=True), self._readiness.rpc(subscription, "pull"):
             try:
                 response = await subscriber.pull(
                     subscription=subscription,
@@ -214,7 +191,7 @@ class GcpPubSubTransport:
             return known
         subscriber, _ = self._clients()
         try:
-            with self._rpc(subscription, "get_subscription"):
+            with self._readiness.rpc(subscription, "get_subscription"):
                 found = await subscriber.get_subscription(
                     subscription=subscription, timeout=RPC_TIMEOUT, retry=None
                 )
@@ -282,7 +259,7 @@ class GcpPubSubTransport:
         subscriber, _ = self._clients()
         for subscription, ack_ids in ack_groups(deliveries):
             request = AcknowledgeRequest.wrap(RAW_ACK(subscription=subscription, ack_ids=ack_ids))
-            with unless_hopeless(ack_ids), self._rpc(subscription, "acknowledge"):
+            with unless_hopeless(ack_ids), self._readiness.rpc(subscription, "acknowledge"):
                 await subscriber.acknowledge(request=request, timeout=RPC_TIMEOUT, retry=None)
         self._leases.forget(deliveries)
 
@@ -367,7 +344,7 @@ class GcpPubSubTransport:
     ) -> None:
         subscriber, _ = self._clients()
         for subscription, ack_ids in groups:
-            with unless_hopeless(ack_ids), self._rpc(subscription, action):
+            with unless_hopeless(ack_ids), self._readiness.rpc(subscription, action):
                 await subscriber.modify_ack_deadline(
                     subscription=subscription,
                     ack_ids=ack_ids,
@@ -387,19 +364,14 @@ class GcpPubSubTransport:
 
     async def health(self) -> None:
         """Raise unless every subscription and the result topic answered recently or now."""
-        now = time.monotonic()
-        resources = [*self._subscriptions.values(), self._result_topic]
-        for resource in resources:
-            status = self._status[resource]
-            if status.error_at > status.ok_at and now - status.error_at < HEALTH_WINDOW:
-                raise TransportError(f"pubsub {resource}: {status.error}")
-            if now - status.ok_at >= HEALTH_WINDOW:
+        for resource in [*self._subscriptions.values(), self._result_topic]:
+            if self._readiness.needs_probe(resource):
                 await self._probe(resource)
 
     async def _probe(self, resource: str) -> None:
         subscriber, publisher = self._clients()
         try:
-            with self._rpc(resource, "probe"):
+            with self._readiness.rpc(resource, "probe"):
                 if "/subscriptions/" in resource:
                     await subscriber.get_subscription(
                         subscription=resource, timeout=RPC_TIMEOUT, retry=None
@@ -410,7 +382,7 @@ class GcpPubSubTransport:
             # Allowed to use it but not to describe it: that counts as healthy.
             if not isinstance(exc.__cause__, gexc.PermissionDenied):
                 raise
-            self._status[resource].ok_at = time.monotonic()
+            self._readiness.ok(resource)
 
     # ------------------------------------------------------------------ upkeep
 
