@@ -99,7 +99,7 @@ class Worker:
     shed_pause: ShedPause | None = None  # shared by the pool's workers
     cancels: CancelWatch | None = None  # None: a cancel is honoured before dispatch only
     tokens: TokenAccounting | None = None  # None: answers' usage is not counted
-    # Asked once: isinstance on a runtime-checkable Protocol costs ~0.05 ms per message.
+    # Asked once: isinstance on a runtime-checkable Protocol costs ~8 us per message.
     observer: Observes | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
