@@ -36,7 +36,9 @@ class WeightedFair(RandomRobin):
         super().__init__(params)
         self._weights = params
         self._finish: dict[str, float] = {}  # queue name -> virtual finish time
-        self._now = 0.0  # virtual time: the start of the last message served
+        # Virtual time per pool (one policy object serves every pool): the start of the
+        # last message that pool served.
+        self._now: dict[str, float] = {}
         self._steps: dict[str, float] = {}  # queue name -> 1 / weight, computed once
 
     def weight(self, queue: QueueSpec) -> float:
@@ -50,7 +52,8 @@ class WeightedFair(RandomRobin):
         return value if value > 0 else params.default_weight
 
     def _pick(self, ready: list[_Offer]) -> int:
-        finish, now = self._finish, self._now
+        pool = ready[0].work.delivery.queue.pool
+        finish, now = self._finish, self._now.get(pool, 0.0)
         best, best_start = 0, math.inf
         for i, offer in enumerate(ready):
             start = max(finish.get(offer.work.delivery.queue.name, now), now)
@@ -60,7 +63,7 @@ class WeightedFair(RandomRobin):
         step = self._steps.get(queue.name)
         if step is None:
             step = self._steps[queue.name] = 1.0 / self.weight(queue)
-        self._now = best_start
+        self._now[pool] = best_start
         finish[queue.name] = best_start + step
         return best
 

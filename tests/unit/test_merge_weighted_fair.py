@@ -4,6 +4,7 @@ queue earns no burst; weights from the map, the label or the default."""
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import anyio
 import pytest
@@ -64,3 +65,17 @@ def test_weights_from_the_map_then_the_label_then_the_default() -> None:
     assert policy.weight(QueueSpec(id="b", name="b", labels={"share": "9"})) == 9
     assert policy.weight(QueueSpec(id="c", name="c", labels={"share": "x"})) == 2
     assert policy.weight(QueueSpec(id="d", name="d")) == 2
+
+
+def test_pools_keep_their_own_virtual_time() -> None:
+    # One policy object serves every pool: a busy pool must not reset another's shares.
+    def offer(name: str, pool: str) -> object:
+        spec = QueueSpec(id=name, name=name, pool=pool)
+        return SimpleNamespace(work=SimpleNamespace(delivery=SimpleNamespace(queue=spec)))
+
+    policy = WeightedFair(WeightedFairParams())
+    pool_a = [offer("a1", "A"), offer("a2", "A")]
+    assert policy._pick(pool_a) == 0  # type: ignore[arg-type]
+    for _ in range(10):
+        policy._pick([offer("b", "B")])  # type: ignore[list-item]
+    assert policy._pick(pool_a) == 1  # type: ignore[arg-type]  # a2's turn, not a1 again
