@@ -173,9 +173,15 @@ class SortedSetTransport(SortedSetUpkeep):
 
     async def _park_superseded(self, delivery: Delivery) -> None:
         queue = delivery.queue
-        await self.dead_letter(
-            delivery, "superseded", "another submission of this id is live on this queue"
-        )
+        try:
+            await self.dead_letter(
+                delivery, "superseded", "another submission of this id is live on this queue"
+            )
+        except TransportError:
+            # Not parked: let its lease lapse so a later claim decides again, instead of
+            # failing the fetch and leaving the rest of the batch held but never handed on.
+            self.abandon(delivery, "dead_letter_failed")
+            return
         if self._ctx.metrics is not None:
             self._ctx.metrics.queue(queue.id, queue.name, queue.pool).dead_letter("superseded")
 

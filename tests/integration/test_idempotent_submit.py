@@ -112,3 +112,33 @@ async def test_the_daemon_dispatches_one_of_two_live_entries(
     assert prompts == ["ours"]
     assert [x["reason"] for x in parked] == ["superseded"]
     assert "around-the-index" in parked[0]["raw"]
+
+
+async def test_a_superseded_entry_that_cannot_be_parked_does_not_strand_its_batch(
+    client: SortedSetClient, redis_url: str, unique: str
+) -> None:
+    """Parking fails (the dead-letter key is taken by a string): the fetch still hands on
+    the rest of its batch, and the superseded claim is let go rather than renewed."""
+    await client.submit(request("dup"))
+    await client.submit(request("other"))
+    r = Redis.from_url(redis_url)
+    member = json.dumps({"internal": {"request_token": "f" * 32}, "request_kind": "redis",
+                         "data": request("dup", prompt="around-the-index")})  # fmt: skip
+    await r.zadd(unique, {member: 0})
+    await r.set(f"{unique}:dead-letter", "squatter")
+    config = SortedSetConfig.model_validate(
+        {"url": redis_url, "retry_queue_name": f"{unique}:retry",
+         "queues": [{"queue_name": unique, "igw_base_url": "http://gw:1"}]}
+    )  # fmt: skip
+    transport = SortedSetTransport(config, TransportContext())
+    try:
+        fetched = await transport.fetch(transport.queues[0], 10, 0)
+        prompts = {
+            json.loads(bytes(transport.decode(d).request.payload))["prompt"] for d in fetched
+        }
+        assert prompts == {"hi"}  # ours and "other", not the superseded entry
+        held = transport._claims.held[unique]
+        assert len(held) == 2  # the superseded claim is no longer renewed
+    finally:
+        await transport.aclose()
+        await r.aclose()
