@@ -180,12 +180,12 @@ class Worker:
     async def _attempt(self, work: Work, out: Outgoing) -> Outcome:
         envelope = work.envelope
         request = envelope.request
+        if self.shed_pause is not None:  # first: the attempt's budget starts after the pause
+            await self.shed_pause.wait()
         timeout = attempt_timeout(request.deadline, self.settings.request_timeout)
         if timeout <= 0:
             return expired(request.id, last_answer(envelope.routing))
         limit = RESULT_LIMITS.get(self.transport.kind)
-        if self.shed_pause is not None:
-            await self.shed_pause.wait()
         started = time.monotonic()
         with tracing.http_request(out) as span:
             attempt = await send(self.session, out, timeout=timeout, limit=limit)
