@@ -71,6 +71,7 @@ class Poller:
         self._idle = False
         self._bound_in_flight = bound_in_flight
         self._in_flight = 0  # forwarded to the lane, not yet released by the worker
+        self._fetching = 0  # slots of fetches under way, not yet admitted
         self._landed = anyio.Event()  # set when one of them is released
         # Deliveries handed on (to the lane or the writer) by an _admit still running: they
         # are no longer ours. A set, because several fetches of one queue may be admitting.
@@ -104,9 +105,20 @@ class Poller:
                 await self._landed.wait()
             return
         reserved = await self._reserve(wanted, budget)
+        # Room again: another fetch loop of this queue may have taken it while we waited.
+        room = max(0, self._room(budget))
         if reserved > room:
             self._settler.release(reserved - room)
             reserved = room
+        if reserved:
+            # Counted until admitted, so a concurrent loop cannot fetch the same room.
+            self._fetching += reserved
+            try:
+                await self._fetch_and_admit(reserved)
+            finally:
+                self._fetching -= reserved
+
+    async def _fetch_and_admit(self, reserved: int) -> None:
         try:
             deliveries = await self._transport.fetch(self.queue, reserved, self.queue.poll_interval)
         except BaseException as exc:  # also cancellation: the slots must not leak
@@ -143,7 +155,7 @@ class Poller:
         """How many more of this queue's messages may be in flight under the budget."""
         if not self._bound_in_flight:
             return self._capacity.slots
-        return math.ceil(budget * self._capacity.slots) - self._in_flight
+        return math.ceil(budget * self._capacity.slots) - self._in_flight - self._fetching
 
     async def _budget(self) -> float:
         """The gate's budget clamped to [0, 1]; a failing or NaN budget counts as closed

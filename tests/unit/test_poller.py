@@ -251,7 +251,10 @@ async def test_slots_freed_during_a_fetch_start_another_when_two_may_be_in_fligh
     writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
     metrics = Metrics().queue("q", "q", "default")
     fake = cast(Transport, transport)
-    poller = _poller(queue, fake, ConstantGate(1.0), capacity, lane_in, writer_in, metrics)
+    # Only free slots size the fetches here: no message of this queue is in flight, so the
+    # 50 freed slots stand for another queue's workers finishing.
+    poller = _poller(queue, fake, ConstantGate(1.0), capacity, lane_in, writer_in, metrics,
+                     bound_in_flight=False)  # fmt: skip
     async with lane_out, writer_out, anyio.create_task_group() as tg:
         tg.start_soon(poller.run)
         with anyio.fail_after(5):
@@ -261,3 +264,27 @@ async def test_slots_freed_during_a_fetch_start_another_when_two_may_be_in_fligh
         tg.cancel_scope.cancel()
     assert transport.limits == limits
     assert capacity.free == 350  # every reservation given back at cancellation
+
+
+class SlowFakeTransport(FakeTransport):
+    """A fetch takes a moment, so the queue's two fetch loops overlap."""
+
+    async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
+        await anyio.sleep(0.05)
+        return await super().fetch(queue, limit, wait)
+
+
+async def test_two_fetch_loops_together_stay_within_the_in_flight_budget() -> None:
+    queue = QueueSpec(id="q", name="q", poll_interval=0.05, max_fetch=1000, fetches_in_flight=2)
+    raws = [message(f"m{i}", time.time() + 600) for i in range(20)]
+    lane_in, lane_out = anyio.create_memory_object_stream[Work](16)
+    writer_in, _ = anyio.create_memory_object_stream[Op](16)
+    metrics = Metrics().queue("q", "q", "default")
+    poller = _poller(queue, cast(Transport, SlowFakeTransport(raws)), ConstantGate(0.5),
+                    PoolCapacity(8), lane_in, writer_in, metrics)  # fmt: skip
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(poller.run)
+        await anyio.sleep(0.3)
+        forwarded = _drain(lane_out)
+        tg.cancel_scope.cancel()
+    assert len(forwarded) == 4  # ceil(0.5 x 8), though each loop saw room for 4
