@@ -111,6 +111,8 @@ def _check_caller_headers(work: Work, settings: DispatchSettings) -> None:
     deadline, objective, priority and fairness headers are the daemon's to set.
     """
     request = work.envelope.request
+    if not request.headers:  # the common case: nothing to check
+        return
     reserved = RESERVED_HEADERS | settings.stamped_names
     reserved |= {name.lower() for name, _ in work.stamped_headers}
     if settings.deadline_header:

@@ -128,10 +128,9 @@ class ResultWriter:
 
     def _abandon(self, what: str, item: Op) -> None:
         log.error("result_write_abandoned", op=what, item=_describe(item))
-        if isinstance(item, Deferral):
-            abandon(self._transport, item.delivery, "write_failed")
-            return
         abandon(self._transport, item.delivery, "write_failed")
+        if isinstance(item, Deferral):  # a hand-back holds nothing worth keeping
+            return
         if len(self._held) >= HELD_MAX:
             self._drop_held("held_full")
         self._held.append((item, 0))
