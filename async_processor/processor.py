@@ -123,9 +123,11 @@ class Processor:
             stack.push_async_callback(self.transport.aclose)
             session = make_session(rt.tls, sum(p.config.workers for p in self.pools))
             stack.push_async_callback(session.close)
-            transforms = build_transform_chain(
-                self.config.transforms,
-                TransformContext(max_message_bytes=rt.max_message_bytes),
+            transforms = await stack.enter_async_context(
+                build_transform_chain(
+                    self.config.transforms,
+                    TransformContext(max_message_bytes=rt.max_message_bytes),
+                )
             )
             async with anyio.create_task_group() as services:
                 await self._start_services(services)

@@ -12,17 +12,30 @@ first body rewriter that applies (``gcs_uri_multipart``) claims the body
 are exactly the payload's bytes. Errors carry the reference's wording and name the
 transform: ``InvalidMessage`` -> INVALID_REQUEST, ``PayloadUnavailable`` ->
 PAYLOAD_UNAVAILABLE.
+
+Lifecycle: the chain is an async context manager; entering it opens the transforms that
+hold a resource (``base.Opens``: ``payload_url``'s HTTP session, reused by every message),
+leaving it closes them. The processor holds it open for the daemon's life.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from types import TracebackType
+
+import anyio
 
 from async_processor.config import TransformConfig, TransformEntry
 from async_processor.errors import ConfigError, InvalidMessage, MessageError, PayloadUnavailable
 from async_processor.messages import Envelope
-from async_processor.transforms.base import TRANSFORMS, Outgoing, Transform, TransformContext
+from async_processor.transforms.base import (
+    TRANSFORMS,
+    Opens,
+    Outgoing,
+    Transform,
+    TransformContext,
+)
 
 __all__ = ["TRANSFORMS", "TransformChain", "build_transform_chain"]
 
@@ -36,6 +49,28 @@ class TransformChain:
 
     def __len__(self) -> int:
         return len(self._steps)
+
+    async def __aenter__(self) -> TransformChain:
+        opened: list[Opens] = []
+        try:
+            for resource in self._resources():
+                await resource.open()
+                opened.append(resource)
+        except BaseException:
+            await _close(opened)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await _close(self._resources())
+
+    def _resources(self) -> list[Opens]:
+        return [t for _, t in self._steps if isinstance(t, Opens)]
 
     def validate(self, envelope: Envelope) -> None:
         for entry, transform in self._steps:
@@ -68,6 +103,13 @@ def build_transform_chain(config: TransformConfig, ctx: TransformContext) -> Tra
             raise ConfigError(f"{where}: {exc}") from None
         steps.append((entry, transform))
     return TransformChain(steps)
+
+
+async def _close(resources: Sequence[Opens]) -> None:
+    """Close each (shielded: this runs while the daemon is being cancelled)."""
+    with anyio.CancelScope(shield=True):
+        for resource in resources:
+            await resource.aclose()
 
 
 def _named(

@@ -1,7 +1,8 @@
 """The transform seam: rewrite the outgoing request (body, content type, headers, URL).
 
 Input: the message's envelope and the ``Outgoing`` request the worker built. Output: the
-same ``Outgoing``, possibly rewritten. Transforms run in config order; once one has
+same ``Outgoing``, possibly rewritten. A transform that holds a resource also has
+``open``/``aclose`` (``Opens``). Transforms run in config order; once one has
 claimed the body (``body_claimed``), later body rewriters leave it alone. Errors:
 ``InvalidMessage`` -> INVALID_REQUEST, ``PayloadUnavailable`` -> PAYLOAD_UNAVAILABLE.
 """
@@ -9,7 +10,7 @@ claimed the body (``body_claimed``), later body rewriters leave it alone. Errors
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from async_processor.messages import Envelope, Payload
 from async_processor.registry import Registry
@@ -33,6 +34,19 @@ class Transform(Protocol):
         ...
 
     async def apply(self, envelope: Envelope, out: Outgoing) -> None: ...
+
+
+@runtime_checkable
+class Opens(Protocol):
+    """Optional for a transform that holds a resource (``payload_url``: its HTTP session).
+
+    The chain opens it before the first message and closes it at shutdown
+    (``TransformChain`` is an async context manager); ``apply`` may rely on it being open.
+    """
+
+    async def open(self) -> None: ...
+
+    async def aclose(self) -> None: ...
 
 
 @dataclass(slots=True)

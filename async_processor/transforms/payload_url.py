@@ -15,7 +15,8 @@ their query string (signed URLs carry credentials there).
 The URL is the message's, so it is untrusted (docs/architecture.md G10): only URLs on the ``allow``
 list are fetched (an empty list refuses to start); a redirect is an error, never
 followed; the fetch has its own session (no gateway client certificate, no cookies, no
-proxy from the environment); and addresses that are not globally routable (loopback,
+proxy from the environment), opened with the chain and reused by every message so its
+connections are kept alive between fetches; and addresses that are not globally routable (loopback,
 private, link-local such as the cloud metadata server) are refused unless
 ``allow_private_addresses``. Host names are checked as they are resolved, on the
 addresses the connection then uses, so a name cannot pass the check and then rebind.
@@ -76,6 +77,17 @@ class PayloadUrl:
         self._params = params
         self._allow = [_AllowEntry.parse(entry) for entry in params.allow]
         self._limit = ctx.max_message_bytes
+        self._client: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        """One session for every message (the chain opens it; see ``TransformChain``)."""
+        if self._client is None:
+            self._client = self._session()
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
 
     def validate(self, envelope: Envelope) -> None:
         url = self._url(envelope)
@@ -123,17 +135,18 @@ class PayloadUrl:
     async def _fetch_until(self, url: str, deadline: float, envelope: Envelope) -> bytes:
         delay = self._params.backoff_initial
         attempts = 0
-        async with self._session() as session:
-            while (remaining := deadline - time.time()) > 0:
-                attempts += 1
-                try:
-                    with anyio.fail_after(min(self._params.attempt_timeout, remaining)):
-                        return await self._fetch_once(session, url, envelope)
-                except (_Retryable, aiohttp.ClientError, OSError, TimeoutError) as exc:
-                    self._fatal_or_log(exc, url, envelope, attempts)
-                # Full jitter keeps many messages that wait for one upload from moving in step.
-                await anyio.sleep(min(random.uniform(0, delay), max(0.0, deadline - time.time())))
-                delay = min(delay * 2, self._params.backoff_max)
+        if self._client is None:
+            raise RuntimeError(f"transform {self.name}: apply before open")
+        while (remaining := deadline - time.time()) > 0:
+            attempts += 1
+            try:
+                with anyio.fail_after(min(self._params.attempt_timeout, remaining)):
+                    return await self._fetch_once(self._client, url, envelope)
+            except (_Retryable, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                self._fatal_or_log(exc, url, envelope, attempts)
+            # Full jitter keeps many messages that wait for one upload from moving in step.
+            await anyio.sleep(min(random.uniform(0, delay), max(0.0, deadline - time.time())))
+            delay = min(delay * 2, self._params.backoff_max)
         raise PayloadUnavailable(
             f"payload at {redact(url)} not available before the deadline ({attempts} attempts)"
         )
@@ -174,10 +187,13 @@ class PayloadUrl:
         )
 
     def _session(self) -> aiohttp.ClientSession:
-        """A session of its own, never the gateway's (its client certificate, its pool)."""
+        """A session of its own, never the gateway's (its client certificate, its pool).
+
+        No connection limit: fetches are bounded by the workers, and a shared cap would
+        make one message's fetch wait for another's inside its attempt timeout."""
         resolver = _GuardedResolver(allow_private=self._params.allow_private_addresses)
         return aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(resolver=resolver),
+            connector=aiohttp.TCPConnector(resolver=resolver, limit=0),
             cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,
         )

@@ -2,7 +2,8 @@
 
 ``daemon(...)`` yields (processor, transport, simulator): put messages on the transport,
 read results and hand-backs off it, steer the simulator. No broker; real HTTP on loopback.
-``before_run`` may change the processor between construction and start.
+``before_run`` may change the processor between construction and start; ``transforms``
+is the ``--transform-config-file`` chain.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from async_processor.config import AppConfig, PoolConfig, SortedSetConfig
+from async_processor.config import AppConfig, PoolConfig, SortedSetConfig, TransformConfig
 from async_processor.processor import Processor
 from async_processor.simulator import SimConfig, Simulator
 from tests.doubles.memory_transport import MemoryTransport
@@ -35,6 +36,7 @@ async def daemon(
     workers: int = 2,
     sim: SimConfig | None = None,
     before_run: Callable[[Processor], None] | None = None,
+    transforms: TransformConfig | None = None,
     **runtime: Any,
 ) -> AsyncIterator[tuple[Processor, MemoryTransport, Simulator]]:
     simulator = Simulator(sim or SimConfig())
@@ -51,6 +53,7 @@ async def daemon(
             transport_config=transport_config,
             runtime=runtime_config(**runtime),
             pools=[PoolConfig(id="default", workers=workers)],
+            transforms=transforms or TransformConfig(),
         )
         transport = MemoryTransport(config.queue_specs())
         processor = Processor(config, transport=transport)

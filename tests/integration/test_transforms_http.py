@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import anyio
 import pytest
 from aiohttp import web
 
@@ -17,6 +19,8 @@ from async_processor.errors import ConfigError, InvalidMessage, PayloadUnavailab
 from async_processor.messages import Envelope, Request
 from async_processor.transforms import TransformChain, build_transform_chain
 from async_processor.transforms.base import Outgoing, TransformContext
+from async_processor.transforms.payload_url import PayloadUrl
+from tests.doubles.daemon import QUEUE, daemon, message
 from tests.fixtures.servers import free_port
 
 pytestmark = pytest.mark.anyio
@@ -30,12 +34,21 @@ class Server:
     url: str
     hits: Counter[str] = field(default_factory=Counter)
     forms: list[list[tuple[str, str]]] = field(default_factory=list)
+    # The client's address of each connection a fetch came on, with the server's end of it.
+    connections: dict[Any, asyncio.BaseTransport] = field(default_factory=dict)
+
+    async def wait_all_closed(self) -> None:
+        with anyio.fail_after(5):
+            while not all(t.is_closing() for t in self.connections.values()):
+                await anyio.sleep(0.01)
 
 
 async def _payload(state: Server, request: web.Request) -> web.StreamResponse:
     """The payload server: ``/payload/<name>`` answers as its name says."""
     name = request.match_info["name"]
     state.hits[name] += 1
+    if request.transport is not None:
+        state.connections[request.transport.get_extra_info("peername")] = request.transport
     if name == "flaky" and state.hits[name] <= 2:
         return web.Response(status=(404, 500)[state.hits[name] - 1])
     if name == "never":
@@ -111,13 +124,69 @@ async def fetch(c: TransformChain, url: str, budget: float = 5.0, **meta: str) -
     env = Envelope(request=Request(id="r", deadline=int(time.time() + 60), metadata=metadata))
     c.validate(env)
     out = Outgoing(url="u", body=env.request.payload, deadline=time.time() + budget)
-    await c.apply(env, out)
+    async with c:
+        await c.apply(env, out)
     return out
 
 
 async def test_payload_is_fetched_verbatim(server: Server) -> None:
     out = await fetch(chain(FETCH), f"{server.url}/payload/ok?sig=secret")
     assert out.body == PAYLOAD and not out.body_claimed
+
+
+async def test_messages_share_one_session_and_its_connection_until_the_chain_closes(
+    server: Server,
+) -> None:
+    c = chain(FETCH)
+    async with c:
+        for i in range(20):
+            env = Envelope(
+                request=Request(id=f"r{i}", deadline=int(time.time() + 60),
+                                metadata={"payload_url": f"{server.url}/payload/ok"})
+            )  # fmt: skip
+            out = Outgoing(url="u", body=env.request.payload, deadline=time.time() + 5)
+            await c.apply(env, out)
+            assert out.body == PAYLOAD
+        assert server.hits["ok"] == 20
+        assert len(server.connections) == 1  # one keep-alive connection, not one per message
+        assert not any(t.is_closing() for t in server.connections.values())
+    await server.wait_all_closed()
+
+
+async def test_apply_outside_the_open_chain_is_a_bug_not_a_fetch(server: Server) -> None:
+    with pytest.raises(RuntimeError, match="apply before open"):
+        await chain(FETCH).apply(
+            Envelope(request=Request(id="r", deadline=int(time.time() + 60),
+                                     metadata={"payload_url": f"{server.url}/payload/ok"})),
+            Outgoing(url="u", body=b"null", deadline=time.time() + 5),
+        )  # fmt: skip
+    assert not server.hits
+
+
+async def test_the_daemon_reuses_the_session_and_closes_it_at_shutdown(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Hold the transform, so that only the daemon's shutdown, not the garbage collector,
+    # can close its session.
+    opened: list[PayloadUrl] = []
+    open_session = PayloadUrl.open
+
+    async def record(self: PayloadUrl) -> None:
+        opened.append(self)
+        await open_session(self)
+
+    monkeypatch.setattr(PayloadUrl, "open", record)
+    config = TransformConfig.model_validate({"requestTransforms": [FETCH]})
+    meta = {"metadata": {"payload_url": f"{server.url}/payload/ok"}}
+    async with daemon(workers=1, transforms=config) as (_, transport, simulator):
+        transport.put(QUEUE, *(message(f"r{i}", time.time() + 60, **meta) for i in range(10)))
+        results = await transport.wait_results(10)
+        assert {r.status_code for r in results.values()} == {200}
+        assert server.hits["ok"] == 10 and simulator.stats["total"] == 10
+        assert len(server.connections) == 1
+        assert not any(t.is_closing() for t in server.connections.values())
+    assert len(opened) == 1
+    await server.wait_all_closed()  # the daemon's shutdown closed the transform's session
 
 
 async def test_404_then_500_then_success_is_retried(server: Server) -> None:
