@@ -72,6 +72,7 @@ class Poller:
         self._bound_in_flight = bound_in_flight
         self._in_flight = 0  # forwarded to the lane, not yet released by the worker
         self._fetching = 0  # slots of fetches under way, not yet admitted
+        self._unpicked = 0  # forwarded to the lane, not yet taken by the merge policy
         self._landed = anyio.Event()  # set when one of them is released
         # Deliveries handed on (to the lane or the writer) by an _admit still running: they
         # are no longer ours. A set, because several fetches of one queue may be admitting.
@@ -144,7 +145,7 @@ class Poller:
 
     async def _reserve(self, wanted: int, budget: float) -> int:
         """Slots for one fetch; with ``max_fetch``, the free slots x budget (at least one)."""
-        reserved = await self._capacity.reserve(wanted)
+        reserved = await self._capacity.reserve(wanted, self._waiting)
         if self.queue.max_fetch:
             kept = max(1, math.floor(reserved * budget))
             self._settler.release(reserved - kept)
@@ -206,7 +207,13 @@ class Poller:
                 # Wait means nothing at queue level: the pool gate is where workers park.
                 self._in_flight += 1
                 releases.add(self._land)  # runs when the worker is done, or below if not sent
-                await put(self._lane, Work(delivery, envelope, self._metrics, releases))
+                self._unpicked += 1
+                work = Work(delivery, envelope, self._metrics, releases, picked=self._picked)
+                try:
+                    await put(self._lane, work)
+                except BaseException:
+                    self._unpicked -= 1
+                    raise
                 forwarded = True
                 self._handed_on.add(delivery)
             elif verdict.action is Action.REFUSE:
@@ -226,6 +233,13 @@ class Poller:
             if not forwarded:
                 with anyio.CancelScope(shield=True):
                     await releases.release_all()
+
+    def _waiting(self) -> int:
+        """This queue's messages the merge has not taken yet (fetching ones included)."""
+        return self._fetching + self._unpicked
+
+    def _picked(self) -> None:
+        self._unpicked -= 1
 
     async def _land(self) -> None:
         self._in_flight -= 1

@@ -230,7 +230,10 @@ class Processor:
         )
         pollers: list[Poller] = []
         for pool in self.pools:
-            sink, merged = anyio.create_memory_object_stream[Work](max(1, len(pool.queues)))
+            # One message between the merge and the workers: the merge chooses at each free
+            # worker among every queue's offer (a buffer of one per queue held most of the
+            # pool's slots, so it chose among the few queues left with an offer).
+            sink, merged = anyio.create_memory_object_stream[Work](1)
             sources: list[Source] = []
             for queue in pool.queues:
                 # A fetch sized by free slots is admitted whole, so the next one starts at once.

@@ -46,11 +46,11 @@ def tenant_config(
 
 
 async def measure(
-    queues: int, replicas: int, workers: int, window: int, heavy: float
+    queues: int, replicas: int, workers: int, window: int, mix: list[float]
 ) -> list[tuple[str, str]]:
     tag = f"tenants-{secrets.token_hex(3)}"
-    weights = {f"{tag}-t{i:03d}": heavy if i % 4 == 0 else 1.0 for i in range(queues)}
-    per_queue = int(window * heavy / sum(weights.values()) * 2) + 5  # backlogged all along
+    weights = {f"{tag}-t{i:03d}": mix[i % len(mix)] for i in range(queues)}
+    per_queue = int(window * max(mix) / sum(weights.values()) * 2) + 5  # backlogged all along
     deadline = int(time.time()) + 3600
     with ExitStack() as stack:
         url, sim = redis(stack).url, simulator(stack, "--latency", "0.05")
@@ -70,11 +70,19 @@ async def measure(
     total = sum(weights.values())
     ratios = {q: got[q] / (len(results) * w / total) for q, w in weights.items()}
     worst = min(ratios, key=ratios.__getitem__)
+    classes = sorted(set(weights.values()))
+    by_class = "; ".join(
+        f"w{w:g} {min(r for q, r in ratios.items() if weights[q] == w):.2f}…"
+        f"{max(r for q, r in ratios.items() if weights[q] == w):.2f}"
+        for w in classes
+    )
     return [
-        ("setup", f"{queues} queues (every 4th weight {heavy:g}), {replicas} replicas × "
+        ("setup", f"{queues} queues (weights {','.join(f'{w:g}' for w in mix)}), "
+                  f"{replicas} replicas × "
                   f"{workers} workers, gateway 50 ms, {per_queue} messages per queue"),
         ("window", f"first {len(results)} results in {seconds:.1f} s"),
         ("share range", f"{min(ratios.values()):.2f} … {max(ratios.values()):.2f} of fair"),
+        ("by weight", by_class),
         ("worst queue", verdict(f"{ratios[worst]:.2f} ({worst.rsplit('-', 1)[1]})",
                                 ratios[worst] >= TARGET, f"≥ {TARGET}")),
     ]  # fmt: skip
@@ -86,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--window", type=int, default=6000)
-    p.add_argument("--heavy", type=float, default=3.0, help="weight of every fourth queue")
+    p.add_argument("--weights", default="1,2,4", help="weights given to the queues in turn")
     p.add_argument("--quick", action="store_true", help="a 2,000-result window")
     args = p.parse_args(argv)
     window = 2000 if args.quick else args.window
-    rows = anyio.run(measure, args.queues, args.replicas, args.workers, window, args.heavy)
+    mix = [float(w) for w in args.weights.split(",")]
+    rows = anyio.run(measure, args.queues, args.replicas, args.workers, window, mix)
     table("many tenants: weighted fair share", rows)
     return 0
 

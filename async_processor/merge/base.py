@@ -53,6 +53,7 @@ async def emit(sink: ObjectSendStream[Work], work: Work) -> None:
     The worker decrements ``queue_depth`` on pickup. The gauge goes up before the send so a
     fast worker never sees it below zero; a send that fails takes the count back.
     """
+    work.picked()
     work.metrics.queue_depth.inc()
     try:
         await put(sink, work)

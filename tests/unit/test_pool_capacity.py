@@ -85,3 +85,27 @@ def test_a_pools_prefetch_is_a_quarter_of_its_workers_but_bounded(workers: int, 
     )
     [pool] = Processor(config).pools
     assert pool.capacity.slots == slots
+
+
+async def test_a_queue_the_merge_just_served_refills_first() -> None:
+    """Waiters are ordered by their messages not yet taken by the merge, read when a slot
+    frees: a queue served while it waited goes ahead of earlier ones that still hold one."""
+    capacity = PoolCapacity(1)
+    assert await capacity.reserve(1) == 1
+    waiting = {"early": 1, "served": 1}
+    order: list[str] = []
+
+    async def poller(name: str) -> None:
+        await capacity.reserve(1, lambda: waiting[name])
+        order.append(name)
+        capacity.release(1)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(poller, "early")
+            await wait_all_tasks_blocked()
+            tg.start_soon(poller, "served")
+            await wait_all_tasks_blocked()
+            waiting["served"] = 0  # the merge took its only message
+            capacity.release(1)
+    assert order == ["served", "early"]
