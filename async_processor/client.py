@@ -87,6 +87,9 @@ class SortedSetClient:
         self._keys = KeySpace(cluster=conn.mode == "cluster")
         scripts = self._keys.scripts(self._redis)
         self._cancel, self._submit = scripts["cancel"], scripts["submit"]
+        # Per processing list: the oldest entry it held after our last removal (None:
+        # none). A list not here is unknown: the next read looks first.
+        self._leftover: dict[str, bytes | None] = {}
 
     async def __aenter__(self) -> SortedSetClient:
         return self
@@ -231,22 +234,40 @@ class SortedSetClient:
 
     async def _pop(self, result_queue: str | None, wait: float | None) -> Result | None:
         """The oldest result left in our processing list, else one BLMOVE into it (0 =
-        block forever, so a finite wait is at least 10 ms); removed once decoded."""
+        block forever, so a finite wait is at least 10 ms); removed once decoded.
+
+        Two round trips per result: the move, then the removal pipelined with a look at
+        what else the processing list holds (``_leftover``), so the next read needs no
+        look of its own. Only the first read of a list, and the read after one that
+        failed or was cancelled (its move may have landed), ask Redis first.
+        """
         source = result_queue or self.result_queue
         processing = processing_key(source, self.consumer)
         seconds = 0.0 if wait is None else max(wait, 0.01)
         with redis_errors("result read"):
-            raw = await self._oldest(processing)
-            if raw is None:
-                # Redis takes a fractional timeout; redis-py's stubs say int.
-                moved = await self._redis.blmove(source, processing, seconds, "RIGHT", "LEFT")  # type: ignore[arg-type]
-                raw = cast(bytes | None, moved)
-            if raw is None:  # a move whose reply was lost may have left one after all
-                raw = await self._oldest(processing)
+            raw = await self._take(source, processing, seconds)
             if raw is None:
                 return None
-            await self._redis.lrem(processing, -1, raw)  # type: ignore[arg-type]  # bytes
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.lrem(processing, -1, raw)  # type: ignore[arg-type]  # bytes
+                pipe.lindex(processing, -1)
+                _, left = await pipe.execute()
+            self._leftover[processing] = cast(bytes | None, left)
         return _decoded(raw)
+
+    async def _take(self, source: str, processing: str, seconds: float) -> bytes | None:
+        # Taken out, so a read that fails or is cancelled from here on leaves it unknown.
+        if processing in self._leftover:
+            raw = self._leftover.pop(processing)
+        else:  # first read, or the last one failed
+            raw = await self._oldest(processing)
+        if raw is None:
+            # Redis takes a fractional timeout; redis-py's stubs say int.
+            moved = await self._redis.blmove(source, processing, seconds, "RIGHT", "LEFT")  # type: ignore[arg-type]
+            raw = cast(bytes | None, moved)
+        if raw is None:  # a move whose reply was lost may have left one after all
+            raw = await self._oldest(processing)
+        return raw
 
     async def _oldest(self, processing: str) -> bytes | None:
         return cast(bytes | None, await self._redis.lindex(processing, -1))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import AsyncIterator
 
 import anyio
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from async_processor.client import SortedSetClient, UndecodableResult
 from async_processor.config import SortedSetConfig
@@ -218,6 +221,84 @@ async def test_a_consumer_resumes_what_it_had_moved_but_not_returned(
     async with SortedSetClient(redis_url, f"{unique}-q", results, consumer="c1") as client:
         [result] = await client.drain_results(2, timeout=0.3)
     assert result.id == "moved"
+
+
+async def test_a_result_costs_two_round_trips(
+    redis_server: RedisServer, r: Redis, unique: str
+) -> None:
+    # The move, then the removal pipelined with the look at what the processing list
+    # still holds; only the first read looks before moving.
+    results = f"{unique}-results"
+    await r.lpush(results, *(Result.http(f"r{i}", 200, b"{}").encode() for i in range(20)))
+    async with (
+        lossy_proxy(redis_server.port) as proxy,
+        SortedSetClient(proxy.url, f"{unique}-q", results) as client,
+    ):
+        await client.result_depth()  # connected
+        before = proxy.requests
+        got = await client.drain_results(20, timeout=5)
+        round_trips = proxy.requests - before
+    assert [x.id for x in got] == [f"r{i}" for i in range(20)]
+    assert round_trips == 1 + 2 * 20
+    assert await r.keys(f"*{unique}*processing*") == []
+
+
+# A consumer that dies (SIGKILL) after its move landed and before the removal ran.
+_DIES_BEFORE_REMOVAL = """
+import os, signal, sys
+import anyio
+from redis.asyncio import Redis
+from async_processor.client import SortedSetClient
+
+def die(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+Redis.lrem = die  # also a pipeline's
+
+async def main() -> None:
+    url, results = sys.argv[1:]
+    async with SortedSetClient(url, "unused", results, consumer="c1") as client:
+        await client.drain_results(1, timeout=5)
+
+anyio.run(main)
+"""
+
+
+async def test_a_consumer_killed_between_move_and_removal_loses_nothing(
+    redis_url: str, r: Redis, unique: str
+) -> None:
+    results = f"{unique}-results"
+    await r.lpush(results, *(Result.http(f"r{i}", 200, b"{}").encode() for i in range(3)))
+    with anyio.fail_after(30):
+        dead = await anyio.run_process(
+            [sys.executable, "-c", _DIES_BEFORE_REMOVAL, redis_url, results], check=False
+        )
+    assert dead.returncode == -9
+    assert await r.llen(f"{{{results}}}:processing:c1") == 1  # moved, never removed
+    async with SortedSetClient(redis_url, f"{unique}-q", results, consumer="c1") as client:
+        got = await client.drain_results(4, timeout=0.5)
+    assert [x.id for x in got] == ["r0", "r1", "r2"]
+    assert await r.keys(f"*{unique}*processing*") == []
+    assert await r.llen(results) == 0
+
+
+async def test_after_a_failed_removal_the_next_read_returns_that_result_first(
+    client: SortedSetClient, r: Redis, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = f"{unique}-results"
+    await r.lpush(results, *(Result.http(f"r{i}", 200, b"{}").encode() for i in range(3)))
+    [first] = await client.drain_results(1, timeout=1)  # the list is known empty after it
+
+    async def fails(self: Pipeline, raise_on_error: bool = True) -> list[object]:
+        monkeypatch.undo()
+        raise RedisConnectionError("connection lost")
+
+    monkeypatch.setattr(Pipeline, "execute", fails)
+    with pytest.raises(TransportError):
+        await client.drain_results(1, timeout=1)  # r1 moved, its removal failed
+    rest = await client.drain_results(3, timeout=0.5)
+    assert [x.id for x in [first, *rest]] == ["r0", "r1", "r2"]
+    assert await r.keys(f"*{unique}*processing*") == []
 
 
 async def test_an_undecodable_result_is_returned_raw_not_dropped(
