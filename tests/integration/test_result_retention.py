@@ -107,3 +107,31 @@ async def test_a_message_naming_the_counter_cannot_break_retention(
     finally:
         await transport.aclose()
     assert [r.id for r in await client.drain_results(5, 1)] == ["x"]
+
+
+async def test_only_retained_lists_count_their_results(
+    client: SortedSetClient, redis_url: str, unique: str
+) -> None:
+    """The counter belongs to retention, which runs for the configured lists only: a list
+    a message names gets no ``{list}:pushed`` key (one per name would pile up)."""
+    cfg = config(redis_url, unique, ttl=0)
+    transport = SortedSetTransport(cfg, TransportContext())
+    named, configured = f"{unique}:named", f"{unique}:results"
+    deadline = int(time.time()) + 600
+    try:
+        await transport.retain()  # a round has run: the configured list's counter is at 0
+        await client.submit({"id": "to-named", "deadline": deadline, "payload": {}},
+                            result_queue=named)  # fmt: skip
+        await client.submit_many({"id": f"to-configured-{i}", "deadline": deadline,
+                                  "payload": {}} for i in range(2))  # fmt: skip
+        deliveries = await transport.fetch(transport.queues[0], 3, 0)
+        await transport.complete(
+            [Completion(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in deliveries]
+        )
+        r = transport._redis
+        assert await r.exists("{" + named + "}:pushed") == 0
+        assert await r.get("{" + configured + "}:pushed") == b"2"
+    finally:
+        await transport.aclose()
+    assert [x.id for x in await client.drain_results(2, 1, result_queue=named)] == ["to-named"]
+    assert len(await client.drain_results(3, 1)) == 2

@@ -4,7 +4,7 @@
 -- result list, in-flight zset, in-flight hash, request-active:<id>, request-cancel:<id>,
 -- fallback result list (the transport's default), <queue>:live:<id> (the client's
 -- idempotency marker: the id is free again), the results-pushed counters of the result
--- list and of the fallback list (retention).
+-- list and of the fallback list (retention: incremented only once retain.lua made them).
 -- ARGV[1] marker TTL seconds, ARGV[2] "claim", or "queued": then each item's in-flight
 -- zset key is the request queue and its member a member of it (the deadline sweep),
 -- answered only while still queued, since another replica's claim or sweep may have taken
@@ -36,10 +36,12 @@ local function complete_one(i)
   local written = 0
   if redis.call('EXISTS', KEYS[k + 1]) == 0 then
     redis.call('LPUSH', targets[i], ARGV[a + 2])
-    -- Counted for result retention (lua/retain.lua); a counter name taken by a key of
-    -- another type (a message may name any list) only stops the counting.
-    if usable_now(pushed[i], 'string') then
-      redis.call('INCR', pushed[i])
+    -- Counted for result retention, only for a retained list: its counter is created by
+    -- lua/retain.lua, which runs for the configured lists; a list a message names gets
+    -- no counter of ours. A counter name taken by another key (a message may name any
+    -- list) only stops the counting: pcall, as the result is already written.
+    if redis.call('TYPE', pushed[i])['ok'] == 'string' then
+      redis.pcall('INCR', pushed[i])
     end
     redis.call('SET', KEYS[k + 1], '1', 'EX', tonumber(ARGV[1]))
     written = 1

@@ -32,9 +32,3 @@ local function usable_as(key, kind)
   local actual = checked_type(key)
   return actual == 'none' or actual == kind
 end
-
--- The same, asked of Redis now: for a key an earlier write of this call may have created.
-local function usable_now(key, kind)
-  local actual = redis.call('TYPE', key)['ok']
-  return actual == 'none' or actual == kind
-end

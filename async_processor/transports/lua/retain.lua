@@ -1,8 +1,9 @@
 -- Result retention for one result list: record how many results it has had, and trim
 -- those older than the TTL that nobody consumed.
 -- KEYS[1] result list (LPUSH by the daemon, consumed from the right),
--- KEYS[2] its results-pushed counter (INCR by complete.lua), KEYS[3] its marks: a zset of
--- member = pushed count, score = the first time that count was seen (Redis clock).
+-- KEYS[2] its results-pushed counter (created here, INCR by complete.lua), KEYS[3] its
+-- marks: a zset of member = pushed count, score = the first time that count was seen
+-- (Redis clock).
 -- ARGV[1] TTL seconds (0: never trim), ARGV[2] how long marks are kept (seconds)
 -- Result n (1 = the first ever pushed) was written no later than the first mark whose
 -- count is >= n. The list holds results pushed - len + 1 .. pushed (oldest on the right),
@@ -15,7 +16,13 @@ if not (usable_as(KEYS[1], 'list') and usable_as(KEYS[2], 'string')
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+-- The counter starts here, with its first mark below, so only retained lists are counted
+-- (complete.lua increments existing counters). Results pushed before it are dated by
+-- that first mark (count 0), which they precede.
 local pushed = tonumber(redis.call('GET', KEYS[2]) or '0')
+if pushed == 0 then
+  redis.call('SET', KEYS[2], '0', 'NX')
+end
 local len = redis.call('LLEN', KEYS[1])
 local ttl = tonumber(ARGV[1])
 local trimmed = 0
