@@ -81,8 +81,9 @@ class Exporter:
 
     async def refresh(self) -> None:
         try:
-            # Totals only: attributing each retry to its queue reads the whole retry set.
-            status = await collect(self.config, per_queue_retries=False)
+            # Totals only: attributing each retry to its queue reads the whole retry set;
+            # no result ages: no gauge shows them.
+            status = await collect(self.config, per_queue_retries=False, result_ages=False)
         except TransportError as exc:
             if self.error is None:
                 log.warning("exporter_refresh_failed", error=str(exc))

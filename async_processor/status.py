@@ -67,18 +67,23 @@ class Status:
         return asdict(self)
 
 
-async def collect(config: AppConfig, *, per_queue_retries: bool = True) -> Status:
+async def collect(
+    config: AppConfig, *, per_queue_retries: bool = True, result_ages: bool = True
+) -> Status:
     """The status of every configured queue and result list (TransportError if unreachable).
 
     ``per_queue_retries`` reads every retry-set member to tell which queue it returns to
     (about 1 s per 100,000 members); without it only the set's totals are counted.
+    ``result_ages`` dates each result list's oldest unconsumed result (``oldest_results``).
     """
     transport = config.transport_config
     if isinstance(transport, GcpPubSubConfig):
         return await _gcp_status(config.transport, transport)
     client = connect(transport.redis_connection())
     try:
-        return await redis_status(config.transport, transport, client, per_queue_retries)
+        return await redis_status(
+            config.transport, transport, client, per_queue_retries, result_ages
+        )
     finally:
         await client.aclose()
 
@@ -88,13 +93,17 @@ async def redis_status(
     config: SortedSetConfig | RedisPubSubConfig,
     client: Redis,
     per_queue_retries: bool = True,
+    result_ages: bool = True,
 ) -> Status:
     keyspace = KeySpace(cluster=config.mode == "cluster")
     retry_sets = _retry_sets(keyspace, config)
+    # Only the sorted set's results are dated (by the daemon's retention rounds).
+    dated = result_ages and isinstance(config, SortedSetConfig)
     with redis_errors("status"):
         seconds, micros = await client.time()
         now = seconds + micros / 1e6
-        replies = iter(await _counts(client, keyspace, config, list(retry_sets), now))
+        counts = await _counts(client, keyspace, config, list(retry_sets), now, dated=dated)
+        replies = iter(counts)
         due: Counter[str] = Counter()
         parked: Counter[str] = Counter()
         for retry_set, origins in retry_sets.items() if per_queue_retries else ():
@@ -110,35 +119,25 @@ async def redis_status(
         if per_queue_retries:
             status.retry_due, status.retry_parked = due[entry.queue_name], parked[entry.queue_name]
         statuses.append(status)
-    lengths = {result_list: next(replies) for result_list in _result_lists(config)}
-    retries = {r: {"due": next(replies), "parked": next(replies)} for r in retry_sets}
-    oldest = await _oldest_results(client, keyspace, config, now)
-    return Status(name, now, statuses, lengths, retries, oldest)
-
-
-async def _oldest_results(
-    client: Redis, keyspace: KeySpace, config: SortedSetConfig | RedisPubSubConfig, now: float
-) -> dict[str, float | None]:
-    """Per result list, the age of its oldest unconsumed result, from the marks the
-    daemon's retention rounds keep (``lua/retain.lua``): result n was written no later
-    than the first mark whose count reaches n."""
-    if not isinstance(config, SortedSetConfig):
-        return {}
-    lists = _result_lists(config)
-    with redis_errors("status"):
-        async with client.pipeline(transaction=not keyspace.cluster) as pipe:
-            for result_list in lists:
-                pipe.llen(result_list)
-                pipe.get(result_side_key(result_list, "pushed"))
-                pipe.zrange(result_side_key(result_list, "marks"), 0, -1, withscores=True)
-            replies = iter(await pipe.execute())
+    lengths: dict[str, int | None] = {}
     ages: dict[str, float | None] = {}
-    for result_list in lists:
-        length, pushed, marks = next(replies), next(replies), next(replies)
-        oldest = int(pushed or 0) - int(length) + 1
-        dated = [when for count, when in marks if int(count) >= oldest]
-        ages[result_list] = None if not length or not marks else now - min(dated, default=now)
-    return ages
+    for result_list in _result_lists(config):
+        lengths[result_list] = length = next(replies)
+        if dated:
+            ages[result_list] = _oldest_age(length, next(replies), next(replies), now)
+    retries = {r: {"due": next(replies), "parked": next(replies)} for r in retry_sets}
+    return Status(name, now, statuses, lengths, retries, ages)
+
+
+def _oldest_age(
+    length: int, pushed: bytes | None, marks: list[tuple[bytes, float]], now: float
+) -> float | None:
+    """The age of a result list's oldest unconsumed result, from the marks the daemon's
+    retention rounds keep (``lua/retain.lua``): result n was written no later than the
+    first mark whose count reaches n."""
+    oldest = int(pushed or 0) - int(length) + 1
+    dated = [when for count, when in marks if int(count) >= oldest]
+    return None if not length or not marks else now - min(dated, default=now)
 
 
 def _retry_sets(
@@ -157,8 +156,11 @@ async def _counts(
     config: SortedSetConfig | RedisPubSubConfig,
     retry_sets: list[str],
     now: float,
+    *,
+    dated: bool,
 ) -> list[Any]:
-    """One round trip: per queue its counts, then the result lists, then the retry sets.
+    """One round trip: per queue its counts, then the result lists (each its length, and
+    with ``dated`` its retention counter and marks), then the retry sets.
 
     A transaction (one consistent snapshot) where one node has every key; in a cluster the
     keys sit in each queue's slot, so the pipeline goes node by node.
@@ -172,6 +174,9 @@ async def _counts(
                 pipe.zrange(queue, 0, 0, withscores=True)
         for result_list in _result_lists(config):
             pipe.llen(result_list)
+            if dated:
+                pipe.get(result_side_key(result_list, "pushed"))
+                pipe.zrange(result_side_key(result_list, "marks"), 0, -1, withscores=True)
         for retry_set in retry_sets:
             pipe.zcount(retry_set, "-inf", now)
             pipe.zcount(retry_set, f"({now}", "+inf")

@@ -17,11 +17,15 @@ import aiohttp
 import anyio
 import pytest
 import redis
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from async_processor import exporter, status
 from async_processor.cli import main
-from async_processor.config import AppConfig, load_config
-from async_processor.exporter import serve
+from async_processor.config import AppConfig, SortedSetConfig, load_config
+from async_processor.exporter import Exporter, serve
+from async_processor.transports.base import TransportContext
+from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.servers import RedisServer
 
 GW = "http://gw.test:8000"
@@ -121,6 +125,42 @@ async def test_the_metrics_token_guards_backlog_too(
         assert (await get(f"{metrics}/metrics"))[0] == 401
         status, body = await get(f"{metrics}/backlog", "s3cret")
         assert (status, json.loads(body)) == (200, {"backlog": 0})
+
+
+@pytest.mark.anyio
+async def test_the_exporter_skips_the_result_ages_and_its_output_is_the_same(
+    tmp_path: Path, private_redis: RedisServer, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No gauge shows how old results are, so the exporter does not read the retention
+    counters and marks that date them; its output is what the full status would give."""
+    queue = f"{unique}-q"
+    cfg = config(tmp_path, private_redis.url, queue)
+    assert isinstance(cfg.transport_config, SortedSetConfig)
+    r = redis.Redis.from_url(private_redis.url)
+    r.zadd(queue, {"m": time.time() + 600})
+    r.zadd(f"{queue}-retry", {"later": time.time() + 60})
+    r.lpush(cfg.transport_config.result_queue_name, "r1", "r2")
+    transport = SortedSetTransport(cfg.transport_config, TransportContext())
+    try:
+        await transport.retain()  # the results are dated: status could tell their age
+    finally:
+        await transport.aclose()
+
+    r.config_resetstat()
+    lean = CollectorRegistry()
+    await Exporter(cfg, lean).refresh()
+    assert "cmdstat_get" not in r.info("commandstats")  # no counter read
+
+    async def with_ages(config: AppConfig, **_: bool) -> status.Status:
+        return await status.collect(config, per_queue_retries=False, result_ages=True)
+
+    monkeypatch.setattr(exporter, "collect", with_ages)
+    full = CollectorRegistry()
+    await Exporter(cfg, full).refresh()
+    assert generate_latest(lean) == generate_latest(full)
+    text = generate_latest(lean).decode()
+    assert 'llm_d_async_exporter_result_list_length{result_list="result-list"} 2.0' in text
+    assert "llm_d_async_exporter_backlog 2.0" in text
 
 
 def test_interval_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

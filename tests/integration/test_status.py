@@ -15,11 +15,16 @@ import anyio
 import pytest
 import redis
 
+from redis.asyncio import Redis
+
 from async_processor.cli import main
 from async_processor.config import SortedSetConfig
 from async_processor.messages import Envelope, Request, Routing
+from async_processor.status import redis_status
 from async_processor.transports.base import Deferral, TransportContext
 from async_processor.transports.redis_sortedset import SortedSetTransport
+from tests.fixtures.lossy_proxy import lossy_proxy
+from tests.fixtures.servers import RedisServer
 
 GW = "http://gw.test:8000"
 pytestmark = pytest.mark.usefixtures("restore_logging")  # the commands configure logging
@@ -103,6 +108,35 @@ def test_status_of_a_sorted_set_counts_every_state(
     assert row.split()[2:6] == ["2", "1", "1", "1"] and "in 6m" in row
     assert f"{unique}-rb  1" in table
     assert f"retry set {unique}-retry: 2 due, 1 parked" in table
+
+
+@pytest.mark.anyio
+async def test_status_reads_each_result_list_once_in_one_snapshot(
+    redis_server: RedisServer, unique: str, sortedset: tuple[str, dict[str, Any]]
+) -> None:
+    """The clock, then one pipeline with every count, the result lists' lengths and
+    their retention marks (which the ages need) included."""
+    _, raw = sortedset
+    config = SortedSetConfig.model_validate(raw)
+    transport = SortedSetTransport(config, TransportContext())
+    try:
+        await transport._redis.lpush(f"{unique}-results", "r1", "r2")
+        await transport.retain()  # dates them
+    finally:
+        await transport.aclose()
+    async with lossy_proxy(redis_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        try:
+            await client.ping()  # connected
+            before = proxy.requests
+            got = await redis_status("redis-sortedset", config, client, per_queue_retries=False)
+            round_trips = proxy.requests - before
+        finally:
+            await client.aclose()
+    assert round_trips == 2
+    assert got.result_lists == {f"{unique}-results": 2, f"{unique}-rb": 0}
+    assert got.oldest_results[f"{unique}-results"] is not None
+    assert got.oldest_results[f"{unique}-rb"] is None  # empty
 
 
 async def _claim_one(config: SortedSetConfig) -> None:
