@@ -14,7 +14,6 @@ from typing import Any
 import anyio
 import pytest
 import redis
-
 from redis.asyncio import Redis
 
 from async_processor.cli import main
