@@ -39,7 +39,7 @@ from redis.exceptions import RedisError
 
 from async_processor.config import RedisPubSubConfig
 from async_processor.errors import InvalidMessage, TransportError
-from async_processor.messages import Envelope
+from async_processor.messages import Envelope, Result
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
     TRANSPORTS,
@@ -125,11 +125,22 @@ class RedisPubSubTransport:
                         client=pipe,
                     )
                 receivers = await pipe.execute()
-        for (_, result), count in zip(items, receivers, strict=True):
+        for (delivery, result), count in zip(items, receivers, strict=True):
             if count == 0:
                 log.warning("result_published_without_subscriber", request_id=result.id)
             elif count < 0:
-                log.info("duplicate_result_skipped", request_id=result.id)
+                self._duplicate(delivery, result)
+
+    def _duplicate(self, delivery: Delivery, result: Result) -> None:
+        """A submission already answered: by another replica (fan-out: every replica gets
+        every message, so expect N - 1 per message with N replicas) or a redelivery.
+        Logged at info, as fan-out makes it routine; counted as on redis-sortedset."""
+        queue = delivery.queue
+        log.info("duplicate_result_skipped", request_id=result.id, queue=queue.name)
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.duplicates_suppressed_total.labels(
+                queue.id, queue.name, queue.pool
+            ).inc()
 
     async def defer(self, items: Sequence[Deferral]) -> None:
         """Into the retry set, due after each delay; the mover brings them back."""

@@ -17,6 +17,7 @@ from structlog.testing import capture_logs
 from async_processor.config import RedisPubSubConfig
 from async_processor.errors import TransportError
 from async_processor.messages import Envelope, Request, Result, Routing
+from async_processor.metrics import Metrics
 from async_processor.transports import build_transport
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
 from async_processor.transports.redis_pubsub import RedisPubSubTransport
@@ -26,7 +27,9 @@ from tests.fixtures.servers import RedisServer
 pytestmark = pytest.mark.anyio
 
 
-def transport_for(url: str, unique: str, *channels: str) -> RedisPubSubTransport:
+def transport_for(
+    url: str, unique: str, *channels: str, metrics: Metrics | None = None
+) -> RedisPubSubTransport:
     config = RedisPubSubConfig.model_validate(
         {
             "url": url,
@@ -42,7 +45,7 @@ def transport_for(url: str, unique: str, *channels: str) -> RedisPubSubTransport
             ],
         }
     )
-    built = build_transport("redis-pubsub", config, TransportContext())
+    built = build_transport("redis-pubsub", config, TransportContext(metrics=metrics))
     assert isinstance(built, RedisPubSubTransport)
     return built
 
@@ -128,8 +131,9 @@ async def test_channel_to_result_channel(redis_url: str, unique: str) -> None:
 
 
 async def test_one_result_per_submission(redis_url: str, unique: str) -> None:
+    metrics = Metrics()
     async with (
-        running(transport_for(redis_url, unique)) as t,
+        running(transport_for(redis_url, unique, metrics=metrics)) as t,
         listening(redis_url, f"{unique}-results") as results,
     ):
         publisher = Redis.from_url(redis_url)
@@ -142,6 +146,10 @@ async def test_one_result_per_submission(redis_url: str, unique: str) -> None:
         await t.complete([Completion(delivery, result)])
         await t.complete([Completion(delivery, result)])
         assert len(await received(results, 2, timeout=1.0)) == 1
+    # The one not published is counted, as on redis-sortedset.
+    labels = {"queue_id": "", "queue_name": f"{unique}-in", "pool_name": "default"}
+    sample = "llm_d_async_async_duplicates_suppressed_total"
+    assert metrics.registry.get_sample_value(sample, labels) == 1
 
 
 async def test_full_buffer_applies_backpressure_without_dropping(
