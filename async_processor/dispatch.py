@@ -4,22 +4,20 @@ Input: a ``Work`` item (admitted) and the settings that shape requests. Output: 
 ``Outgoing`` request (URL, headers, verbatim body) and, after sending, a ``retry.Attempt``.
 The attempt is cut at min(deadline, now + request timeout); the deadline also reaches
 the gateway as a header (docs/architecture.md G7), and so does the trace context when tracing is on.
+The HTTP library is behind ``httpclients.base.HttpClient`` (``--http-client``).
 """
 
 from __future__ import annotations
 
 import posixpath
-import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-import aiohttp
-
-from async_processor.config import TLSConfig
-from async_processor.errors import ConfigError, InvalidMessage
+from async_processor.errors import InvalidMessage, NoAnswer
+from async_processor.httpclients.base import AttemptTimeout, HttpClient
 from async_processor.merge.headers import (
     DEFAULT_FAIRNESS_HEADER,
     apply_stamped,
@@ -28,7 +26,6 @@ from async_processor.merge.headers import (
 )
 from async_processor.merge.tier_priority import DEFAULT_OBJECTIVE_HEADER, DEFAULT_PRIORITY_HEADER
 from async_processor.retry import (
-    DROPPED_REASON_HEADER,
     Attempt,
     parse_retry_after,
 )
@@ -173,7 +170,7 @@ def _fully_unquoted(path: str) -> str:
 
 
 async def send(
-    session: aiohttp.ClientSession, out: Outgoing, *, timeout: float, limit: int | None = None
+    client: HttpClient, out: Outgoing, *, timeout: float, limit: int | None = None
 ) -> Attempt:
     """One POST; any failure to get a complete answer becomes a no-response ``Attempt``.
 
@@ -183,85 +180,21 @@ async def send(
         headers = dict(headers)
         apply_stamped(headers, [("Content-Type", out.content_type)])
     try:
-        async with session.post(
-            out.url,
-            data=out.body,
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=max(0.001, timeout)),
-            allow_redirects=False,  # a 3xx is the result; never resend body and headers
-        ) as response:
-            body = await _read_capped(response, limit or MAX_RESPONSE_BYTES)
-            return Attempt(
-                status=response.status,
-                body=body,
-                retry_after=parse_retry_after(response.headers.get("Retry-After")),
-                dropped_reason=response.headers.get(DROPPED_REASON_HEADER, ""),
-            )
-    except TimeoutError:
+        answer = await client.post(
+            out.url, out.body, headers, timeout=timeout, limit=limit or MAX_RESPONSE_BYTES
+        )
+    except AttemptTimeout:
         return Attempt(error=f"attempt timed out after {timeout:.3g}s")
-    except ResponseTooLarge as exc:
-        return Attempt(error=str(exc), fatal=True)
-    except aiohttp.InvalidURL as exc:
-        return Attempt(error=f"invalid URL {exc}", fatal=True)
-    except (aiohttp.ClientError, OSError) as exc:
-        return Attempt(error=f"{type(exc).__name__}: {exc}")
-
-
-class ResponseTooLarge(Exception):
-    pass
-
-
-async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The body, refusing one larger than ``limit`` (the reference read without a bound)."""
-    length = response.content_length
-    if length is not None and length <= limit:
-        return await response.read()
-    if length is not None:
-        raise ResponseTooLarge(f"gateway answer of {length} bytes is larger than {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.content.iter_chunked(1 << 16):
-        size += len(chunk)
-        if size > limit:
-            raise ResponseTooLarge(f"gateway answer larger than {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    except NoAnswer as exc:
+        return Attempt(error=str(exc), fatal=exc.fatal)
+    return Attempt(
+        status=answer.status,
+        body=answer.body,
+        retry_after=parse_retry_after(answer.retry_after),
+        dropped_reason=answer.dropped_reason,
+    )
 
 
 def attempt_timeout(deadline: float, request_timeout: float) -> float:
     """Seconds this attempt may take: min(deadline, now + request timeout)."""
     return min(deadline - time.time(), request_timeout)
-
-
-def make_session(tls: TLSConfig, workers: int) -> aiohttp.ClientSession:
-    """One session for all workers: keep-alive connections, no global cap beyond the workers."""
-    connector = aiohttp.TCPConnector(
-        limit=max(100, workers),
-        limit_per_host=0,
-        ssl=ssl_context(tls),
-        keepalive_timeout=90,
-        enable_cleanup_closed=True,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None),
-        skip_auto_headers=("User-Agent",),
-    )
-
-
-def ssl_context(tls: TLSConfig) -> ssl.SSLContext | bool:
-    if not (tls.ca_cert or tls.cert or tls.insecure_skip_verify):
-        return True
-    ctx = ssl.create_default_context()
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        if tls.ca_cert:
-            ctx.load_verify_locations(cafile=tls.ca_cert)
-        if tls.cert:
-            ctx.load_cert_chain(tls.cert, tls.key or None)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"--tls-*: cannot load certificates: {exc}") from exc
-    if tls.insecure_skip_verify:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx

@@ -6,10 +6,11 @@ AsyncProcessorError
 │   ├── InvalidMessage          undecodable / invalid -> INVALID_REQUEST or dead-letter
 │   └── PayloadUnavailable      a referenced payload could not be fetched
 ├── GateError                   a gate could not decide (its backend failed)
-└── TransportError              the broker failed (retried with backoff by callers)
+├── TransportError              the broker failed (retried with backoff by callers)
+└── NoAnswer                    an HTTP client got no usable answer (``httpclients.base``)
 
-An HTTP attempt that fails is not an exception: ``dispatch.send`` returns it as a
-``retry.Attempt``, and ``retry.decide`` classifies it (retry, shed, final).
+An HTTP attempt that fails does not leave dispatch as an exception: ``dispatch.send``
+returns it as a ``retry.Attempt``, and ``retry.decide`` classifies it (retry, shed, final).
 """
 
 from __future__ import annotations
@@ -51,3 +52,11 @@ class GateError(AsyncProcessorError):
 
 class TransportError(AsyncProcessorError):
     """The broker failed; callers retry with backoff."""
+
+
+class NoAnswer(AsyncProcessorError):
+    """No usable answer from the gateway: refused, reset, timed out, too large.
+
+    ``fatal``: sending again cannot help (``retry.Attempt.fatal``)."""
+
+    fatal = False

@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 
-import aiohttp
 import anyio
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
@@ -25,10 +24,12 @@ from async_processor import __version__, tracing
 from async_processor.admission import PoolGate
 from async_processor.cancels import CancelWatch
 from async_processor.config import AppConfig, PoolConfig
-from async_processor.dispatch import DispatchSettings, make_session, stamped_header_names
+from async_processor.dispatch import DispatchSettings, stamped_header_names
 from async_processor.errors import ConfigError
 from async_processor.gates.base import Gate, GateContext, GateOwner, build_gate
 from async_processor.health import serve_health, serve_metrics
+from async_processor.httpclients import build_http_client
+from async_processor.httpclients.base import HttpClient
 from async_processor.merge import build_merge_policy
 from async_processor.merge.base import MergeContext, MergePolicy, Source
 from async_processor.merge.headers import DEFAULT_FAIRNESS_ATTRIBUTE
@@ -121,8 +122,9 @@ class Processor:
         async with AsyncExitStack() as stack:
             stack.push_async_callback(self._close_gates)
             stack.push_async_callback(self.transport.aclose)
-            session = make_session(rt.tls, sum(p.config.workers for p in self.pools))
-            stack.push_async_callback(session.close)
+            workers = sum(p.config.workers for p in self.pools)
+            http = build_http_client(rt.http_client, rt.tls, workers)
+            stack.push_async_callback(http.aclose)
             transforms = await stack.enter_async_context(
                 build_transform_chain(
                     self.config.transforms,
@@ -131,7 +133,7 @@ class Processor:
             )
             async with anyio.create_task_group() as services:
                 await self._start_services(services)
-                await self._run_pipeline(session, transforms, task_status)
+                await self._run_pipeline(http, transforms, task_status)
                 services.cancel_scope.cancel()
         log.info("processor_stopped")
 
@@ -175,7 +177,7 @@ class Processor:
 
     async def _run_pipeline(
         self,
-        session: aiohttp.ClientSession,
+        http: HttpClient,
         transforms: TransformChain,
         task_status: TaskStatus[None],
     ) -> None:
@@ -187,7 +189,7 @@ class Processor:
             # Merge lanes and workers are never cancelled as a whole: at the drain timeout
             # only in-flight calls are cut, so everything buffered is still handed back.
             async with anyio.create_task_group() as work:
-                pollers = self._start_pools(work, writer, session, transforms)
+                pollers = self._start_pools(work, writer, http, transforms)
                 async with anyio.create_task_group() as polling:
                     for poller in pollers:
                         polling.start_soon(poller.run)
@@ -219,7 +221,7 @@ class Processor:
         self,
         tg: TaskGroup,
         writer: ResultWriter,
-        session: aiohttp.ClientSession,
+        http: HttpClient,
         transforms: TransformChain,
     ) -> list[Poller]:
         rt = self.config.runtime
@@ -258,7 +260,7 @@ class Processor:
                 worker = Worker(
                     pool=pool.config.id,
                     settings=settings,
-                    session=session,
+                    http=http,
                     transport=self.transport,
                     settler=self._settler(writer, pool.capacity),
                     transforms=transforms,

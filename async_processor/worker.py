@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
-import aiohttp
 import anyio
 import structlog
 from anyio.abc import ObjectReceiveStream
@@ -24,6 +23,7 @@ from async_processor.cancels import CancelWatch
 from async_processor.dispatch import DispatchSettings, attempt_timeout, build_request, send
 from async_processor.errors import InvalidMessage, PayloadUnavailable, TransportError
 from async_processor.gates.base import Observes
+from async_processor.httpclients.base import HttpClient
 from async_processor.messages import CANCELLED_TEXT, Envelope, ErrorCode, Result
 from async_processor.retry import (
     Attempt,
@@ -89,7 +89,7 @@ class Worker:
 
     pool: str
     settings: DispatchSettings
-    session: aiohttp.ClientSession
+    http: HttpClient
     transport: Transport
     settler: Settler  # this worker's own: it closes the writer's sender when done
     transforms: TransformChain
@@ -188,7 +188,7 @@ class Worker:
         limit = RESULT_LIMITS.get(self.transport.kind)
         started = time.monotonic()
         with tracing.http_request(out) as span:
-            attempt = await send(self.session, out, timeout=timeout, limit=limit)
+            attempt = await send(self.http, out, timeout=timeout, limit=limit)
             span.answered(attempt)
         latency = time.monotonic() - started
         if self.tokens is not None and 200 <= attempt.status < 300:

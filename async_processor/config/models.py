@@ -113,6 +113,8 @@ class RuntimeConfig(Strict):
     # Distinct tenants counted in tokens_total per process; the rest count as "other".
     tenant_label_limit: Annotated[int, Field(ge=0)] = 100
     tls: TLSConfig = Field(default_factory=TLSConfig)
+    # The gateway's HTTP client (async_processor.httpclients); pyreqwest is an extra.
+    http_client: Literal["aiohttp", "pyreqwest"] = "aiohttp"
 
     @field_validator("prometheus_url")
     @classmethod

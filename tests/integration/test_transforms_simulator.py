@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
 import anyio
 import pytest
 
@@ -18,6 +17,7 @@ from async_processor.transforms import build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports.base import Delivery, QueueSpec
 from async_processor.work import Work
+from tests.fixtures.inprocess import http_client
 from tests.fixtures.simulator import SimulatorProcess
 
 pytestmark = pytest.mark.anyio
@@ -84,7 +84,7 @@ async def test_stamped_headers_and_edited_body_reach_the_gateway(
         ]
     )
     chain = build_transform_chain(TransformConfig.model_validate(TRANSFORMS), TransformContext())
-    async with aiohttp.ClientSession() as session:
+    async with http_client() as session:
         for item in items:
             out = build_request(item, DispatchSettings())
             await chain.apply(item.envelope, out)

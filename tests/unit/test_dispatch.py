@@ -10,6 +10,7 @@ from async_processor.messages import decode_envelope
 from async_processor.metrics import Metrics
 from async_processor.transports.base import Delivery, QueueSpec
 from async_processor.work import Work
+from tests.fixtures.inprocess import http_client
 
 RAW = b'{"id":"r1","deadline":1900000000,"payload":{"n":12345678901234567890,"b":1,"a":2}}'
 
@@ -104,7 +105,6 @@ def test_caller_content_type_overrides_in_any_case() -> None:
 async def test_response_body_over_the_cap_is_a_fatal_attempt(
     chunked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import aiohttp
     from aiohttp import web
 
     from async_processor import dispatch
@@ -129,11 +129,11 @@ async def test_response_body_over_the_cap_is_a_fatal_attempt(
     port = runner.addresses[0][1]
     monkeypatch.setattr(dispatch, "MAX_RESPONSE_BYTES", 4096)
     try:
-        async with aiohttp.ClientSession() as session:
+        async with http_client() as client:
             out = Outgoing(url=f"http://127.0.0.1:{port}/v1/completions", body=b"{}")
-            attempt = await dispatch.send(session, out, timeout=5)
+            attempt = await dispatch.send(client, out, timeout=5)
             monkeypatch.setattr(dispatch, "MAX_RESPONSE_BYTES", 8192)
-            fine = await dispatch.send(session, out, timeout=5)
+            fine = await dispatch.send(client, out, timeout=5)
     finally:
         await runner.cleanup()
     assert attempt.fatal and attempt.status == 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import aiohttp
 import anyio
 import pytest
 from structlog.testing import capture_logs
@@ -18,6 +17,7 @@ from structlog.testing import capture_logs
 from async_processor import worker as worker_module
 from async_processor.results import Op
 from async_processor.transports.base import Delivery
+from tests.fixtures.inprocess import http_client
 from tests.fixtures.simulator import LocalSimulator
 from tests.unit.test_tracing import _work, _worker
 
@@ -43,7 +43,7 @@ async def test_a_settle_timeout_abandons_the_claim(
     monkeypatch.setattr(worker_module, "SETTLE_TIMEOUT", 0.2)
     transport = Abandoning()
     send, receive = anyio.create_memory_object_stream[Op](0)  # a writer that never reads
-    async with aiohttp.ClientSession() as session, send, receive:
+    async with http_client() as session, send, receive:
         worker = dataclasses.replace(_worker(session, send), transport=transport)
         with capture_logs() as logs, anyio.fail_after(5):
             await worker.handle(_work(local_simulator.url))

@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import aiohttp
 import anyio
 import pytest
 from anyio.streams.memory import MemoryObjectSendStream
@@ -27,6 +26,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from async_processor import tracing
 from async_processor.config import TransformConfig
 from async_processor.dispatch import DispatchSettings
+from async_processor.httpclients.base import HttpClient
 from async_processor.messages import decode_envelope
 from async_processor.metrics import Metrics
 from async_processor.results import Op
@@ -36,6 +36,7 @@ from async_processor.transforms.base import TransformContext
 from async_processor.transports.base import Completion, Deferral, Delivery, QueueSpec, Transport
 from async_processor.work import PoolCapacity, Work
 from async_processor.worker import Aborter, Worker
+from tests.fixtures.inprocess import http_client
 from tests.fixtures.otlp import OtlpCollector
 from tests.fixtures.servers import free_port
 from tests.fixtures.simulator import LocalSimulator
@@ -69,12 +70,12 @@ def _work(gateway: str, request_id: str = "r1", **extra: Any) -> Work:
     )
 
 
-def _worker(session: aiohttp.ClientSession, writer: MemoryObjectSendStream[Op]) -> Worker:
+def _worker(http: HttpClient, writer: MemoryObjectSendStream[Op]) -> Worker:
     transport: Transport = _NeverCancelled()  # type: ignore[assignment]
     return Worker(
         pool="p",
         settings=DispatchSettings(request_timeout=5.0),
-        session=session,
+        http=http,
         transport=transport,
         settler=Settler(transport=transport, writer=writer, capacity=PoolCapacity(1)),
         transforms=build_transform_chain(TransformConfig(), TransformContext()),
@@ -86,7 +87,7 @@ def _worker(session: aiohttp.ClientSession, writer: MemoryObjectSendStream[Op]) 
 async def _handle(work: Work) -> list[Op]:
     """One message through a real Worker; what it wrote to the result writer."""
     send, receive = anyio.create_memory_object_stream[Op](4)
-    async with aiohttp.ClientSession() as session:
+    async with http_client() as session:
         await _worker(session, send).handle(work)
     send.close()
     async with receive:
@@ -205,7 +206,7 @@ async def test_abort_at_drain_timeout_records_a_linked_reenqueue_span(
 ) -> None:
     local_simulator.configure(hang_rate=1.0)
     send, receive = anyio.create_memory_object_stream[Op](4)
-    async with aiohttp.ClientSession() as session:
+    async with http_client() as session:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_worker(session, send).handle, _work(local_simulator.url, "abort-me"))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import aiohttp
 import anyio
 import pytest
 from aiohttp import web
@@ -15,6 +14,7 @@ from aiohttp import web
 from async_processor.messages import ErrorCode
 from async_processor.transports.base import Completion
 from async_processor.work import ShedPause
+from tests.fixtures.inprocess import http_client
 from tests.fixtures.servers import free_port
 from tests.unit.test_tracing import _work, _worker
 
@@ -40,7 +40,7 @@ async def test_a_deadline_that_passes_during_the_pause_is_answered_without_a_cal
         pause = ShedPause(cap=3.0)
         pause.shed(2.5)  # the pool is paused past the request's deadline
         send, receive = anyio.create_memory_object_stream[object](4)
-        async with aiohttp.ClientSession() as session:
+        async with http_client() as session:
             worker = dataclasses.replace(_worker(session, send), shed_pause=pause)  # type: ignore[arg-type]
             await worker.handle(work)
         send.close()
