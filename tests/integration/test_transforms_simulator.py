@@ -84,11 +84,11 @@ async def test_stamped_headers_and_edited_body_reach_the_gateway(
         ]
     )
     chain = build_transform_chain(TransformConfig.model_validate(TRANSFORMS), TransformContext())
-    async with http_client() as session:
+    async with http_client() as http:
         for item in items:
             out = build_request(item, DispatchSettings())
             await chain.apply(item.envelope, out)
-            attempt = await send(session, out, timeout=10)
+            attempt = await send(http, out, timeout=10)
             assert attempt.status == 200
     recorded: dict[str, dict[str, Any]] = {
         r["headers"]["x-tenant-tier"]: r for r in simulator.requests()

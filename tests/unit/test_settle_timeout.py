@@ -43,8 +43,8 @@ async def test_a_settle_timeout_abandons_the_claim(
     monkeypatch.setattr(worker_module, "SETTLE_TIMEOUT", 0.2)
     transport = Abandoning()
     send, receive = anyio.create_memory_object_stream[Op](0)  # a writer that never reads
-    async with http_client() as session, send, receive:
-        worker = dataclasses.replace(_worker(session, send), transport=transport)
+    async with http_client() as http, send, receive:
+        worker = dataclasses.replace(_worker(http, send), transport=transport)
         with capture_logs() as logs, anyio.fail_after(5):
             await worker.handle(_work(local_simulator.url))
     assert transport.abandoned == [("qname", "settle_timeout")]

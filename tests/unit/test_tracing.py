@@ -87,8 +87,8 @@ def _worker(http: HttpClient, writer: MemoryObjectSendStream[Op]) -> Worker:
 async def _handle(work: Work) -> list[Op]:
     """One message through a real Worker; what it wrote to the result writer."""
     send, receive = anyio.create_memory_object_stream[Op](4)
-    async with http_client() as session:
-        await _worker(session, send).handle(work)
+    async with http_client() as http:
+        await _worker(http, send).handle(work)
     send.close()
     async with receive:
         return [op async for op in receive]
@@ -206,10 +206,10 @@ async def test_abort_at_drain_timeout_records_a_linked_reenqueue_span(
 ) -> None:
     local_simulator.configure(hang_rate=1.0)
     send, receive = anyio.create_memory_object_stream[Op](4)
-    async with http_client() as session:
+    async with http_client() as http:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_worker(session, send).handle, _work(local_simulator.url, "abort-me"))
+                tg.start_soon(_worker(http, send).handle, _work(local_simulator.url, "abort-me"))
                 while local_simulator.stats()["running"] < 1:
                     await anyio.sleep(0.01)
                 tg.cancel_scope.cancel()  # what the drain timeout does to in-flight calls

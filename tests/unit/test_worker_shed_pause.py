@@ -40,8 +40,8 @@ async def test_a_deadline_that_passes_during_the_pause_is_answered_without_a_cal
         pause = ShedPause(cap=3.0)
         pause.shed(2.5)  # the pool is paused past the request's deadline
         send, receive = anyio.create_memory_object_stream[object](4)
-        async with http_client() as session:
-            worker = dataclasses.replace(_worker(session, send), shed_pause=pause)  # type: ignore[arg-type]
+        async with http_client() as http:
+            worker = dataclasses.replace(_worker(http, send), shed_pause=pause)  # type: ignore[arg-type]
             await worker.handle(work)
         send.close()
         ops = [op async for op in receive]
