@@ -10,6 +10,11 @@ The markers of everything in flight are read together, one round trip per
 ``CANCEL_WATCH_INTERVAL`` (redis-sortedset: one MGET per queue), instead of a GET per
 request: the poller already checks a batch at fetch time, this covers what follows.
 Transports without cancel markers (gcp-pubsub) are not watched.
+
+The watch starts when a worker takes the message, and the worker sends at once; so for a
+message that waited after its fetch (prefetched behind busy workers), the worker also
+asks right before dispatch (``Worker._cancelled``): a cancel made while it waited is
+answered without sending, not cut after the gateway may already have answered.
 """
 
 from __future__ import annotations

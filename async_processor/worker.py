@@ -248,7 +248,11 @@ class Worker:
             self.observer.observe(envelope, attempt.status or None, latency, attempt.dropped_reason)
 
     async def _cancelled(self, work: Work) -> bool:
-        # The poller checked at fetch; check again only for messages that waited a while.
+        """The poller checked at fetch; a message that waited since (for a worker, or at
+        the pool gate) is asked again before it is sent. Not redundant with ``cancels``:
+        the watch sees a message only once a worker holds it, and the worker sends at once,
+        before the watch's next round, so a quick answer would beat a cancel made while it
+        waited (tests/integration/test_cancel_inflight.py)."""
         if time.time() - work.delivery.received_at < CANCEL_RECHECK:
             return False
         try:

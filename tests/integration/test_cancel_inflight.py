@@ -25,6 +25,7 @@ from async_processor.health import listening
 from async_processor.messages import Envelope, Request, Routing
 from async_processor.transports.base import Delivery, QueueSpec
 from async_processor.transports.redis_pubsub import RedisPubSubTransport
+from async_processor.worker import CANCEL_RECHECK
 from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.integration.test_redis_pubsub import transport_for
 
@@ -99,6 +100,30 @@ async def test_cancel_aborts_the_gateway_call_and_frees_slot_and_permit(
     assert gateway.closed["hung"] - cancelled_at < 1.0
     assert (result.id, result.error_code) == ("hung", "CANCELLED")
     assert (after.id, after.status_code, gateway.answered) == ("next", 200, ["next"])
+
+
+async def test_a_cancel_while_waiting_for_a_worker_is_answered_without_sending(
+    redis_url: str, unique: str
+) -> None:
+    """The watch covers a message only once a worker holds it; one fetched ahead, waiting
+    for the worker, is checked again just before dispatch (``Worker._cancelled``). Else
+    a quick gateway answers it before the watch's next round: a 200, not CANCELLED."""
+    pools = [PoolConfig(id="p", workers=1)]
+    async with hanging_gateway() as gateway:
+        config = sortedset_config(redis_url, gateway.url, unique, pools=pools)
+        async with running(config):
+            client = await submit(
+                redis_url, unique, _req("busy", hang=True), _req("queued", hang=False)
+            )
+            await _until(lambda: "busy" in gateway.arrived)
+            with anyio.fail_after(5):  # "queued" is fetched, past the fetch-time check
+                while await client.inflight_depth() < 2:
+                    await anyio.sleep(0.02)
+            await anyio.sleep(CANCEL_RECHECK)  # it waited: the worker asks again
+            assert await client.cancel(["queued", "busy"], queue=unique) == 2
+            results = await client.drain_results(2, 5)
+    assert {r.id: r.error_code for r in results} == {"busy": "CANCELLED", "queued": "CANCELLED"}
+    assert "queued" not in gateway.arrived and gateway.answered == []
 
 
 async def test_a_cancel_of_another_submission_does_not_cut_this_one(
