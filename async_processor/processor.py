@@ -129,7 +129,7 @@ class Processor:
                 build_transform_chain(
                     self.config.transforms,
                     TransformContext(max_message_bytes=rt.max_message_bytes),
-                )
+                ).opened()
             )
             async with anyio.create_task_group() as services:
                 await self._start_services(services)

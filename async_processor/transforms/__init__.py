@@ -13,16 +13,16 @@ are exactly the payload's bytes. Errors carry the reference's wording and name t
 transform: ``InvalidMessage`` -> INVALID_REQUEST, ``PayloadUnavailable`` ->
 PAYLOAD_UNAVAILABLE.
 
-Lifecycle: the chain is an async context manager; entering it opens the transforms that
-hold a resource (``base.Opens``: ``payload_url``'s HTTP session, reused by every message),
-leaving it closes them. The processor holds it open for the daemon's life.
+Lifecycle: ``opened()`` opens the transforms that hold a resource (``base.Opens``:
+``payload_url``'s HTTP session, reused by every message) and closes them on the way out.
+The processor holds it open for the daemon's life.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
-from types import TracebackType
 
 import anyio
 
@@ -50,27 +50,15 @@ class TransformChain:
     def __len__(self) -> int:
         return len(self._steps)
 
-    async def __aenter__(self) -> TransformChain:
-        opened: list[Opens] = []
-        try:
-            for resource in self._resources():
-                await resource.open()
-                opened.append(resource)
-        except BaseException:
-            await _close(opened)
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await _close(self._resources())
-
-    def _resources(self) -> list[Opens]:
-        return [t for _, t in self._steps if isinstance(t, Opens)]
+    @asynccontextmanager
+    async def opened(self) -> AsyncIterator[TransformChain]:
+        """The chain with its transforms' resources open (``base.Opens``), closed after."""
+        async with AsyncExitStack() as stack:
+            for _, transform in self._steps:
+                if isinstance(transform, Opens):
+                    await transform.open()
+                    stack.push_async_callback(_close, transform)
+            yield self
 
     def validate(self, envelope: Envelope) -> None:
         for entry, transform in self._steps:
@@ -105,11 +93,10 @@ def build_transform_chain(config: TransformConfig, ctx: TransformContext) -> Tra
     return TransformChain(steps)
 
 
-async def _close(resources: Sequence[Opens]) -> None:
-    """Close each (shielded: this runs while the daemon is being cancelled)."""
+async def _close(resource: Opens) -> None:
+    """Shielded: this runs while the daemon is being cancelled."""
     with anyio.CancelScope(shield=True):
-        for resource in resources:
-            await resource.aclose()
+        await resource.aclose()
 
 
 def _named(

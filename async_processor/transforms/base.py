@@ -41,7 +41,7 @@ class Opens(Protocol):
     """Optional for a transform that holds a resource (``payload_url``: its HTTP session).
 
     The chain opens it before the first message and closes it at shutdown
-    (``TransformChain`` is an async context manager); ``apply`` may rely on it being open.
+    (``TransformChain.opened``); ``apply`` may rely on it being open.
     """
 
     async def open(self) -> None: ...

@@ -80,7 +80,7 @@ class PayloadUrl:
         self._client: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
-        """One session for every message (the chain opens it; see ``TransformChain``)."""
+        """One session for every message (the chain opens it: ``TransformChain.opened``)."""
         if self._client is None:
             self._client = self._session()
 

@@ -124,7 +124,7 @@ async def fetch(c: TransformChain, url: str, budget: float = 5.0, **meta: str) -
     env = Envelope(request=Request(id="r", deadline=int(time.time() + 60), metadata=metadata))
     c.validate(env)
     out = Outgoing(url="u", body=env.request.payload, deadline=time.time() + budget)
-    async with c:
+    async with c.opened():
         await c.apply(env, out)
     return out
 
@@ -138,7 +138,7 @@ async def test_messages_share_one_session_and_its_connection_until_the_chain_clo
     server: Server,
 ) -> None:
     c = chain(FETCH)
-    async with c:
+    async with c.opened():
         for i in range(20):
             env = Envelope(
                 request=Request(id=f"r{i}", deadline=int(time.time() + 60),
