@@ -94,6 +94,16 @@ class Metrics:
             ("result_list",),
             registry=r,
         )
+        self.discovery_refused_total = Counter(
+            PREFIX + "queue_discovery_refused",
+            "Names in the discovery set or scan not polled, by reason (daemon_key, bad_name, "
+            "cross_slot, over_cap).",
+            ("reason",),
+            registry=r,
+        )
+        self.discovered_queues = Gauge(
+            PREFIX + "queue_discovery_queues", "Discovered queues being polled.", registry=r
+        )
         self.abandoned_total = Counter(
             PREFIX + "abandoned_claims",
             "Claims given up after a write failed (lease left to expire), by reason.",

@@ -12,8 +12,8 @@ and handed back at once. A second signal hands back at once.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator, Sequence
-from contextlib import AsyncExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import anyio
@@ -23,10 +23,11 @@ from anyio.abc import TaskGroup, TaskStatus
 from async_processor import __version__, tracing
 from async_processor.admission import PoolGate
 from async_processor.cancels import CancelWatch
-from async_processor.config import AppConfig, PoolConfig
+from async_processor.config import AppConfig, PoolConfig, SortedSetConfig
+from async_processor.discovery import QueueRefresh
 from async_processor.dispatch import DispatchSettings, stamped_header_names
-from async_processor.errors import ConfigError
-from async_processor.gates.base import Gate, GateContext, GateOwner, build_gate
+from async_processor.gates.base import GateContext, GateOwner
+from async_processor.gates.owners import QueueGates, pool_gate
 from async_processor.health import serve_health, serve_metrics
 from async_processor.httpclients import build_http_client
 from async_processor.httpclients.base import HttpClient
@@ -40,7 +41,12 @@ from async_processor.settle import Settler
 from async_processor.transforms import TransformChain, build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports import build_transport
-from async_processor.transports.base import QueueSpec, Transport, TransportContext
+from async_processor.transports.base import (
+    DiscoversQueues,
+    QueueSpec,
+    Transport,
+    TransportContext,
+)
 from async_processor.usage import TokenAccounting
 from async_processor.work import PoolCapacity, ShedPause, Work
 from async_processor.worker import Aborter, Worker
@@ -98,7 +104,10 @@ class Processor:
         self.merge_policy: MergePolicy = build_merge_policy(
             config.merge_policy, MergeContext(metrics=self.metrics)
         )
-        self.queue_gates = self._queue_gates(config.queue_specs())
+        self.queue_gates = QueueGates(self.gate_ctx)
+        for queue in [*config.queue_specs(), *_template(config)]:
+            self.queue_gates.of(queue)  # every gate built (and checked) at startup
+        self._discovery: QueueRefresh | None = None
         self.pools = [self._pool(p, config.queue_specs()) for p in config.effective_pools()]
         self.ready = False
         self.stopping = anyio.Event()
@@ -193,10 +202,13 @@ class Processor:
                 async with anyio.create_task_group() as polling:
                     for poller in pollers:
                         polling.start_soon(poller.run)
+                    if self._discovery is not None:
+                        await self._discovery.refresh(polling)  # ready with what is listed
+                        polling.start_soon(self._discovery.run, polling)
                     self.ready = True
                     log.info(
                         "processor_ready",
-                        queues=[q.name for q in self.config.queue_specs()],
+                        queues=[q.name for q in self.transport.queues],
                         pools=[p.config.id for p in self.pools],
                         health_port=self.health_port,
                         metrics_port=self.metrics_port,
@@ -231,6 +243,7 @@ class Processor:
             stamped_header_names(self.config.merge_policy.parameters),
         )
         pollers: list[Poller] = []
+        self._discovery = self._queue_refresh(writer)
         for pool in self.pools:
             # One message between the merge and the workers: the merge chooses at each free
             # worker among every queue's offer (a buffer of one per queue held most of the
@@ -238,23 +251,15 @@ class Processor:
             sink, merged = anyio.create_memory_object_stream[Work](1)
             sources: list[Source] = []
             for queue in pool.queues:
-                # A fetch sized by free slots is admitted whole, so the next one starts at once.
-                lane = pool.capacity.slots if queue.max_fetch else queue.batch_size
-                lane_in, lane_out = anyio.create_memory_object_stream[Work](lane)
-                sources.append(Source(queue, lane_out))
-                metrics = self.metrics.queue(queue.id, queue.name, pool.config.id)
-                pollers.append(
-                    Poller(
-                        queue=queue,
-                        transport=self.transport,
-                        gate=self.queue_gates[queue.name],
-                        settler=self._settler(writer, pool.capacity),
-                        lane=lane_in,
-                        metrics=metrics,
-                        bound_in_flight=rt.budget_scope == "in-flight",
-                    )
-                )
-            tg.start_soon(self.merge_policy.run, pool.config.id, sources, sink)
+                source, poller = self._wire_queue(pool, queue, writer)
+                sources.append(source)
+                pollers.append(poller)
+            more = None
+            if self._discovery is not None:
+                self._discovery.feeds[pool.config.id], more = anyio.create_memory_object_stream[
+                    Source
+                ](1)
+            tg.start_soon(self.merge_policy.run, pool.config.id, sources, sink, more)
             shed_pause = ShedPause(rt.shed_pause)
             for _ in range(pool.config.workers):
                 worker = Worker(
@@ -275,45 +280,48 @@ class Processor:
             merged.close()
         return pollers
 
+    def _queue_refresh(self, writer: ResultWriter) -> QueueRefresh | None:
+        transport_config = self.config.transport_config
+        discovery = getattr(transport_config, "queue_discovery", None)
+        if discovery is None or not isinstance(self.transport, DiscoversQueues):
+            return None
+        pools = {pool.config.id: pool for pool in self.pools}
+        return QueueRefresh(
+            self.transport.discover,
+            lambda queue: self._wire_queue(pools[queue.pool], queue, writer),
+            {pool_id: pool.capacity for pool_id, pool in pools.items()},
+            discovery.refresh_seconds,
+        )
+
+    def _wire_queue(
+        self, pool: _Pool, queue: QueueSpec, writer: ResultWriter
+    ) -> tuple[Source, Poller]:
+        """A queue's lane (the merge's source) and its poller."""
+        # A fetch sized by free slots is admitted whole, so the next one starts at once.
+        lane = pool.capacity.slots if queue.max_fetch else queue.batch_size
+        lane_in, lane_out = anyio.create_memory_object_stream[Work](lane)
+        poller = Poller(
+            queue=queue,
+            transport=self.transport,
+            gate=self.queue_gates.of(queue),
+            settler=self._settler(writer, pool.capacity),
+            lane=lane_in,
+            metrics=self.metrics.queue(queue.id, queue.name, pool.config.id),
+            bound_in_flight=self.config.runtime.budget_scope == "in-flight",
+        )
+        return Source(queue, lane_out), poller
+
     def _settler(self, writer: ResultWriter, capacity: PoolCapacity) -> Settler:
         return Settler(transport=self.transport, writer=writer.sender(), capacity=capacity)
-
-    def _queue_gates(self, queues: Sequence[QueueSpec]) -> dict[str, Gate]:
-        """One gate per queue; the queues of a ``gate_group`` share the first one built, so
-        its counts and readings cover the whole endpoint."""
-        gates: dict[str, Gate] = {}
-        groups: dict[str, Gate] = {}
-        for queue in queues:
-            if queue.gate_group not in groups:
-                gates[queue.name] = self._queue_gate(queue)
-                if queue.gate_group:
-                    groups[queue.gate_group] = gates[queue.name]
-            else:
-                gates[queue.name] = groups[queue.gate_group]
-        return gates
-
-    def _queue_gate(self, queue: QueueSpec) -> Gate:
-        # A shared gate's own series (metric gate gauges) carry the group as queue_name.
-        if queue.gate_group:
-            owner = GateOwner("", queue.gate_group, queue.pool)
-        else:
-            owner = GateOwner(queue.id, queue.name, queue.pool)
-        with _naming(f"queue {queue.name!r}"):
-            return build_gate(
-                queue.gate_type, dict(queue.gate_params), self.gate_ctx.for_owner(owner)
-            )
 
     def _pool(self, config: PoolConfig, queues: Sequence[QueueSpec]) -> _Pool:
         self.metrics.pool_worker_limit.labels(config.id).set(config.workers)
         gate = None
         if config.gate_type:
-            owner = GateOwner(pool=config.id)
-            with _naming(f"pool {config.id!r}"):
-                built = build_gate(
-                    config.gate_type, dict(config.gate_params), self.gate_ctx.for_owner(owner)
-                )
             gate = PoolGate(
-                built, self.metrics.pool(config.id), self.config.runtime.effective_gate_wait_timeout
+                pool_gate(config, self.gate_ctx),
+                self.metrics.pool(config.id),
+                self.config.runtime.effective_gate_wait_timeout,
             )
         # A little prefetch beyond the workers hides the fetch round trip. No more: every
         # message held here is leased away from the other replicas, and with fetching
@@ -324,9 +332,8 @@ class Processor:
         return _Pool(config, mine, PoolCapacity(slots), gate)
 
     async def _backlog_loop(self, interval: float) -> None:
-        specs = self.config.queue_specs()
         while True:
-            for queue in specs:
+            for queue in list(self.transport.queues):  # discovered ones too
                 try:
                     depth = await self.transport.backlog(queue)
                 except Exception as exc:
@@ -353,13 +360,10 @@ async def _serve_metrics(
     await serve_metrics(host, port, metrics.registry, bearer_token=token, task_status=task_status)
 
 
-@contextmanager
-def _naming(owner: str) -> Iterator[None]:
-    """Say which queue or pool a plugin config error belongs to."""
-    try:
-        yield
-    except ConfigError as exc:
-        raise ConfigError(f"{owner}: {exc}") from exc
+def _template(config: AppConfig) -> list[QueueSpec]:
+    """The discovery template as a queue, so its gate is checked at startup."""
+    transport = config.transport_config
+    return transport.template_specs() if isinstance(transport, SortedSetConfig) else []
 
 
 def validate_plugins(config: AppConfig) -> None:

@@ -94,6 +94,12 @@ class PoolCapacity:
         self.free += count
         self._wake()
 
+    def resize(self, delta: int) -> None:
+        """Add (or take away) slots: a queue found or removed while running."""
+        self.slots += delta
+        self.free += delta
+        self._wake()
+
     def _wake(self) -> None:
         if self.free > 0 and self._waiters and not self._woken:
             self._woken += 1

@@ -28,7 +28,12 @@ from async_processor.config.models import (
     RuntimeConfig,
     TransformConfig,
 )
-from async_processor.config.transports import TRANSPORT_CONFIGS, RedisTransportBase, TransportConfig
+from async_processor.config.transports import (
+    TRANSPORT_CONFIGS,
+    RedisTransportBase,
+    SortedSetConfig,
+    TransportConfig,
+)
 from async_processor.errors import ConfigError
 from async_processor.registry import describe_validation
 from async_processor.transports.redis_settings import (
@@ -142,7 +147,10 @@ def _pools(settings: Settings, env: Mapping[str, str]) -> list[PoolConfig]:
 
 def _check_pools(transport_config: TransportConfig, pools: list[PoolConfig], source: str) -> None:
     known = [p.id for p in pools] or [DEFAULT_POOL]
-    for spec in transport_config.queue_specs():
+    templates = (
+        transport_config.template_specs() if isinstance(transport_config, SortedSetConfig) else []
+    )
+    for spec in [*transport_config.queue_specs(), *templates]:
         if spec.pool not in known:
             raise ConfigError(
                 f"{source}: queue {spec.name!r} names unknown worker_pool_id {spec.pool!r} "

@@ -25,7 +25,7 @@ from async_processor.config.base import (
     check_http_url,
     require_unique,
 )
-from async_processor.config.transports import TransportConfig
+from async_processor.config.transports import SortedSetConfig, TransportConfig
 from async_processor.durations import Duration
 from async_processor.transports.base import QueueSpec
 
@@ -160,7 +160,9 @@ class AppConfig(Strict):
         """Queues share a gate only when they send to one endpoint with one gate: anything
         else would gate one queue on another endpoint's capacity."""
         first: dict[str, QueueSpec] = {}
-        for q in self.queue_specs():
+        transport = self.transport_config
+        templates = transport.template_specs() if isinstance(transport, SortedSetConfig) else []
+        for q in [*self.queue_specs(), *templates]:
             if not q.gate_group:
                 continue
             lead = first.setdefault(q.gate_group, q)

@@ -65,6 +65,30 @@ class SortedSetQueue(QueueEntry):
     result_ttl_seconds: Annotated[int, Field(ge=0)] | None = None
 
 
+class QueueTemplate(QueueEntry):
+    """What every discovered queue takes: pool, endpoint, gate, labels (weight)."""
+
+    result_queue_name: str = ""
+
+
+class QueueDiscovery(Strict):
+    """Ours: queues listed in a Redis set (``set_key``) or found by a key-prefix SCAN on
+    every primary (``key_prefix``), refreshed every ``refresh_seconds`` without a restart
+    (docs/tenants.md)."""
+
+    set_key: str = ""
+    key_prefix: str = ""
+    refresh_seconds: Annotated[float, Field(gt=0)] = 10.0
+    max_queues: Annotated[int, Field(gt=0)] = 1000
+    template: QueueTemplate
+
+    @model_validator(mode="after")
+    def _one_source(self) -> QueueDiscovery:
+        if bool(self.set_key) == bool(self.key_prefix):
+            raise ValueError("queue_discovery: give exactly one of set_key or key_prefix")
+        return self
+
+
 class RedisQueue(QueueEntry):
     queue_name: str = Field(min_length=1)
 
@@ -116,12 +140,16 @@ class SortedSetConfig(RedisTransportBase):
     # Ours: after each result+ack step, WAIT for this many replicas (0 = off) up to the timeout.
     wait_replicas: Annotated[int, Field(ge=0)] = 0
     wait_timeout_ms: Annotated[int, Field(gt=0)] = 1000
-    queues: list[SortedSetQueue] = Field(min_length=1)
+    queues: list[SortedSetQueue] = Field(default_factory=list)
+    # Ours: more queues, listed in Redis and refreshed while running (None: only ``queues``).
+    queue_discovery: QueueDiscovery | None = None
 
     def result_ttls(self) -> dict[str, int]:
         """Configured result list -> its retention TTL: the smallest non-zero one of the
         queues writing to it (0 = kept)."""
         ttls: dict[str, int] = {self.result_queue_name: self.result_ttl_seconds}
+        if self.queue_discovery and self.queue_discovery.template.result_queue_name:
+            ttls[self.queue_discovery.template.result_queue_name] = self.result_ttl_seconds
         for q in self.queues:
             name = q.result_queue_name or self.result_queue_name
             ttl = self.result_ttl_seconds if q.result_ttl_seconds is None else q.result_ttl_seconds
@@ -131,6 +159,8 @@ class SortedSetConfig(RedisTransportBase):
 
     @model_validator(mode="after")
     def _unique(self) -> SortedSetConfig:
+        if not self.queues and self.queue_discovery is None:
+            raise ValueError("queues: at least one queue is required (or queue_discovery)")
         require_unique("queues[].id", [q.id or q.queue_name for q in self.queues])
         require_unique("queues[].queue_name", [q.queue_name for q in self.queues])
         return self
@@ -147,6 +177,23 @@ class SortedSetConfig(RedisTransportBase):
             if problem:
                 raise ValueError(problem)
         return self
+
+    def discovered_spec(self, name: str) -> QueueSpec:
+        """A discovered queue, from the discovery template."""
+        assert self.queue_discovery is not None
+        template = self.queue_discovery.template
+        return _spec(
+            template,
+            name,
+            name,
+            self.batch_size,
+            self.poll_interval_ms,
+            result_queue_name=template.result_queue_name,
+        )
+
+    def template_specs(self) -> list[QueueSpec]:
+        """The discovery template as a queue (for config checks), or none."""
+        return [self.discovered_spec("<discovered>")] if self.queue_discovery else []
 
     def queue_specs(self) -> list[QueueSpec]:
         return [

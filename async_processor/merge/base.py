@@ -1,13 +1,14 @@
 """The merge seam: a pool's per-queue streams in, one bounded stream per pool out.
 
-Input: ``(QueueSpec, receive stream of Work)`` for each queue of one pool. Output: Work
-sent into the pool's stream, with ``stamped_headers`` set (fairness, priority, lane
-objective). A policy's ``run`` returns when every source is closed, and closes the sink.
+Input: ``(QueueSpec, receive stream of Work)`` for each queue of one pool, and (with queue
+discovery) a stream of sources added while running. Output: Work sent into the pool's
+stream, with ``stamped_headers`` set (fairness, priority, lane objective). A policy's
+``run`` returns when every source (and ``more``) is closed, and closes the sink.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -28,9 +29,38 @@ class Source:
 
 
 class MergePolicy(Protocol):
-    async def run(self, pool: str, sources: Sequence[Source], sink: ObjectSendStream[Work]) -> None:
-        """Merge until every source is closed, then close ``sink``."""
+    async def run(
+        self,
+        pool: str,
+        sources: Sequence[Source],
+        sink: ObjectSendStream[Work],
+        more: ObjectReceiveStream[Source] | None = None,
+    ) -> None:
+        """Merge until every source (and ``more``, the sources added later) is closed,
+        then close ``sink``."""
         ...
+
+
+class Readers(Protocol):
+    """A policy's count of its open source readers."""
+
+    open_readers: int
+
+    def reader_done(self) -> None: ...
+
+
+async def admit_sources(
+    more: ObjectReceiveStream[Source], readers: Readers, start: Callable[[Source], None]
+) -> None:
+    """Start a reader (``start``) for each source arriving on ``more``; ``more`` counts as
+    one open reader until it is closed, so the policy does not finish before it."""
+    try:
+        async with more:
+            async for source in more:
+                readers.open_readers += 1
+                start(source)
+    finally:
+        readers.reader_done()
 
 
 @dataclass(slots=True)

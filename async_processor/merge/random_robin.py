@@ -19,9 +19,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
-from anyio.abc import ObjectSendStream
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from async_processor.merge.base import MERGE_POLICIES, MergeContext, MergePolicy, Source, emit
+from async_processor.merge.base import (
+    MERGE_POLICIES,
+    MergeContext,
+    MergePolicy,
+    Source,
+    admit_sources,
+    emit,
+)
 from async_processor.merge.headers import MergeParams
 from async_processor.work import Work, take
 
@@ -74,8 +81,14 @@ class RandomRobin:
         self._params = params
         self._rng = rng or random.Random()
 
-    async def run(self, pool: str, sources: Sequence[Source], sink: ObjectSendStream[Work]) -> None:
-        if len(sources) == 1:  # nothing to choose between: skip the offer hand-off
+    async def run(
+        self,
+        pool: str,
+        sources: Sequence[Source],
+        sink: ObjectSendStream[Work],
+        more: ObjectReceiveStream[Source] | None = None,
+    ) -> None:
+        if len(sources) == 1 and more is None:  # nothing to choose: skip the offer hand-off
             async with sink, sources[0].stream as stream:
                 while True:
                     try:
@@ -83,10 +96,16 @@ class RandomRobin:
                     except anyio.EndOfStream:
                         return
                     await self._emit(work, sink)
-        offers = _Offers(len(sources))
+        offers = _Offers(len(sources) + (more is not None))
         async with sink, anyio.create_task_group() as tg:
             for source in sources:
                 tg.start_soon(self._read, source, offers)
+            if more is not None:
+
+                def start(source: Source) -> None:
+                    tg.start_soon(self._read, source, offers)
+
+                tg.start_soon(admit_sources, more, offers, start)
             while (offer := await offers.take(self._pick)) is not None:
                 offer.taken.set()
                 await self._emit(offer.work, sink)

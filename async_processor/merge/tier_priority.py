@@ -13,15 +13,23 @@ is backpressure to the broker, not memory growth. Lower lanes can starve by desi
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 
 import anyio
-from anyio.abc import ObjectSendStream
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from pydantic import Field, field_validator
 
 from async_processor.gates.base import CLASSIFICATION_LABEL, RESERVED
-from async_processor.merge.base import MERGE_POLICIES, MergeContext, MergePolicy, Source, emit
+from async_processor.merge.base import (
+    MERGE_POLICIES,
+    MergeContext,
+    MergePolicy,
+    Source,
+    admit_sources,
+    emit,
+)
 from async_processor.merge.headers import MergeParams, check_header_name, check_header_value
 from async_processor.work import Work
 
@@ -147,11 +155,24 @@ class TierPriority:
         self._params = params
         self._objectives = [params.lane_objectives.get(lane, "") for lane in LANES]
 
-    async def run(self, pool: str, sources: Sequence[Source], sink: ObjectSendStream[Work]) -> None:
-        scheduler = _Scheduler(self._params.lane_capacity, len(sources))
+    async def run(
+        self,
+        pool: str,
+        sources: Sequence[Source],
+        sink: ObjectSendStream[Work],
+        more: ObjectReceiveStream[Source] | None = None,
+    ) -> None:
+        scheduler = _Scheduler(self._params.lane_capacity, len(sources) + (more is not None))
+        keys = itertools.count()
         async with sink, anyio.create_task_group() as tg:
-            for key, source in enumerate(sources):
-                tg.start_soon(self._read, key, source, scheduler)
+            for source in sources:
+                tg.start_soon(self._read, next(keys), source, scheduler)
+            if more is not None:
+
+                def start(source: Source) -> None:
+                    tg.start_soon(self._read, next(keys), source, scheduler)
+
+                tg.start_soon(admit_sources, more, scheduler, start)
             while (popped := await scheduler.pop()) is not None:
                 lane, work = popped
                 work.stamped_headers = self.stamps(lane, work)

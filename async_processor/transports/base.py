@@ -156,6 +156,15 @@ class WatchesCancels(Protocol):
         ...
 
 
+@runtime_checkable
+class DiscoversQueues(Protocol):
+    """A transport whose queue list can change while running (``queue_discovery``)."""
+
+    async def discover(self) -> list[QueueSpec]:
+        """The discovered queues to poll now (raises TransportError)."""
+        ...
+
+
 def abandon(transport: Transport, delivery: Delivery, reason: str) -> None:
     """Give a delivery whose write was given up back to the broker's redelivery
     (docs/architecture.md G11); a transport that holds no leases of its own needs nothing done."""

@@ -52,6 +52,15 @@ def token_of(delivery: Delivery) -> str:
     return delivery.envelope.routing.request_token if delivery.envelope else ""
 
 
+def by_queue(deliveries: Sequence[Delivery]) -> dict[str, list[int]]:
+    """Indexes of ``deliveries`` per queue name, in order: a queue's keys share one cluster
+    slot (its hash tag), so one script or MGET may touch them all."""
+    groups: dict[str, list[int]] = {}
+    for index, delivery in enumerate(deliveries):
+        groups.setdefault(delivery.queue.name, []).append(index)
+    return groups
+
+
 def deadline_of(delivery: Delivery) -> float:
     envelope = delivery.envelope
     return float(envelope.request.deadline) if envelope else claim_of(delivery).score

@@ -179,10 +179,8 @@ def own_keys(
     """Request queues with their in-flight and dead-letter keys, the retry set, the
     markers, and every gate key: a gate parameter named ``*_key`` (that key and the keys
     under ``<key>:``, e.g. a rate gate's ``<control_key>:state``) or ``prefix`` (quotas)."""
-    exact = {retry_queue}
+    exact = {retry_queue, *queue_keys(queues)}
     prefixes = list(OWN_PREFIXES)
-    for queue in queues:
-        exact |= {queue, inflight_key(queue), inflight_meta_key(queue), dead_letter_key(queue)}
     for params in gate_params:
         for name, value in params.items():
             if not isinstance(value, str) or not value:
@@ -193,6 +191,14 @@ def own_keys(
             elif name == "prefix":
                 prefixes.append(value)
     return OwnKeys(frozenset(exact), tuple(prefixes), pattern)
+
+
+def queue_keys(queues: Iterable[str]) -> set[str]:
+    """Request queues with their in-flight and dead-letter keys."""
+    exact: set[str] = set()
+    for queue in queues:
+        exact |= {queue, inflight_key(queue), inflight_meta_key(queue), dead_letter_key(queue)}
+    return exact
 
 
 async def marked_cancelled(redis: Redis, markers: Sequence[tuple[str, str]]) -> list[bool]:

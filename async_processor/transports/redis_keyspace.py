@@ -37,6 +37,9 @@ class KeySpace:
     """Key names for one connection mode (``cluster`` puts them in each queue's slot)."""
 
     cluster: bool = False
+    # A retry set per queue (``<q>:retry``) outside cluster mode too: with discovered
+    # queues, so a due retry never goes to a queue other than its own.
+    queue_retry: bool = False
 
     def _own(self, queue: str, suffix: str) -> str:
         if self.cluster and hash_tag(queue) == queue:
@@ -69,7 +72,7 @@ class KeySpace:
 
     def retry(self, queue: str, configured: str) -> str:
         """The retry set ``queue``'s deferrals go to: the shared one, or per queue (cluster)."""
-        return self._own(queue, "retry") if self.cluster else configured
+        return self._own(queue, "retry") if self.cluster or self.queue_retry else configured
 
     def active(self, queue: str, request_id: str) -> str:
         return self._marker(queue, keys.active_key(request_id))
@@ -85,8 +88,9 @@ class KeySpace:
         return not self.cluster or slot(result_list) == slot(queue)
 
     def own_keys(self, own: keys.OwnKeys, queues: Iterable[str]) -> keys.OwnKeys:
-        """``own`` plus the cluster names of each queue's keys and markers."""
-        if not self.cluster:
+        """``own`` plus the cluster names of each queue's keys and markers, and with
+        ``queue_retry`` each queue's retry set."""
+        if not self.cluster and not self.queue_retry:
             return own
         names = list(queues)
         exact = {f(q) for q in names for f in (self.inflight, self.inflight_meta)}

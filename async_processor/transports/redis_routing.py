@@ -32,7 +32,7 @@ class ResultRouting:
     ) -> None:
         self._config = config
         self._keys = keyspace
-        self._own = own
+        self.own = own  # replaced when discovered queues change
         self._metrics = metrics
 
     def target(self, delivery: Delivery) -> str:
@@ -41,7 +41,7 @@ class ResultRouting:
         routed = delivery.envelope.routing.result_queue_name if delivery.envelope else ""
         if delivery.queue.result_queue_name or not routed:
             return configured
-        reason = self._own.rejection(routed)
+        reason = self.own.rejection(routed)
         if reason is None and not self._keys.routable(delivery.queue.name, routed):
             reason = "cross_slot"
         if reason is not None:

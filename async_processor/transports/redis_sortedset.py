@@ -33,7 +33,6 @@ import structlog
 from redis.asyncio import Redis
 
 from async_processor.config import SortedSetConfig
-from async_processor.errors import InvalidMessage, TransportError
 from async_processor.json_scan import id_from_prefix
 from async_processor.messages import ID_PREFIX_BYTES, Envelope, Result, too_large
 from async_processor.transports import redis_keys as keys
@@ -48,13 +47,16 @@ from async_processor.transports.base import (
 from async_processor.transports.redis_claims import (
     Claim,
     ClaimBook,
+    by_queue,
     claim_of,
     deadline_of,
     token_of,
 )
 from async_processor.transports.redis_conn import connect
+from async_processor.transports.redis_discovery import QueueCatalog, QueueLister
 from async_processor.transports.redis_keys import redis_errors as redis_errors
 from async_processor.transports.redis_keyspace import KeySpace
+from async_processor.transports.redis_markers import MarkerChecks
 from async_processor.transports.redis_routing import ROUTE_REJECTIONS, ResultRouting
 from async_processor.transports.redis_upkeep import SortedSetUpkeep
 
@@ -64,31 +66,34 @@ FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on a
 ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed")
 
 
-class SortedSetTransport(SortedSetUpkeep):
+class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
     kind = "redis-sortedset"
 
     def __init__(
         self, config: SortedSetConfig, ctx: TransportContext, *, client: Redis | None = None
     ) -> None:
         self.config = config
-        self.queues: Sequence[QueueSpec] = config.queue_specs()
         self._ctx = ctx
         self._redis = client if client is not None else connect(config.redis_connection())
-        self._keys = KeySpace(cluster=config.mode == "cluster")
+        discovery = config.queue_discovery
+        self._keys = KeySpace(cluster=config.mode == "cluster", queue_retry=discovery is not None)
         self._scripts = self._keys.scripts(self._redis)
         self._owner = uuid.uuid4().hex  # claim ids are unique per process and fetch
         self._fetches = itertools.count()
-        names = [q.name for q in self.queues]
-        self._claims = ClaimBook(names)  # the heartbeat extends what it holds
-        own = keys.own_keys(
-            names,
+        static = config.queue_specs()
+        self._claims = ClaimBook([q.name for q in static])  # the heartbeat extends what it holds
+        gate_params = [*(q.gate_params for q in static), *ctx.gate_params]
+        if discovery is not None:
+            gate_params.append(discovery.template.gate_params)
+        self._own = keys.own_keys(
+            [q.name for q in static],
             config.retry_queue_name,
-            [*(q.gate_params for q in self.queues), *ctx.gate_params],
+            gate_params,
             config.result_queue_pattern,
         )
-        self._routing = ResultRouting(
-            config, self._keys, self._keys.own_keys(own, names), ctx.metrics
-        )
+        self._catalog = QueueCatalog(config, self._keys, self._lister(static))
+        self.queues: Sequence[QueueSpec] = self._catalog.upkeep
+        self._routing = ResultRouting(config, self._keys, self._routed_own(), ctx.metrics)
         if ctx.metrics is not None:  # every series at 0 from the start, so alerts see a rise
             for queue in self.queues:
                 for reason in ROUTE_REJECTIONS:
@@ -99,6 +104,36 @@ class SortedSetTransport(SortedSetUpkeep):
             for result_list in config.result_ttls():
                 ctx.metrics.results_trimmed_total.labels(result_list)
 
+    def _lister(self, static: Sequence[QueueSpec]) -> QueueLister | None:
+        discovery = self.config.queue_discovery
+        if discovery is None:
+            return None
+        return QueueLister(
+            self._redis,
+            discovery,
+            cluster=self._keys.cluster,
+            own=self._keys.own_keys(self._own, [q.name for q in static]),
+            static=frozenset(q.name for q in static),
+            result_list=self.config.result_queue_name,
+            metrics=self._ctx.metrics,
+        )
+
+    def _routed_own(self) -> keys.OwnKeys:
+        """The keys no message may name as its result list: ours, and every queue's."""
+        names = self._catalog.names()
+        own = replace(self._own, exact=self._own.exact | keys.queue_keys(names))
+        return self._keys.own_keys(own, names)
+
+    async def discover(self) -> list[QueueSpec]:
+        """The discovered queues to poll now (``queue_discovery``); upkeep follows them,
+        and removed ones until they hold no claim and no retry."""
+        discovered = await self._catalog.refresh(self._redis)
+        self.queues = self._catalog.upkeep
+        self._routing.own = self._routed_own()
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.discovered_queues.set(len(discovered))
+        return discovered
+
     # ------------------------------------------------------------------ fetch and decode
 
     async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
@@ -107,7 +142,10 @@ class SortedSetTransport(SortedSetUpkeep):
             return []
         give_up = anyio.current_time() + wait
         while True:
-            deliveries = await self._claim(queue, limit)
+            # A claim is recorded whole or not made: cancelled mid-way (a queue removed, a
+            # shutdown), its members would sit claimed by nobody until their lease ran out.
+            with anyio.CancelScope(shield=True):
+                deliveries = await self._claim(queue, limit)
             remaining = give_up - anyio.current_time()
             if deliveries or remaining <= 0:
                 return deliveries
@@ -143,55 +181,6 @@ class SortedSetTransport(SortedSetUpkeep):
             deliveries.append(delivery)
         return await self._check_markers(deliveries)
 
-    async def _check_markers(self, deliveries: list[Delivery]) -> list[Delivery]:
-        """Read the batch's cancel and live markers in one MGET (best effort: a failure
-        leaves the cancel check to ``is_cancelled``, since the claim has succeeded).
-
-        A member whose queue's ``live:<id>`` marker holds another token is a second entry
-        of a live id (written around the client's index, e.g. by a plain ZADD): it is
-        parked as ``superseded``, so two entries of one id are never both dispatched."""
-        tokened = [d for d in deliveries if self._decodes(d) and token_of(d)]
-        if not tokened:
-            return deliveries
-        names = [self._cancel_key(d) for d in tokened] + [self._live_key(d) for d in tokened]
-        try:
-            with redis_errors("cancel check"):
-                values = await self._redis.mget(names)
-        except TransportError:
-            return deliveries
-        superseded = []
-        for delivery, cancel, live in zip(
-            tokened, values[: len(tokened)], values[len(tokened) :], strict=True
-        ):
-            token = token_of(delivery).encode()
-            delivery.handle = replace(claim_of(delivery), cancelled=cancel == token)
-            if live is not None and live != token:
-                superseded.append(delivery)
-        for delivery in superseded:
-            await self._park_superseded(delivery)
-        return [d for d in deliveries if d not in superseded]
-
-    async def _park_superseded(self, delivery: Delivery) -> None:
-        queue = delivery.queue
-        try:
-            await self.dead_letter(
-                delivery, "superseded", "another submission of this id is live on this queue"
-            )
-        except TransportError:
-            # Not parked: let its lease lapse so a later claim decides again, instead of
-            # failing the fetch and leaving the rest of the batch held but never handed on.
-            self.abandon(delivery, "dead_letter_failed")
-            return
-        if self._ctx.metrics is not None:
-            self._ctx.metrics.queue(queue.id, queue.name, queue.pool).dead_letter("superseded")
-
-    def _decodes(self, delivery: Delivery) -> bool:
-        try:
-            self.decode(delivery)
-        except InvalidMessage:  # the poller decodes it again and answers or dead-letters it
-            return False
-        return True
-
     def decode(self, delivery: Delivery) -> Envelope:
         """The member's envelope with routing filled from the queue (queue labels win)."""
         if delivery.envelope is not None:  # decoded at fetch time already
@@ -225,7 +214,7 @@ class SortedSetTransport(SortedSetUpkeep):
         claims, or (``queued``) for members still waiting in their queue. Replies, in the
         order of ``items``: (written, held, fell_back)."""
         targets = [self._routing.target(delivery) for delivery, _ in items]
-        groups = _by_queue(items)
+        groups = by_queue([delivery for delivery, _ in items])
         with redis_errors("complete"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 for group in groups.values():
@@ -374,37 +363,7 @@ class SortedSetTransport(SortedSetUpkeep):
         if self._ctx.metrics is not None:
             self._ctx.metrics.abandoned_total.labels(queue, reason).inc()
 
-    def _cancel_key(self, delivery: Delivery) -> str:
-        request_id = delivery.envelope.id if delivery.envelope else ""
-        return self._keys.cancel(delivery.queue.name, request_id)
-
-    def _live_key(self, delivery: Delivery) -> str:
-        request_id = delivery.envelope.id if delivery.envelope else ""
-        return self._keys.live(delivery.queue.name, request_id)
-
     # ------------------------------------------------------------------ queries
-
-    async def is_cancelled(self, delivery: Delivery) -> bool:
-        """The producer's cancel marker holds this submission's token (no token: never)."""
-        claim = claim_of(delivery)
-        if claim.cancelled is not None:
-            delivery.handle = replace(claim, cancelled=None)
-            return claim.cancelled
-        return (await self.cancelled([delivery]))[0]
-
-    async def cancelled(self, deliveries: Sequence[Delivery]) -> list[bool]:
-        """``is_cancelled`` for many (a fetched batch, everything in flight): one MGET per
-        queue, since each queue's markers share its slot in cluster mode."""
-        flags = [False] * len(deliveries)
-        by_queue: dict[str, list[int]] = {}
-        for i, delivery in enumerate(deliveries):
-            by_queue.setdefault(delivery.queue.name, []).append(i)
-        for indexes in by_queue.values():
-            markers = [(self._cancel_key(deliveries[i]), token_of(deliveries[i])) for i in indexes]
-            marked = await keys.marked_cancelled(self._redis, markers)
-            for i, flag in zip(indexes, marked, strict=True):
-                flags[i] = flag
-        return flags
 
     async def backlog(self, queue: QueueSpec) -> int | None:
         """Members waiting in the queue (claimed ones not counted)."""
@@ -417,15 +376,6 @@ class SortedSetTransport(SortedSetUpkeep):
 
     async def aclose(self) -> None:
         await self._redis.aclose()
-
-
-def _by_queue(items: Sequence[tuple[Delivery, Result]]) -> dict[str, list[int]]:
-    """Indexes of ``items`` per queue name, in order: a queue's keys share one cluster slot
-    (its hash tag), so one script may touch them all."""
-    groups: dict[str, list[int]] = {}
-    for index, (delivery, _) in enumerate(items):
-        groups.setdefault(delivery.queue.name, []).append(index)
-    return groups
 
 
 def _defer_args(item: Deferral) -> list[bytes | float | str]:

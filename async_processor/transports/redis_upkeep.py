@@ -107,7 +107,7 @@ class SortedSetUpkeep:
         names = [q.name for q in self.queues]
         groups = (
             [[self._keys.retry(n, ""), n] for n in names]
-            if self._keys.cluster
+            if self._keys.cluster or self._keys.queue_retry
             else [[self.config.retry_queue_name, *names]]
         )
         for retry_keys in groups:

@@ -16,6 +16,7 @@ from async_processor.merge import build_merge_policy
 from async_processor.merge.base import MergeContext, MergePolicy, Source
 from async_processor.merge.random_robin import RandomRobin, RandomRobinParams
 from async_processor.merge.tier_priority import TierPriority, TierPriorityParams, _Lane, lane_of
+from async_processor.merge.weighted_fair import WeightedFair, WeightedFairParams
 from async_processor.messages import Envelope, Request, Routing
 from async_processor.metrics import Metrics
 from async_processor.transports.base import Delivery, QueueSpec
@@ -297,3 +298,31 @@ def test_empty_header_params_mean_defaults() -> None:
     )
     assert isinstance(policy, TierPriority)
     assert policy.stamps(2, work("q", 0)) == [("x-gateway-priority", "2")]
+
+
+# ----------------------------------------------------------------------------- sources added later
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [rr(), TierPriority(TierPriorityParams()), WeightedFair(WeightedFairParams())],
+    ids=["random-robin", "tier-priority", "weighted-fair"],
+)
+async def test_a_source_added_while_running_is_merged_and_the_policy_waits_for_more(
+    policy: MergePolicy,
+) -> None:
+    """A discovered queue joins a running merge; the merge ends only once ``more`` is
+    closed as well as every source."""
+    first, _ = queue("a", [work("a", 0)])
+    later, _ = queue("b", [work("b", 0), work("b", 1)])
+    more_in, more = anyio.create_memory_object_stream[Source](1)
+    out, received = sink()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(policy.run, "p", [first], out, more)
+            assert await take(received, 1) == ["a-0"]
+            await more_in.send(later)
+            assert sorted(await take(received, 2)) == ["b-0", "b-1"]
+            more_in.close()
+            with pytest.raises(anyio.EndOfStream):
+                await received.receive()

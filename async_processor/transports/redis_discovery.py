@@ -1,0 +1,201 @@
+"""Queue discovery for redis-sortedset: the tenant queue list from a Redis set or a
+key-prefix scan, checked and bounded (docs/tenants.md).
+
+Stage: broker I/O (which queues exist). Input: ``queue_discovery`` (``set_key`` or
+``key_prefix``, ``max_queues``) and the daemon's own keys. Output: the names to poll, each
+a sorted set nobody else owns; every refused name counted by reason.
+
+A listed name is untrusted input (docs/architecture.md G14): it is refused (``daemon_key``)
+when it is one of the daemon's keys or shaped like one (``<q>:inflight``, ``<q>:retry``,
+``…:live:…``, ``request-done:…``, a result list, a gate key), ``bad_name`` when empty,
+over ``MAX_NAME_BYTES`` or not UTF-8 text without control characters, ``cross_slot`` in
+cluster mode when its result list is in another slot, and ``over_cap`` past
+``max_queues``. A set is read with SSCAN and never more than ``2 × max_queues`` members
+per refresh, so an enormous set costs a bounded read; a prefix scan walks every
+primary's keyspace (SCAN ... TYPE zset), skipping the daemon's keys under the prefix
+without counting them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+import structlog
+from redis.asyncio import Redis
+
+from async_processor.config import SortedSetConfig
+from async_processor.config.transports import QueueDiscovery
+from async_processor.transports.base import QueueSpec
+from async_processor.transports.redis_keys import OWN_PREFIXES, OwnKeys, redis_errors
+from async_processor.transports.redis_keyspace import KeySpace
+from async_processor.transports.redis_settings import cluster_problem
+
+if TYPE_CHECKING:
+    from async_processor.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+MAX_NAME_BYTES = 512
+REFUSALS = ("daemon_key", "bad_name", "cross_slot", "over_cap")
+SCAN_COUNT = 500
+LOGGED_REFUSALS = 1000  # distinct refused names logged per process (then only counted)
+# Shapes of the keys the daemon and the client derive from a queue name.
+_DERIVED = re.compile(
+    r"(:inflight|:inflight:meta|:dead-letter|:retry|:pushed|:marks)$|:live:|:seq:"
+    r"|(^|\}:)(" + "|".join(re.escape(p) for p in OWN_PREFIXES) + ")"
+)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class QueueLister:
+    """Reads the discovery source; ``names`` returns what may be polled, in source order."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        discovery: QueueDiscovery,
+        *,
+        cluster: bool,
+        own: OwnKeys,
+        static: frozenset[str],
+        result_list: str,
+        metrics: Metrics | None,
+    ) -> None:
+        self._redis = redis
+        self._config = discovery
+        self._cluster = cluster
+        self._own = own
+        self._static = static
+        self._result_list = discovery.template.result_queue_name or result_list
+        self._metrics = metrics
+        self._logged: set[str] = set()
+        if metrics is not None:
+            for reason in REFUSALS:
+                metrics.discovery_refused_total.labels(reason)
+
+    async def names(self) -> list[str]:
+        """The queues to poll: at most ``max_queues``, each checked."""
+        cap = self._config.max_queues
+        accepted: dict[str, None] = {}
+        examined = 0
+        with redis_errors("queue discovery"):
+            async for raw in self._members():
+                examined += 1
+                name = _text(raw)
+                if name in self._static:  # configured: polled already
+                    continue
+                reason = self.refusal(name) if name is not None else "bad_name"
+                if reason is None and name not in accepted:
+                    if len(accepted) == cap:
+                        self._refuse(name or "", "over_cap")
+                        break
+                    accepted[name or ""] = None
+                elif reason is not None and not (
+                    self._config.key_prefix and reason == "daemon_key"
+                ):
+                    self._refuse(name or repr(raw), reason)
+                if examined >= 2 * cap:  # a set of refused names cannot make us read it all
+                    self._refuse("", "over_cap")
+                    break
+        return list(accepted)
+
+    def _members(self) -> AsyncIterator[bytes]:
+        if self._config.set_key:
+            return self._redis.sscan_iter(self._config.set_key, count=SCAN_COUNT)
+        match = _glob_escape(self._config.key_prefix) + "*"
+        return self._redis.scan_iter(match=match, count=SCAN_COUNT, _type="zset")
+
+    def refusal(self, name: str) -> str | None:
+        """Why ``name`` may not be polled as a tenant queue (None: it may)."""
+        if not name or len(name.encode()) > MAX_NAME_BYTES or _CONTROL.search(name):
+            return "bad_name"
+        if name == self._result_list or name == self._config.set_key or _DERIVED.search(name):
+            return "daemon_key"
+        if self._own.rejection(name) == "reserved_key":
+            return "daemon_key"
+        if self._cluster and cluster_problem(name, self._result_list):
+            return "cross_slot"
+        return None
+
+    def _refuse(self, name: str, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.discovery_refused_total.labels(reason).inc()
+        if name not in self._logged and len(self._logged) < LOGGED_REFUSALS:
+            self._logged.add(name)
+            log.warning("queue_refused", queue=name[:MAX_NAME_BYTES], reason=reason)
+
+
+def _text(raw: bytes | str) -> str | None:
+    if isinstance(raw, str):
+        return raw
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _glob_escape(prefix: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
+
+
+class QueueCatalog:
+    """The queues a redis-sortedset transport serves: configured, discovered, and removed
+    ones still holding claims or retries (``upkeep``: reaped, moved and swept until empty,
+    so nothing of theirs is stranded)."""
+
+    def __init__(
+        self, config: SortedSetConfig, keyspace: KeySpace, lister: QueueLister | None
+    ) -> None:
+        self._config = config
+        self._keys = keyspace
+        self._lister = lister
+        self.static: list[QueueSpec] = config.queue_specs()
+        self.discovered: dict[str, QueueSpec] = {}
+        self._lingering: dict[str, QueueSpec] = {}
+        self._checked: set[str] = set()  # lingering queues seen for one refresh already
+
+    @property
+    def upkeep(self) -> list[QueueSpec]:
+        return [*self.static, *self.discovered.values(), *self._lingering.values()]
+
+    async def refresh(self, redis: Redis) -> list[QueueSpec]:
+        """Read the source; returns the discovered queues to poll now."""
+        assert self._lister is not None
+        names = await self._lister.names()
+        wanted = {
+            n: self.discovered.get(n) or self._lingering.pop(n, None) or self._spec(n)
+            for n in names
+        }
+        for name, spec in self.discovered.items():
+            if name not in wanted:
+                self._lingering[name] = spec
+        self.discovered = wanted
+        await self._drop_empty(redis)
+        return list(wanted.values())
+
+    def _spec(self, name: str) -> QueueSpec:
+        return self._config.discovered_spec(name)
+
+    async def _drop_empty(self, redis: Redis) -> None:
+        """Forget removed queues with no claim and no retry left, from their second
+        refresh on (their poller may still be stopping during the first)."""
+        settled = [n for n in self._lingering if n in self._checked]
+        self._checked = set(self._lingering) - set(settled)
+        if not settled:
+            return
+        with redis_errors("queue discovery"):
+            async with redis.pipeline(transaction=False) as pipe:
+                for name in settled:
+                    pipe.zcard(self._keys.inflight(name))
+                    pipe.zcard(self._keys.retry(name, self._config.retry_queue_name))
+                counts = await pipe.execute()
+        for index, name in enumerate(settled):
+            if counts[2 * index] or counts[2 * index + 1]:
+                self._checked.add(name)
+            else:
+                del self._lingering[name]
+
+    def names(self) -> Sequence[str]:
+        return [q.name for q in self.upkeep]

@@ -1,0 +1,247 @@
+"""Queue discovery (redis-sortedset ``queue_discovery``): the queue list from a Redis set or
+a key-prefix scan, refreshed while running; hostile and excess names refused and counted;
+removed queues drain without losing a message or leaving a claim (real redis-server, the
+simulator over HTTP)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+
+from async_processor.client import SortedSetClient
+from async_processor.config import AppConfig, PoolConfig, SortedSetConfig
+from async_processor.messages import Result
+from async_processor.metrics import Metrics
+from async_processor.transports import redis_keys
+from async_processor.transports.base import Deferral, TransportContext
+from async_processor.transports.redis_sortedset import SortedSetTransport
+from tests.fixtures.inprocess import running, runtime_config
+from tests.fixtures.servers import free_port
+from tests.fixtures.simulator import SimulatorProcess
+
+pytestmark = pytest.mark.anyio
+GW = "http://127.0.0.1:9"
+
+
+@pytest.fixture
+async def r(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def transport_config(redis_url: str, unique: str, **discovery: Any) -> SortedSetConfig:
+    return SortedSetConfig.model_validate(
+        {
+            "url": redis_url,
+            "result_queue_name": f"{unique}:results",
+            "retry_queue_name": f"{unique}:retry-set",
+            "poll_interval_ms": 50,
+            "lease_seconds": 5,
+            "queue_discovery": {
+                "refresh_seconds": 0.2,
+                "template": {"igw_base_url": GW, "worker_pool_id": "p"},
+                **discovery,
+            },
+        }
+    )
+
+
+def daemon_config(transport: SortedSetConfig, gateway: str, workers: int = 4) -> AppConfig:
+    assert transport.queue_discovery is not None
+    template = transport.queue_discovery.template.model_copy(update={"igw_base_url": gateway})
+    discovery = transport.queue_discovery.model_copy(update={"template": template})
+    return AppConfig(
+        transport="redis-sortedset",
+        transport_config=transport.model_copy(update={"queue_discovery": discovery}),
+        runtime=runtime_config(health_port=free_port(), metrics_port=free_port()),
+        pools=[PoolConfig(id="p", workers=workers)],
+    )
+
+
+async def submit(redis_url: str, unique: str, queue: str, *ids: str) -> None:
+    deadline = int(time.time()) + 120
+    async with SortedSetClient(redis_url, queue, f"{unique}:results") as client:
+        await client.submit_many([{"id": i, "deadline": deadline, "payload": {}} for i in ids])
+
+
+async def results(r: Redis, unique: str, count: int, timeout: float = 20) -> list[str]:
+    ids: list[str] = []
+    with anyio.fail_after(timeout):
+        while len(ids) < count:
+            popped = await r.brpop([f"{unique}:results"], timeout=1)
+            if popped:
+                ids.append(Result.decode(popped[1]).id)
+    return ids
+
+
+async def test_queues_in_a_set_are_polled_and_followed_without_a_restart(
+    redis_url: str, unique: str, r: Redis, simulator: SimulatorProcess
+) -> None:
+    listed = f"{unique}:tenants"
+    config = daemon_config(transport_config(redis_url, unique, set_key=listed), simulator.url)
+    await r.sadd(listed, f"{unique}-a", f"{unique}-b")
+    async with running(config) as processor:
+        await submit(redis_url, unique, f"{unique}-a", "a1")
+        await submit(redis_url, unique, f"{unique}-b", "b1")
+        assert sorted(await results(r, unique, 2)) == ["a1", "b1"]
+        await r.sadd(listed, f"{unique}-c")  # found at the next refresh
+        await submit(redis_url, unique, f"{unique}-c", "c1")
+        assert await results(r, unique, 1) == ["c1"]
+        await r.srem(listed, f"{unique}-a")
+        await anyio.sleep(0.6)
+        assert processor._discovery is not None
+        assert sorted(processor._discovery.running) == [f"{unique}-b", f"{unique}-c"]
+        await submit(redis_url, unique, f"{unique}-a", "a2")  # nobody polls it now
+        await anyio.sleep(0.5)
+        assert await r.zcard(f"{unique}-a") == 1
+        assert processor.metrics.discovered_queues._value.get() == 2
+
+
+async def test_a_removed_queue_drains_without_losing_a_message_or_a_claim(
+    redis_url: str, unique: str, r: Redis, simulator: SimulatorProcess
+) -> None:
+    simulator.configure(latency=0.2)
+    listed, queue = f"{unique}:tenants", f"{unique}-a"
+    config = daemon_config(transport_config(redis_url, unique, set_key=listed), simulator.url)
+    ids = [f"m{n}" for n in range(40)]
+    await submit(redis_url, unique, queue, *ids)
+    await r.sadd(listed, queue)
+    async with running(config):
+        await results(r, unique, 4)  # under way
+        await r.srem(listed, queue)
+        await anyio.sleep(1.5)  # removed, its poller stopped, what it forwarded finished
+        inflight = await r.zcard(redis_keys.inflight_key(queue))
+    answered = [Result.decode(raw).id for raw in await r.lrange(f"{unique}:results", 0, -1)]
+    queued = await r.zcard(queue)
+    assert inflight == 0  # no claim left behind
+    assert len(set(answered)) == len(answered)  # no message answered twice
+    assert len(answered) + 4 + queued == len(ids)  # every other one is back on its queue
+    assert queued > 0  # it did stop
+
+
+async def test_hostile_names_in_the_set_are_refused_and_counted(
+    redis_url: str, unique: str, r: Redis
+) -> None:
+    listed = f"{unique}:tenants"
+    config = transport_config(redis_url, unique, set_key=listed)
+    hostile = [
+        f"{unique}:retry-set",  # the shared retry set
+        f"{unique}:results",  # the result list
+        f"{unique}-x:inflight",
+        f"{unique}-x:retry",
+        f"{unique}-x:live:abc",
+        "request-done:abc:1",
+        "request-cancel:abc",
+        listed,  # the set itself
+    ]
+    bad = ["", "a\nb", "x" * 600]
+    await r.sadd(listed, f"{unique}-good", *hostile, *bad)
+    await r.sadd(listed, b"\xff\xfe")  # not UTF-8
+    metrics = Metrics()
+    transport = SortedSetTransport(config, TransportContext(metrics=metrics))
+    try:
+        specs = await transport.discover()
+    finally:
+        await transport.aclose()
+    assert [s.name for s in specs] == [f"{unique}-good"]
+    assert specs[0].pool == "p" and specs[0].igw_base_url == GW  # from the template
+
+    def refused(reason: str) -> float:
+        return metrics.discovery_refused_total.labels(reason)._value.get()  # type: ignore[no-any-return]
+
+    assert refused("daemon_key") == len(hostile)
+    assert refused("bad_name") == len(bad) + 1
+
+
+async def test_an_enormous_set_is_read_only_up_to_the_cap(
+    redis_url: str, unique: str, r: Redis
+) -> None:
+    listed = f"{unique}:tenants"
+    for start in range(0, 20_000, 5_000):
+        await r.sadd(listed, *(f"{unique}-{n}" for n in range(start, start + 5_000)))
+    config = transport_config(redis_url, unique, set_key=listed, max_queues=50)
+    metrics = Metrics()
+    transport = SortedSetTransport(config, TransportContext(metrics=metrics))
+
+    async def sscans() -> int:
+        return int((await r.info("commandstats")).get("cmdstat_sscan", {}).get("calls", 0))
+
+    try:
+        before = await sscans()
+        specs = await transport.discover()
+        calls = await sscans() - before
+    finally:
+        await transport.aclose()
+    assert len(specs) == 50
+    assert metrics.discovery_refused_total.labels("over_cap")._value.get() == 1
+    assert calls == 1  # one SSCAN page of 20,000 members, not the whole set
+
+
+async def test_a_prefix_scan_finds_the_sorted_sets_under_the_prefix(
+    redis_url: str, unique: str, r: Redis
+) -> None:
+    prefix = f"{unique}:t:"
+    await r.zadd(f"{prefix}a", {"m": 1})
+    await r.zadd(f"{prefix}b", {"m": 1})
+    await r.zadd(f"{prefix}a:inflight", {"c": 1})  # ours: skipped, not counted
+    await r.rpush(f"{prefix}c", "not a sorted set")
+    await r.zadd(f"{unique}:other", {"m": 1})
+    metrics = Metrics()
+    config = transport_config(redis_url, unique, key_prefix=prefix)
+    transport = SortedSetTransport(config, TransportContext(metrics=metrics))
+    try:
+        specs = await transport.discover()
+    finally:
+        await transport.aclose()
+    assert sorted(s.name for s in specs) == [f"{prefix}a", f"{prefix}b"]
+    assert metrics.discovery_refused_total.labels("daemon_key")._value.get() == 0
+
+
+async def test_a_removed_queue_keeps_its_upkeep_until_its_retries_are_home(
+    redis_url: str, unique: str, r: Redis
+) -> None:
+    listed, queue = f"{unique}:tenants", f"{unique}-a"
+    await r.sadd(listed, queue)
+    await submit(redis_url, unique, queue, "m1")
+    transport = SortedSetTransport(
+        transport_config(redis_url, unique, set_key=listed), TransportContext()
+    )
+    try:
+        [spec] = await transport.discover()
+        [delivery] = await transport.fetch(spec, 1, 0)
+        transport.decode(delivery)
+        await r.srem(listed, queue)
+        assert await transport.discover() == []
+        await transport.defer([Deferral(delivery, 0.05)])  # a retry of a removed queue
+        assert await r.zcard(f"{queue}:retry") == 1  # its own retry set, not another's
+        for _ in range(3):  # it lingers while its retry is out
+            await transport.discover()
+        assert queue in [q.name for q in transport.queues]
+        await anyio.sleep(0.1)
+        await transport.move_due()
+        assert await r.zcard(queue) == 1  # home again
+        for _ in range(2):
+            await transport.discover()
+        assert queue not in [q.name for q in transport.queues]
+    finally:
+        await transport.aclose()
+
+
+def test_existing_configs_keep_one_shared_retry_set_and_need_a_queue(
+    redis_url: str, unique: str
+) -> None:
+    plain = SortedSetConfig.model_validate(
+        {"url": redis_url, "queues": [{"queue_name": "q", "igw_base_url": GW}]}
+    )
+    transport = SortedSetTransport(plain, TransportContext())
+    assert transport._keys.retry("q", plain.retry_queue_name) == "retry-sortedset"
+    with pytest.raises(ValueError, match="at least one queue is required"):
+        SortedSetConfig.model_validate({"url": redis_url})
+    with pytest.raises(ValueError, match="exactly one of set_key or key_prefix"):
+        transport_config(redis_url, unique, set_key="s", key_prefix="p")
