@@ -21,10 +21,12 @@ from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import parse_url
+from redis.asyncio.connection import AbstractConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
+from redis.connection import HiredisRespSerializer
+from redis.utils import HIREDIS_AVAILABLE
 
 from async_processor.transports.redis_settings import DEFAULT_URL, RedisConnection, host_port
 
@@ -33,6 +35,22 @@ CONNECT_TIMEOUT = 5.0
 # connections"); a daemon with 200 queues has 200 pollers claiming at once. Its callers are
 # bounded by its queues and workers, so leave the limit to the server's maxclients.
 MAX_CONNECTIONS = 10_000
+
+
+def _pack_with_hiredis() -> None:
+    """Pack commands in C on every asyncio connection, as redis-py's sync ones already do.
+
+    redis-py's sync connections use hiredis's packer when hiredis is installed (it is our
+    dependency); its asyncio ones always pack in Python: 266 µs for one result batch's
+    complete script (16 results, 213 arguments) against hiredis's 31 µs, the largest single
+    cost of ours per message at a zero-latency gateway (issue 13). Same bytes on the wire.
+    """
+    if HIREDIS_AVAILABLE:
+        pack = HiredisRespSerializer().pack
+        setattr(AbstractConnection, "pack_command", lambda _, *args: pack(*args))  # noqa: B010
+
+
+_pack_with_hiredis()
 
 
 def connect(

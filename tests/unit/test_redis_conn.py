@@ -139,3 +139,33 @@ async def test_an_unreachable_cluster_is_a_transport_error() -> None:
     with pytest.raises(TransportError, match="cannot be connected"), redis_errors("ping"):
         await client.ping()
     await client.aclose()
+
+
+PACKED_ARGS: list[tuple[Any, ...]] = [
+    ("SET", "k", "v"),
+    ("SCRIPT LOAD", "return 1"),  # a multi-word command name is split, as redis-py does
+    ("EVALSHA", "f" * 40, 2, "{q}:a", b"{q}:b", 3600, 0.25, 1e20, "é", memoryview(b"raw")),
+    ("LPUSH", "list", b"x" * 10_000),  # over redis-py's buffer cutoff
+]
+
+
+@pytest.mark.parametrize("args", PACKED_ARGS)
+def test_asyncio_connections_pack_in_c_the_same_bytes(
+    args: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hiredis packs (redis-py's asyncio connections would in Python), byte for byte alike."""
+    import hiredis
+    from redis.connection import PythonRespSerializer
+
+    calls = []
+    real = hiredis.pack_command
+
+    def spy(packed: tuple[Any, ...]) -> bytes:
+        calls.append(packed)
+        return real(packed)
+
+    monkeypatch.setattr(hiredis, "pack_command", spy)
+    conn = Connection()
+    python = PythonRespSerializer(conn._buffer_cutoff, conn.encoder.encode)
+    assert b"".join(conn.pack_command(*args)) == b"".join(python.pack(*args))
+    assert len(calls) == 1
