@@ -64,6 +64,7 @@ log = structlog.get_logger(__name__)
 
 FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on an empty queue
 ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed")
+ScriptCall = tuple[list[str], list[bytes | str | int]]  # one script's keys and arguments
 
 
 class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
@@ -215,13 +216,9 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         order of ``items``: (written, held, fell_back)."""
         targets = [self._routing.target(delivery) for delivery, _ in items]
         groups = by_queue([delivery for delivery, _ in items])
+        calls = [self._complete_call(items, targets, g, queued=queued) for g in groups.values()]
         with redis_errors("complete"):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for group in groups.values():
-                    await self._complete_group(pipe, items, targets, group, queued=queued)
-                if self.config.wait_replicas:  # same round trip: WAIT follows the scripts
-                    pipe.wait(self.config.wait_replicas, self.config.wait_timeout_ms)
-                replies = await pipe.execute()
+            replies = await self._run_complete(calls)
         self._check_replicas(replies[len(groups) :])
         scripts: list[tuple[int, int, int]] = [(0, 0, 0)] * len(items)
         for group, group_replies in zip(groups.values(), replies[: len(groups)], strict=True):
@@ -236,16 +233,31 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
                 self._routing.rejected(delivery, target, "wrong_type")
         return scripts
 
-    async def _complete_group(
+    async def _run_complete(self, calls: list[ScriptCall]) -> list[Any]:
+        """The complete scripts in one round trip: a single one sent alone (a pipeline of
+        scripts first asks Redis whether it has them, a second round trip per batch);
+        several, or any followed by ``WAIT``, as one pipeline."""
+        script = self._scripts["complete"]
+        if len(calls) == 1 and not self.config.wait_replicas:
+            script_keys, args = calls[0]
+            return [await script(keys=script_keys, args=args)]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for script_keys, args in calls:
+                await script(keys=script_keys, args=args, client=pipe)
+            if self.config.wait_replicas:  # same round trip: WAIT follows the scripts
+                pipe.wait(self.config.wait_replicas, self.config.wait_timeout_ms)
+            return await pipe.execute()
+
+    def _complete_call(
         self,
-        pipe: Any,
         items: Sequence[tuple[Delivery, Result]],
         targets: Sequence[str],
         group: Sequence[int],
         *,
         queued: bool,
-    ) -> None:
-        """Queue one complete script for the items at ``group`` (one queue: one slot)."""
+    ) -> ScriptCall:
+        """Keys and arguments of one complete script for the items at ``group`` (one
+        queue: one slot)."""
         script_keys: list[str] = []
         args: list[bytes | str | int] = [
             self.config.dedup_ttl_seconds,
@@ -256,7 +268,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
             script_keys += self._complete_keys(delivery, result, targets[index], queued=queued)
             member = delivery.raw if queued else claim_of(delivery).id
             args += [member, result.encode(), token_of(delivery)]
-        await self._scripts["complete"](keys=script_keys, args=args, client=pipe)
+        return script_keys, args
 
     def _duplicate(self, delivery: Delivery, result: Result) -> None:
         """A second delivery of a submission already answered (a redelivery, or the same

@@ -78,6 +78,40 @@ async def test_a_batch_of_results_is_one_script_call(fake) -> None:
     assert await fake.zcard(redis_keys.inflight_key(Q)) == 0
 
 
+async def test_one_queues_batch_is_one_request_without_a_pipeline(fake, monkeypatch) -> None:
+    # A pipeline of scripts first asks Redis which it has (SCRIPT EXISTS): a second round
+    # trip per result batch. A batch of one queue goes alone; two queues share a pipeline.
+    transport = make(fake)
+    await fake.zadd(Q, {envelope(f"p{i}", soon(), token=f"t{i}"): soon() for i in range(2)})
+    await fake.zadd("queue-b", {envelope("pb", soon(), token="tb"): soon()})
+    a = await transport.fetch(transport.queues[0], 10, 0)
+    b = await transport.fetch(transport.queues[1], 10, 0)
+    pipelines: list[object] = []
+    real = fake.pipeline
+
+    def counting(*args: object, **kwargs: object) -> object:
+        pipelines.append(args)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fake, "pipeline", counting)
+    done = [Completion(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in a + b]
+    await transport.complete(done[:2])
+    assert pipelines == []
+    await transport.complete(done[2:])
+    assert pipelines == []
+    assert await fake.llen("result-list") == 2
+    assert await fake.llen("qb") == 1
+    await fake.zadd(Q, {envelope("p9", soon(), token="t9"): soon()})
+    await fake.zadd("queue-b", {envelope("pc", soon(), token="tc"): soon()})
+    both = await transport.fetch(transport.queues[0], 10, 0)
+    both += await transport.fetch(transport.queues[1], 10, 0)
+    await transport.complete(
+        [Completion(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in both]
+    )
+    assert len(pipelines) == 1
+    assert await fake.llen("result-list") == 3
+
+
 async def test_claim_then_complete_acknowledges_and_writes_once(fake) -> None:
     transport = make(fake)
     await fake.zadd(Q, {envelope("x", soon(), token="t"): soon()})
