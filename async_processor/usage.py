@@ -72,6 +72,8 @@ class TokenAccounting:
         self._attribute = attribute
         self._limit = limit
         self._tenants: set[str] = set()
+        # Labelled children, looked up once: ``labels()`` costs ~2 µs a call, twice a message.
+        self._children: dict[tuple[str, str, str, str], Counter] = {}
 
     def tenant(self, metadata: Mapping[str, str]) -> str:
         """The tenant label for a message: its attribute, ``none`` or ``other``."""
@@ -91,4 +93,8 @@ class TokenAccounting:
             return
         tenant = self.tenant(metadata)
         for kind, n in usage.items():
-            self._family.labels(queue, pool, tenant, kind).inc(n)
+            key = (queue, pool, tenant, kind)
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = self._family.labels(*key)
+            child.inc(n)

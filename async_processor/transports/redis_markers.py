@@ -9,7 +9,6 @@ submission was cancelled; at fetch, second live entries of one id parked as
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
 
 from redis.asyncio import Redis
 
@@ -52,7 +51,7 @@ class MarkerChecks:
             tokened, values[: len(tokened)], values[len(tokened) :], strict=True
         ):
             token = token_of(delivery).encode()
-            delivery.handle = replace(claim_of(delivery), cancelled=cancel == token)
+            claim_of(delivery).cancelled = cancel == token
             if live is not None and live != token:
                 superseded.append(delivery)
         for delivery in superseded:
@@ -91,9 +90,9 @@ class MarkerChecks:
     async def is_cancelled(self, delivery: Delivery) -> bool:
         """The producer's cancel marker holds this submission's token (no token: never)."""
         claim = claim_of(delivery)
-        if claim.cancelled is not None:
-            delivery.handle = replace(claim, cancelled=None)
-            return claim.cancelled
+        cancelled, claim.cancelled = claim.cancelled, None
+        if cancelled is not None:
+            return cancelled
         return (await self.cancelled([delivery]))[0]
 
     async def cancelled(self, deliveries: Sequence[Delivery]) -> list[bool]:
