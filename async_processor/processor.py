@@ -298,7 +298,11 @@ class Processor:
     ) -> tuple[Source, Poller]:
         """A queue's lane (the merge's source) and its poller."""
         # A fetch sized by free slots is admitted whole, so the next one starts at once.
-        lane = pool.capacity.slots if queue.max_fetch else queue.batch_size
+        # Otherwise the lanes share the pool's prefetch: a lane of one batch kept a pool's
+        # only poller blocked one batch ahead of the workers, most prefetch slots never
+        # fetched, and freed workers waiting for fetch round trips (issue 13, Little's law).
+        shared = prefetch(pool.config.workers) // max(1, len(pool.queues))
+        lane = pool.capacity.slots if queue.max_fetch else max(queue.batch_size, shared)
         lane_in, lane_out = anyio.create_memory_object_stream[Work](lane)
         poller = Poller(
             queue=queue,

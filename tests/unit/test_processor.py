@@ -9,6 +9,7 @@ import anyio
 import pytest
 
 from async_processor.messages import ErrorCode, decode_envelope
+from async_processor.processor import prefetch
 from tests.doubles.daemon import QUEUE, daemon, message
 
 pytestmark = pytest.mark.anyio
@@ -70,3 +71,18 @@ async def test_stopping_hands_back_what_was_fetched_but_not_started() -> None:
     never_fetched = [decode_envelope(raw).id for raw in transport.waiting(QUEUE)]
     assert handed_back, "the message in flight at the drain timeout is handed back"
     assert sorted([*handed_back, *transport.results, *never_fetched]) == ["r0", "r1", "r2"]
+
+
+async def test_a_pool_keeps_its_prefetch_fetched_beside_busy_workers() -> None:
+    # The queue's lane holds the pool's prefetch: with a lane of one batch (10) the poller
+    # stayed blocked one batch ahead, most prefetch slots were never fetched, and freed
+    # workers waited for fetch round trips instead (#13, Little's law).
+    workers = 200
+    async with daemon(workers=workers, drain_timeout="200ms") as (_, transport, simulator):
+        simulator.set_config(latency=30.0)
+        transport.put(QUEUE, *(message(f"r{i}", time.time() + 60) for i in range(400)))
+        with anyio.fail_after(10):
+            while len(transport.held) < workers + prefetch(workers):
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.2)
+        assert len(transport.held) == workers + prefetch(workers)
