@@ -19,9 +19,6 @@ answered without sending, not cut after the gateway may already have answered.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import anyio
 import structlog
 
@@ -50,18 +47,14 @@ class CancelWatch:
         self._interval = interval
         self._scopes: dict[Delivery, anyio.CancelScope] = {}
 
-    @contextmanager
-    def watch(self, delivery: Delivery) -> Iterator[anyio.CancelScope]:
-        """A scope cancelled when ``delivery``'s producer cancels it; ``cancel_called``
-        afterwards tells the caller the work was cut for that reason."""
-        scope = anyio.CancelScope()
+    def add(self, delivery: Delivery, scope: anyio.CancelScope) -> None:
+        """Cancel ``scope`` when ``delivery``'s producer cancels it, until ``discard``; the
+        caller tells a cut by ``scope.cancel_called``."""
         if self._transport is not None:
             self._scopes[delivery] = scope
-        try:
-            with scope:
-                yield scope
-        finally:
-            self._scopes.pop(delivery, None)
+
+    def discard(self, delivery: Delivery) -> None:
+        self._scopes.pop(delivery, None)
 
     async def run(self) -> None:
         """Check every ``interval`` s until cancelled (returns at once when not watching)."""

@@ -9,8 +9,7 @@ slot and gate permits back). The HTTP side (building and sending the request) is
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import aclosing, contextmanager
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import anyio
@@ -62,17 +61,17 @@ class Aborter:
         self._scopes: set[anyio.CancelScope] = set()
         self.aborted = False
 
-    @contextmanager
-    def scope(self) -> Iterator[None]:
+    def open(self) -> anyio.CancelScope:
+        """A scope for one message's work (cancelled at once when aborted already); give
+        it to ``close`` when the work is done."""
         scope = anyio.CancelScope()
         if self.aborted:
             scope.cancel()
         self._scopes.add(scope)
-        try:
-            with scope:
-                yield
-        finally:
-            self._scopes.discard(scope)
+        return scope
+
+    def close(self, scope: anyio.CancelScope) -> None:
+        self._scopes.discard(scope)
 
     def abort(self) -> None:
         self.aborted = True
@@ -124,7 +123,7 @@ class Worker:
         outcome: Outcome = HandBack(0.0)  # what a cut (drain timeout) leaves: back at once
         try:
             if not self.stopping.is_set():
-                with self.aborter.scope(), tracing.process_request(work) as span:
+                with tracing.process_request(work) as span:
                     outcome = await self._watched(work)
                     span.settled(outcome)
         except Exception as exc:  # a bug here must not take every worker down with it
@@ -145,11 +144,21 @@ class Worker:
                 abandon(self.transport, work.delivery, "settle_timeout")
 
     async def _watched(self, work: Work) -> Outcome:
-        """``_process``, cut short (HTTP call aborted) when the producer cancels it."""
-        if self.cancels is None:
-            return await self._process(work)
-        with self.cancels.watch(work.delivery):
-            return await self._process(work)
+        """``_process`` in one cancel scope, cut by the drain timeout (handed back at once)
+        or by the producer's cancel (``CANCELLED``). One scope serves both: a scope costs
+        ~0.7 KB while its request is in flight, and its entry and exit ~2 µs (issue 13)."""
+        scope = self.aborter.open()
+        if self.cancels is not None:
+            self.cancels.add(work.delivery, scope)
+        try:
+            with scope:
+                return await self._process(work)
+        finally:
+            self.aborter.close(scope)
+            if self.cancels is not None:
+                self.cancels.discard(work.delivery)
+        if self.aborter.aborted:
+            return HandBack(0.0)
         return _failure(work.envelope.id, ErrorCode.CANCELLED, CANCELLED_TEXT, None)
 
     async def _process(self, work: Work) -> Outcome:

@@ -161,10 +161,11 @@ async def test_redis_pubsub_watch_cancels_only_marked_tokens(redis_url: str, uni
         await transport._redis.set(f"request-cancel:{unique}-a", "a" * 32)
         await transport._redis.set(f"request-cancel:{unique}-b", "z" * 32)
         await transport._redis.set(f"request-cancel:{unique}-c", "")
-        with watch.watch(marked) as a, watch.watch(other) as b, watch.watch(tokenless) as c:
-            assert await watch.check() == 1
-            flags = (a.cancel_called, b.cancel_called, c.cancel_called)
-        assert flags == (True, False, False)
+        a, b, c = anyio.CancelScope(), anyio.CancelScope(), anyio.CancelScope()
+        for delivery, scope in ((marked, a), (other, b), (tokenless, c)):
+            watch.add(delivery, scope)
+        assert await watch.check() == 1
+        assert (a.cancel_called, b.cancel_called, c.cancel_called) == (True, False, False)
         assert await transport.is_cancelled(marked)
     finally:
         await transport.aclose()
