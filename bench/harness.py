@@ -177,10 +177,12 @@ async def drain(
     *,
     baseline: bool = False,
     prompt_bytes: int = 64,
+    flags: Sequence[str] = (),
 ) -> tuple[Run, dict[str, Any]]:
     """Queue ``messages`` on a fresh lane, let the daemon (or the baseline) answer them all.
 
-    Returns the run and the simulator's stats for it (calls, statuses, peak concurrency).
+    ``flags`` go to the daemon's command line. Returns the run and the simulator's stats for
+    it (calls, statuses, peak concurrency).
     The consumer is stopped before returning, so runs in a row do not overlap.
     """
     lane = Lane.fresh(redis_url, label)
@@ -190,6 +192,6 @@ async def drain(
         if baseline:
             proc = start_baseline(stack, lane, sim, workers, messages)
         else:
-            proc = start_daemon(stack, lane, sim, workers)
+            proc = start_daemon(stack, lane, sim, workers, flags=flags)
         run = await watch(lane, proc, messages, timeout=messages / 50 + 60)
     return run, sim.stats()
