@@ -26,7 +26,7 @@ from async_processor.messages import Envelope, Request, Routing
 from async_processor.transports.base import Delivery, QueueSpec
 from async_processor.transports.redis_pubsub import RedisPubSubTransport
 from async_processor.worker import CANCEL_RECHECK
-from tests.fixtures.inprocess import running, sortedset_config, submit
+from tests.fixtures.inprocess import KEEPS_CANCELLED_CALLS, running, sortedset_config, submit
 from tests.integration.test_redis_pubsub import transport_for
 
 pytestmark = pytest.mark.anyio
@@ -76,6 +76,7 @@ async def _until(predicate: Any, timeout: float = 10.0) -> None:
             await anyio.sleep(0.02)
 
 
+@KEEPS_CANCELLED_CALLS
 async def test_cancel_aborts_the_gateway_call_and_frees_slot_and_permit(
     redis_url: str, unique: str
 ) -> None:

@@ -91,7 +91,7 @@ async def test_stamped_headers_and_edited_body_reach_the_gateway(
             attempt = await send(http, out, timeout=10)
             assert attempt.status == 200
     recorded: dict[str, dict[str, Any]] = {
-        r["headers"]["x-tenant-tier"]: r for r in simulator.requests()
+        named(r["headers"], "x-tenant-tier")[0]: r for r in simulator.requests()
     }
 
     batch, chat = recorded["batch"], recorded["interactive"]
