@@ -56,7 +56,8 @@ class PoolCapacity:
     fast, starved a busy queue's poller of the same pool that way), and a queue whose only
     message the merge just took refills before queues that still have one to offer (else
     slots went round-robin over 200 queues and a weight-4 queue got no more than a
-    weight-1 one: bench.tenants).
+    weight-1 one: bench.tenants). A poller takes no slot another waiting poller needs:
+    with 200 queues, batches of 10 left most queues with nothing to offer.
     """
 
     def __init__(self, slots: int) -> None:
@@ -83,7 +84,9 @@ class PoolCapacity:
                     del self._waiters[turn]
                 raise
             self._woken -= 1
-        taken = min(wanted, self.free)
+        # Leave a slot for each poller still waiting: one queue's batch must not take the
+        # slots the others need to keep one message each before the merge.
+        taken = min(wanted, max(1, self.free - len(self._waiters)))
         self.free -= taken
         self._wake()
         return taken

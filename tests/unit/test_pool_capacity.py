@@ -32,7 +32,8 @@ async def test_a_releasing_poller_cannot_jump_the_queue() -> None:
             # An empty queue's poller gives its slots back and asks again at once.
             capacity.release(2)
             order.append(("releasing", await capacity.reserve(2)))
-    assert order == [("waiting", 2), ("releasing", 2)]
+    # First in turn, and it leaves a slot for the poller waiting behind it.
+    assert order == [("waiting", 1), ("releasing", 2)]
 
 
 async def test_a_waiter_cancelled_as_it_is_woken_strands_no_slot() -> None:
@@ -109,3 +110,21 @@ async def test_a_queue_the_merge_just_served_refills_first() -> None:
             waiting["served"] = 0  # the merge took its only message
             capacity.release(1)
     assert order == ["served", "early"]
+
+
+async def test_a_batch_leaves_a_slot_for_each_poller_still_waiting() -> None:
+    """200 queues fetching batches of 10 left most of them with nothing to offer the merge."""
+    capacity = PoolCapacity(3)
+    assert await capacity.reserve(3) == 3
+    got: list[int] = []
+
+    async def poller() -> None:
+        got.append(await capacity.reserve(10))
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(poller)
+            await wait_all_tasks_blocked()
+            capacity.release(3)
+    assert got == [1, 1, 1]
