@@ -1,106 +1,199 @@
-"""Many tenants on one pool: 200 queues, weighted-fair merge; is any tenant starved?
+"""Many tenants on one pool: 200 queues found in a Redis set, weighted-fair merge, replicas
+as separate processes. Is any tenant starved, and what does a message cost with 200
+queues against 2?
 
-Every queue is one tenant; a quarter of them have weight ``--heavy`` (3). All queues are
-loaded before the daemons start (so all stay backlogged during the window);
-``--replicas`` daemons in this process (default 1; three did not finish on a 2-core
-machine) share them through one Redis; the first ``--window`` results are counted per
-queue against its weighted fair share. Target: every queue ≥ 0.8 of its share.
+Every queue is one tenant, weighted in turn by ``--weights`` (1,2,4) through the merge
+policy's ``weights`` map; the daemons find the queues in a Redis set (``queue_discovery``).
+All queues are loaded before the daemons start, so all stay backlogged. ``--replicas``
+daemons (``python -m async_processor run``) share one Redis; after a warm-up of
+``--warmup`` results, the next ``--window`` results, across every replica, are counted
+per queue against its weighted fair share. Target: every queue ≥ 0.8 of its share.
+
+Overhead, in the same run: the same daemons on 2 queues (equal weights), the same
+window: daemon CPU ms per message (all replicas' user + system CPU over the window) and
+Redis round trips per message (``total_reads_processed`` over the window, minus the
+watcher's own). Target: 200 queues within 1.2× of 2 queues on both.
 Run alone: ``python -m bench.tenants [--quick]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import time
 from collections import Counter
-from contextlib import AsyncExitStack, ExitStack
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
+from redis.asyncio import Redis
 
 from async_processor.client import SortedSetClient
-from async_processor.config import AppConfig, MergePolicyConfig, PoolConfig, SortedSetConfig
-from bench.common import redis, simulator, table, verdict
-from tests.fixtures.inprocess import running, runtime_config
+from async_processor.messages import Result
+from bench.common import cpu_seconds, python_process, redis, simulator, table, verdict
+from bench.harness import LOG_DIR, Process
 from tests.fixtures.servers import free_port
+from tests.fixtures.simulator import SimulatorProcess
 
 TARGET = 0.8
+OVERHEAD_TARGET = 1.2
+LATENCY = 0.2  # gateway seconds: workers ÷ latency stays within the machine's CPU
 
 
-def tenant_config(
-    url: str, gateway: str, tag: str, weights: dict[str, float], workers: int
-) -> AppConfig:
-    transport = SortedSetConfig.model_validate(
-        {"url": url, "result_queue_name": f"{tag}:results", "retry_queue_name": f"{tag}:retry",
-         "poll_interval_ms": 100, "batch_size": 1,
-         "queues": [{"queue_name": name, "igw_base_url": gateway, "worker_pool_id": "p",
-                     "labels": {"weight": str(weight)}} for name, weight in weights.items()]}
-    )  # fmt: skip
-    return AppConfig(
-        transport="redis-sortedset",
-        transport_config=transport,
-        runtime=runtime_config(health_port=free_port(), metrics_port=free_port()),
-        pools=[PoolConfig(id="p", workers=workers)],
-        merge_policy=MergePolicyConfig(type="weighted-fair"),
+@dataclass
+class Window:
+    ids: list[str]  # result ids in the window, in the order they were pushed
+    seconds: float
+    cpu_ms: float  # all daemons' CPU per message over the window
+    round_trips: float  # Redis read events per message over the window
+
+
+def daemon_args(url: str, gateway: str, tag: str, workers: int, merge: Path) -> list[str]:
+    transport = {
+        "url": url, "result_queue_name": f"{tag}:results", "poll_interval_ms": 100,
+        "queue_discovery": {"set_key": f"{tag}:tenants", "refresh_seconds": 5,
+                            "template": {"igw_base_url": gateway}},
+    }  # fmt: skip
+    return ["-m", "async_processor", "run", "--transport", "redis-sortedset",
+            "--transport-config", json.dumps(transport), "--concurrency", str(workers),
+            "--request-merge-policy-config-file", str(merge),
+            "--bind-address", "127.0.0.1", "--log-level", "warning",
+            "--metrics-backlog-poll-interval", "0"]  # fmt: skip
+
+
+async def load(url: str, tag: str, weights: dict[str, float], per_weight: int) -> None:
+    deadline = int(time.time()) + 3600
+    async with SortedSetClient(url, result_queue=f"{tag}:results") as client:
+        for name, weight in weights.items():
+            requests = [{"id": f"{name}/{n}", "deadline": deadline, "payload": {}}
+                        for n in range(int(per_weight * weight) + 5)]  # fmt: skip
+            await client.submit_many(requests, queue=name)
+    r = Redis.from_url(url)
+    try:
+        await r.sadd(f"{tag}:tenants", *weights)
+    finally:
+        await r.aclose()
+
+
+async def watch(url: str, tag: str, procs: list[Process], warmup: int, window: int) -> Window:
+    """Wait for ``warmup`` results, then time, CPU and count reads until ``window`` more."""
+    r = Redis.from_url(url)
+    own = 0  # our read events: one per command
+
+    async def done() -> int:
+        nonlocal own
+        own += 1
+        return int(await r.llen(f"{tag}:results"))
+
+    async def reads() -> int:
+        nonlocal own
+        own += 1
+        return int((await r.info("stats"))["total_reads_processed"])
+
+    try:
+        with anyio.fail_after(900):
+            while await done() < warmup:
+                await anyio.sleep(0.05)
+            own = 0
+            start = time.monotonic(), sum(cpu_seconds(p.pid) for p in procs), await reads()
+            while await done() < warmup + window:
+                await anyio.sleep(0.05)
+            end = time.monotonic(), sum(cpu_seconds(p.pid) for p in procs), await reads()
+        pushed = [
+            Result.decode(raw).id for raw in reversed(await r.lrange(f"{tag}:results", 0, -1))
+        ]
+    finally:
+        await r.aclose()
+    return Window(
+        ids=pushed[warmup : warmup + window],
+        seconds=end[0] - start[0],
+        cpu_ms=(end[1] - start[1]) * 1000 / window,
+        round_trips=(end[2] - start[2] - own) / window,
     )
+
+
+async def run_tenants(
+    url: str, sim: SimulatorProcess, weights: dict[str, float], replicas: int, workers: int,
+    warmup: int, window: int,
+) -> Window:  # fmt: skip
+    tag = next(iter(weights)).rsplit("-", 1)[0]
+    per_weight = (warmup + window) * 1.5 / sum(weights.values())  # backlogged all along
+    await load(url, tag, weights, int(per_weight))
+    with ExitStack() as stack:
+        merge = LOG_DIR / f"{tag}-merge.json"
+        merge.parent.mkdir(parents=True, exist_ok=True)
+        merge.write_text(json.dumps({"type": "weighted-fair", "parameters": {"weights": weights}}))
+        procs = []
+        for n in range(replicas):
+            health = free_port()
+            args = [*daemon_args(url, sim.url, tag, workers, merge), "--health-port", str(health),
+                    "--metrics-port", str(free_port())]  # fmt: skip
+            procs.append(python_process(stack, args, port=health, log=LOG_DIR / f"{tag}-{n}.log"))
+        return await watch(url, tag, procs, warmup, window)
+
+
+def shares(weights: dict[str, float], ids: list[str]) -> dict[str, float]:
+    got = Counter(i.split("/")[0] for i in ids)
+    total = sum(weights.values())
+    return {q: got[q] / (len(ids) * w / total) for q, w in weights.items()}
 
 
 async def measure(
-    queues: int, replicas: int, workers: int, window: int, mix: list[float]
+    queues: int, replicas: int, workers: int, warmup: int, window: int, mix: list[float]
 ) -> list[tuple[str, str]]:
     tag = f"tenants-{secrets.token_hex(3)}"
-    weights = {f"{tag}-t{i:03d}": mix[i % len(mix)] for i in range(queues)}
-    per_queue = int(window * max(mix) / sum(weights.values()) * 2) + 5  # backlogged all along
-    deadline = int(time.time()) + 3600
+    many = {f"{tag}-t{i:03d}": mix[i % len(mix)] for i in range(queues)}
+    few = {f"{tag}x-t{i}": 1.0 for i in range(2)}
     with ExitStack() as stack:
-        url, sim = redis(stack).url, simulator(stack, "--latency", "0.05")
-        async with SortedSetClient(url, result_queue=f"{tag}:results") as client:
-            for name in weights:
-                await client.submit_many(
-                    [{"id": f"{name}/{n}", "deadline": deadline, "payload": {}}
-                     for n in range(per_queue)], queue=name)  # fmt: skip
-            async with AsyncExitStack() as daemons:
-                for _ in range(replicas):
-                    config = tenant_config(url, sim.url, tag, weights, workers)
-                    await daemons.enter_async_context(running(config))
-                started = time.monotonic()
-                results = await client.drain_results(window, 600)
-                seconds = time.monotonic() - started
-    got = Counter(r.id.split("/")[0] for r in results)
-    total = sum(weights.values())
-    ratios = {q: got[q] / (len(results) * w / total) for q, w in weights.items()}
+        url, sim = redis(stack).url, simulator(stack, "--latency", str(LATENCY))
+        wide = await run_tenants(url, sim, many, replicas, workers, warmup, window)
+        narrow = await run_tenants(url, sim, few, replicas, workers, warmup, window)
+    ratios = shares(many, wide.ids)
     worst = min(ratios, key=ratios.__getitem__)
-    classes = sorted(set(weights.values()))
-    by_class = "; ".join(
-        f"w{w:g} {min(r for q, r in ratios.items() if weights[q] == w):.2f}…"
-        f"{max(r for q, r in ratios.items() if weights[q] == w):.2f}"
-        for w in classes
+    by_weight = "; ".join(
+        f"w{w:g} {min(r for q, r in ratios.items() if many[q] == w):.2f}…"
+        f"{max(r for q, r in ratios.items() if many[q] == w):.2f}"
+        for w in sorted(set(mix))
     )
+    cpu, trips = wide.cpu_ms / narrow.cpu_ms, wide.round_trips / narrow.round_trips
+    ideal = replicas * workers / LATENCY
     return [
-        ("setup", f"{queues} queues (weights {','.join(f'{w:g}' for w in mix)}), "
-                  f"{replicas} replicas × "
-                  f"{workers} workers, gateway 50 ms, {per_queue} messages per queue"),
-        ("window", f"first {len(results)} results in {seconds:.1f} s"),
+        ("setup", f"{queues} queues in a Redis set (weights {','.join(f'{w:g}' for w in mix)} "
+                  f"in turn), {replicas} daemon processes × {workers} workers, gateway "
+                  f"{LATENCY:g} s (ideal {ideal:.0f} msg/s)"),
+        ("window", f"results {warmup}…{warmup + window} in {wide.seconds:.1f} s "
+                   f"({window / wide.seconds:.0f} msg/s)"),
         ("share range", f"{min(ratios.values()):.2f} … {max(ratios.values()):.2f} of fair"),
-        ("by weight", by_class),
+        ("by weight", by_weight),
         ("worst queue", verdict(f"{ratios[worst]:.2f} ({worst.rsplit('-', 1)[1]})",
                                 ratios[worst] >= TARGET, f"≥ {TARGET}")),
+        ("2 queues", f"{window / narrow.seconds:.0f} msg/s, {narrow.cpu_ms:.2f} CPU ms/msg, "
+                     f"{narrow.round_trips:.2f} Redis round trips/msg"),
+        (f"{queues} queues", f"{wide.cpu_ms:.2f} CPU ms/msg, "
+                             f"{wide.round_trips:.2f} Redis round trips/msg"),
+        ("CPU per msg", verdict(f"× {cpu:.2f} of 2 queues", cpu <= OVERHEAD_TARGET,
+                                f"≤ {OVERHEAD_TARGET}×")),
+        ("round trips", verdict(f"× {trips:.2f} of 2 queues", trips <= OVERHEAD_TARGET,
+                                f"≤ {OVERHEAD_TARGET}×")),
     ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.tenants")
     p.add_argument("--queues", type=int, default=200)
-    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--workers", type=int, default=16)
-    p.add_argument("--window", type=int, default=6000)
+    p.add_argument("--warmup", type=int, default=1000)
+    p.add_argument("--window", type=int, default=9000)
     p.add_argument("--weights", default="1,2,4", help="weights given to the queues in turn")
-    p.add_argument("--quick", action="store_true", help="a 2,000-result window")
+    p.add_argument("--quick", action="store_true", help="a 3,000-result window")
     args = p.parse_args(argv)
-    window = 2000 if args.quick else args.window
+    window = 3000 if args.quick else args.window
     mix = [float(w) for w in args.weights.split(",")]
-    rows = anyio.run(measure, args.queues, args.replicas, args.workers, window, mix)
-    table("many tenants: weighted fair share", rows)
+    rows = anyio.run(measure, args.queues, args.replicas, args.workers, args.warmup, window, mix)
+    table("many tenants: weighted fair share and fetch overhead", rows)
     return 0
 
 

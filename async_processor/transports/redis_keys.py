@@ -76,8 +76,10 @@ SCRIPT_NAMES = (
     "defer",
     "dead_letter",
     "move_due",
+    "move_due_own",
     "cancel",
     "expired",
+    "expired_many",
     "submit",
     "retain",
 )

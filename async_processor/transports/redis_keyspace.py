@@ -29,6 +29,7 @@ from redis.commands.core import AsyncScript
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.redis_settings import hash_tag, slot
 
+UPKEEP_GROUP = 256  # queues per upkeep script call (each call stays well under a ms)
 RELOAD_EVERY = 10.0  # seconds between script loads on every primary (cluster pipelines)
 
 
@@ -82,6 +83,18 @@ class KeySpace:
 
     def done(self, queue: str, request_id: str, fingerprint: str) -> str:
         return self._marker(queue, keys.done_key(request_id, fingerprint))
+
+    def slot_groups(self, queues: Sequence[str]) -> list[list[str]]:
+        """``queues`` in groups one script call may cover: one slot each in cluster mode,
+        all together otherwise; at most ``UPKEEP_GROUP`` queues a group."""
+        groups: dict[int, list[str]] = {}
+        for queue in queues:
+            groups.setdefault(slot(queue) if self.cluster else 0, []).append(queue)
+        return [
+            group[start : start + UPKEEP_GROUP]
+            for group in groups.values()
+            for start in range(0, len(group), UPKEEP_GROUP)
+        ]
 
     def routable(self, queue: str, result_list: str) -> bool:
         """Whether a message-named result list can be written with ``queue``'s ack."""

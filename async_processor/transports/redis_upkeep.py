@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
+from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from async_processor.config import SortedSetConfig
@@ -47,6 +49,7 @@ class SortedSetUpkeep:
     _ctx: TransportContext
     _keys: KeySpace
     _scripts: dict[str, AsyncScript]
+    _redis: Redis
     _claims: ClaimBook
     decode: Callable[[Delivery], Envelope]
     _write_results: WriteResults
@@ -61,6 +64,29 @@ class SortedSetUpkeep:
             tg.start_soon(_every, "expire", EXPIRE_INTERVAL, self.expire_due)
             tg.start_soon(_every, "retain", RETAIN_INTERVAL, self.retain)
             task_status.started()
+
+    async def _pipelined(
+        self, action: str, script: str, key_groups: Sequence[list[str]], args: list[Any]
+    ) -> list[Any]:
+        """One script call per key group (each one queue's slot), in one round trip."""
+        if not key_groups:
+            return []
+        with redis_errors(action):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for script_keys in key_groups:
+                    await self._scripts[script](keys=script_keys, args=args, client=pipe)
+                return list(await pipe.execute())
+
+    async def _drain(self, action: str, script: str, key_groups: list[list[str]]) -> None:
+        """Repeat a chunked move script, for all key groups in one round trip, until no
+        call moves a full chunk (only the groups that did go again)."""
+        total = 0
+        while key_groups:
+            moved = [int(m) for m in await self._pipelined(action, script, key_groups, [CHUNK])]
+            total += sum(moved)
+            key_groups = [k for k, m in zip(key_groups, moved, strict=True) if m >= CHUNK]
+        if total:
+            log.info(f"{action}_moved", count=total)
 
     async def heartbeat(self) -> None:
         """Extend every lease this process holds; forget claims that were taken back."""
@@ -77,11 +103,12 @@ class SortedSetUpkeep:
                     log.warning("leases_lost", queue=name, count=len(really_lost))
 
     async def reap(self) -> None:
-        """Put every expired claim of every configured queue back with its deadline score."""
-        for queue in self.queues:
-            name = queue.name
-            inflight = [name, self._keys.inflight(name), self._keys.inflight_meta(name)]
-            await _drain("reap", self._scripts["reap"], inflight)
+        """Put every expired claim of every queue back with its deadline score."""
+        groups = [
+            [q.name, self._keys.inflight(q.name), self._keys.inflight_meta(q.name)]
+            for q in self.queues
+        ]
+        await self._drain("reap", "reap", groups)
 
     async def retain(self) -> None:
         """Per configured result list: record its pushed count (the marks that date its
@@ -103,37 +130,44 @@ class SortedSetUpkeep:
 
     async def move_due(self) -> None:
         """Move every due retry back to its origin queue, scored by its deadline (in
-        cluster mode each queue's own retry set, one slot per call)."""
+        cluster mode and with discovered queues each queue's own retry set, many queues
+        per call)."""
         names = [q.name for q in self.queues]
-        groups = (
-            [[self._keys.retry(n, ""), n] for n in names]
-            if self._keys.cluster or self._keys.queue_retry
-            else [[self.config.retry_queue_name, *names]]
-        )
-        for retry_keys in groups:
-            await _drain("retry_move", self._scripts["move_due"], retry_keys)
+        if not self._keys.cluster and not self._keys.queue_retry:
+            await self._drain("retry_move", "move_due", [[self.config.retry_queue_name, *names]])
+            return
+        groups = [
+            [key for n in group for key in (self._keys.retry(n, ""), n)]
+            for group in self._keys.slot_groups(names)
+        ]
+        await self._drain("retry_move", "move_due_own", groups)
 
     async def expire_due(self) -> None:
         """Answer every queued member past its deadline with its DEADLINE_EXCEEDED result
         (dedup marker included), without a worker slot (docs/architecture.md G7). Any replica may
-        run it: the script answers a member only while it is still queued."""
-        for queue in self.queues:
-            answered = await self._expire_queue(queue)
+        run it: the script answers a member only while it is still queued. The first
+        look covers many queues per call, all calls in one round trip."""
+        by_name = {q.name: q for q in self.queues}
+        groups = self._keys.slot_groups(list(by_name))
+        replies = await self._pipelined("expire", "expired_many", groups, self._expire_args(0))
+        firsts = [raws for reply in replies for raws in reply]
+        queues = [by_name[name] for group in groups for name in group]
+        for queue, raws in zip(queues, firsts, strict=True):
+            answered = await self._expire_queue(queue, raws) if raws else 0
             if answered:
                 log.info("expired_answered", queue=queue.name, count=answered)
                 if self._ctx.metrics is not None:
                     bound = self._ctx.metrics.queue(queue.id, queue.name, queue.pool)
                     bound.exceeded_deadline_total.inc(answered)
 
-    async def _expire_queue(self, queue: QueueSpec) -> int:
+    def _expire_args(self, skipped: int) -> list[float | int]:
+        return [time.time(), skipped, EXPIRE_CHUNK, self._ctx.max_message_bytes]
+
+    async def _expire_queue(self, queue: QueueSpec, raws: list[bytes]) -> int:
+        """Answer ``raws`` (a first look) and whatever further chunks the queue holds."""
         answered = skipped = 0
         while True:
             now = time.time()
-            with redis_errors("expire"):
-                raws = await self._scripts["expired"](
-                    keys=[queue.name],
-                    args=[now, skipped, EXPIRE_CHUNK, self._ctx.max_message_bytes],
-                )
             items = [item for raw in raws if (item := self._expired(queue, raw, now))]
             skipped += len(raws) - len(items)
             if items:
@@ -141,6 +175,10 @@ class SortedSetUpkeep:
                 answered += sum(held for _, held, _ in replies)
             if len(raws) < EXPIRE_CHUNK:
                 return answered
+            with redis_errors("expire"):
+                raws = await self._scripts["expired"](
+                    keys=[queue.name], args=self._expire_args(skipped)
+                )
 
     def _expired(self, queue: QueueSpec, raw: bytes, now: float) -> tuple[Delivery, Result] | None:
         """The member's DEADLINE_EXCEEDED result; None for one a worker must handle (it does
@@ -155,19 +193,6 @@ class SortedSetUpkeep:
         if envelope.request.deadline >= now:
             return None
         return delivery, expired(envelope.id, last_answer(envelope.routing)).result
-
-
-async def _drain(action: str, script: AsyncScript, script_keys: list[str]) -> None:
-    """Repeat a chunked move script until a call moves less than a full chunk."""
-    total = 0
-    while True:
-        with redis_errors(action):
-            moved = int(await script(keys=script_keys, args=[CHUNK]))
-        total += moved
-        if moved < CHUNK:
-            break
-    if total:
-        log.info(f"{action}_moved", count=total)
 
 
 async def _every(name: str, interval: float, step: Callable[[], Awaitable[None]]) -> None:
