@@ -74,7 +74,7 @@ class QueueTemplate(QueueEntry):
 class QueueDiscovery(Strict):
     """Ours: queues listed in a Redis set (``set_key``) or found by a key-prefix SCAN on
     every primary (``key_prefix``), refreshed every ``refresh_seconds`` without a restart
-    (docs/tenants.md)."""
+    (docs/transports.md, "Tenant queues found in Redis")."""
 
     set_key: str = ""
     key_prefix: str = ""

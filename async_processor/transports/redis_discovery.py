@@ -1,5 +1,5 @@
 """Queue discovery for redis-sortedset: the tenant queue list from a Redis set or a
-key-prefix scan, checked and bounded (docs/tenants.md).
+key-prefix scan, checked and bounded (docs/transports.md, "Tenant queues found in Redis").
 
 Stage: broker I/O (which queues exist). Input: ``queue_discovery`` (``set_key`` or
 ``key_prefix``, ``max_queues``) and the daemon's own keys. Output: the names to poll, each
