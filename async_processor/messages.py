@@ -164,13 +164,15 @@ class Envelope:
 
 @dataclass(slots=True)
 class Result:
-    """Exactly one per request, on the result queue."""
+    """Exactly one per request, on the result queue. Not changed once made: ``encode``
+    keeps its bytes (a result is sized before it is written)."""
 
     id: str
     status_code: int = 0
     payload: str = ""
     error_code: str = ""
     error_message: str = ""
+    _encoded: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     @classmethod
     def failure(cls, request_id: str, code: ErrorCode, message: str) -> Result:
@@ -202,7 +204,9 @@ class Result:
         return out
 
     def encode(self) -> bytes:
-        return _dumps(self.to_obj())
+        if not self._encoded:
+            self._encoded = _dumps(self.to_obj())
+        return self._encoded
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Result:

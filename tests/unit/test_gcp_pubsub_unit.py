@@ -90,6 +90,23 @@ async def test_transient_ack_failure_is_retried_without_publishing_again() -> No
     assert client.published == 1
 
 
+async def test_a_result_sized_by_the_worker_is_published_without_encoding_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client = Rejecting(api_error(gexc.ServiceUnavailable, "ack later"))
+    t = transport(client)
+    result = Result.http("r", 200, b'{"text": "answer"}')
+    encoded = result.encode()  # the worker's size check (worker.py ``_fitting``)
+
+    def encode_again(self: Result) -> dict[str, Any]:
+        raise AssertionError("the result was JSON-encoded a second time")
+
+    monkeypatch.setattr(Result, "to_obj", encode_again)
+    with pytest.raises(TransportError):
+        await t.complete([Completion(delivery_of(t), result)])
+    assert client.published == 1 and result.encode() is encoded
+
+
 def transport(client: Denied) -> GcpPubSubTransport:
     config = GcpPubSubConfig.model_validate(
         {
