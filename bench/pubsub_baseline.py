@@ -4,13 +4,16 @@ One pull at a time of up to the free worker slots (at most Pub/Sub's 1,000), N w
 POSTing the payload with aiohttp, one publisher publishing every result ready (≤ 1,000
 per call) and acking those messages once the publish is confirmed. Same libraries as the
 daemon; none of its features (no leases, gates, retries, deadlines, metrics). Exits after
-``--count`` results. Run by ``bench.pubsub`` side by side with the daemon.
+``--count`` results, writing the mean time a POST took to ``--stats`` when given. Run by
+``bench.pubsub`` side by side with the daemon.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
+from pathlib import Path
 
 import aiohttp
 import anyio
@@ -34,6 +37,7 @@ class Baseline:
         self.free, self.left = args.workers, args.count
         self.freed, self.produced = anyio.Event(), anyio.Event()
         self.url = args.gateway_url + "/v1/completions"
+        self.post_seconds = 0.0  # summed over every POST: the gateway latency it saw
 
     async def pull(self) -> None:
         while self.left > 0:
@@ -57,8 +61,10 @@ class Baseline:
     async def work(self, session: aiohttp.ClientSession) -> None:
         async for message in self.inbox:
             request = json.loads(message.message.data)
+            started = time.monotonic()
             async with session.post(self.url, json=request["payload"]) as response:
                 text = await response.text()
+            self.post_seconds += time.monotonic() - started
             result = {"id": request["id"], "status_code": response.status, "payload": text}
             self.ready.append((message.ack_id, json.dumps(result).encode()))
             self.free += 1
@@ -92,6 +98,8 @@ async def consume(args: argparse.Namespace) -> None:
         tg.start_soon(baseline.pull)
         await baseline.publish()
         tg.cancel_scope.cancel()
+    if args.stats:
+        args.stats.write_text(json.dumps({"post_seconds": baseline.post_seconds / args.count}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gateway-url", required=True)
     p.add_argument("--workers", type=int, default=256)
     p.add_argument("--count", type=int, required=True)
+    p.add_argument("--stats", type=Path, help="write the mean POST seconds here at exit")
     anyio.run(consume, p.parse_args(argv))
     return 0
 
