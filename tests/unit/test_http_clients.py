@@ -12,13 +12,15 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import get_args
 
 import anyio
 import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from async_processor.config import TLSConfig
+from async_processor.config import RuntimeConfig, TLSConfig, load_config
 from async_processor.errors import ConfigError, NoAnswer
 from async_processor.httpclients import HTTP_CLIENTS, build_http_client
 from async_processor.httpclients.base import (
@@ -29,6 +31,7 @@ from async_processor.httpclients.base import (
     Unsendable,
 )
 from tests.fixtures.redis_modes import Certs
+from tests.unit.test_config import sortedset_args
 
 pytestmark = pytest.mark.anyio
 TEN_MB = 10 * 10**6
@@ -235,3 +238,14 @@ def test_unreadable_certificates_are_a_config_error(client_name: str, certs: Cer
     bad = TLSConfig(cert=str(certs.ca), key=str(certs.ca))  # a certificate is not a key
     with pytest.raises(ConfigError, match="--tls"):
         build_http_client(client_name, bad, 16)
+
+
+def test_the_flag_names_every_client_and_defaults_to_aiohttp(tmp_path: Path) -> None:
+    args = sortedset_args(tmp_path)
+    assert load_config(args, {}).runtime.http_client == "aiohttp"
+    env = {"ASYNC_PROCESSOR_HTTP_CLIENT": "pyreqwest"}
+    assert load_config(args, env).runtime.http_client == "pyreqwest"
+    choices = get_args(RuntimeConfig.model_fields["http_client"].annotation)
+    assert set(choices) == set(HTTP_CLIENTS)
+    with pytest.raises(ConfigError, match="--http-client"):
+        load_config([*args, "--http-client", "httpx"], {})
