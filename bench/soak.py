@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 
 from bench.common import redis, simulator, table
 from bench.harness import LOG_DIR, Lane, start_daemon, submit
+from tests.fixtures.simulator import SimulatorProcess
 
 CRASH = re.compile(rb"Fatal Python error|PyGILState|panicked|Traceback|core dumped|Segmentation")
 # (signal, drain timeout): a drain that finishes, one that cuts requests in flight, SIGINT.
@@ -39,14 +40,14 @@ async def answered(lane: Lane) -> int:
         await client.aclose()
 
 
-async def cycle(url: str, sim: object, client: str, n: int, rng: random.Random) -> str:
+async def cycle(url: str, sim: SimulatorProcess, client: str, n: int, rng: random.Random) -> str:
     lane = Lane.fresh(url, f"soak{n}")
     await submit(lane, 400)
     sig, drain = STOPS[n % len(STOPS)]
     flags = ["--http-client", client, "--drain-timeout", drain]
     with ExitStack() as stack:
         try:
-            proc = start_daemon(stack, lane, sim, 64, flags=flags)  # type: ignore[arg-type]
+            proc = start_daemon(stack, lane, sim, 64, flags=flags)
         except RuntimeError as exc:
             return f"failed to start: {exc} ({lane.queue}.log)"
         await anyio.sleep(rng.uniform(1, 4))
