@@ -103,6 +103,7 @@ async def test_cancel_aborts_the_gateway_call_and_frees_slot_and_permit(
     assert (after.id, after.status_code, gateway.answered) == ("next", 200, ["next"])
 
 
+@KEEPS_CANCELLED_CALLS
 async def test_a_cancel_while_waiting_for_a_worker_is_answered_without_sending(
     redis_url: str, unique: str
 ) -> None:
