@@ -9,11 +9,13 @@ A listed name is untrusted input (docs/architecture.md G14): it is refused (``da
 when it is one of the daemon's keys or shaped like one (``<q>:inflight``, ``<q>:retry``,
 ``…:live:…``, ``request-done:…``, a result list, a gate key), ``bad_name`` when empty,
 over ``MAX_NAME_BYTES`` or not UTF-8 text without control characters, ``cross_slot`` in
-cluster mode when its result list is in another slot, and ``over_cap`` past
-``max_queues``. A set is read with SSCAN and never more than ``2 × max_queues`` members
-per refresh, so an enormous set costs a bounded read; a prefix scan walks every
-primary's keyspace (SCAN ... TYPE zset), skipping the daemon's keys under the prefix
-without counting them.
+cluster mode when its result list is in another slot, ``over_cap`` past
+``max_queues``, and ``wrong_type`` when a set names a key that is not a sorted set (the
+upkeep scripts cover many queues per call, so one such key failed them for every
+queue). A set is read with SSCAN and never more than ``2 × max_queues`` members per
+refresh, so an enormous set costs a bounded read; a prefix scan walks every primary's
+keyspace (SCAN ... TYPE zset), skipping the daemon's keys under the prefix without
+counting them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 MAX_NAME_BYTES = 512
-REFUSALS = ("daemon_key", "bad_name", "cross_slot", "over_cap")
+REFUSALS = ("daemon_key", "bad_name", "cross_slot", "over_cap", "wrong_type")
 SCAN_COUNT = 500
 LOGGED_REFUSALS = 1000  # distinct refused names logged per process (then only counted)
 # Shapes of the keys the daemon and the client derive from a queue name.
@@ -99,7 +101,24 @@ class QueueLister:
                 if examined >= 2 * cap:  # a set of refused names cannot make us read it all
                     self._refuse("", "over_cap")
                     break
-        return list(accepted)
+            return await self._sorted_sets(list(accepted))
+
+    async def _sorted_sets(self, names: list[str]) -> list[str]:
+        """``names`` without the keys that exist and are not sorted sets (a set may name
+        any key; a prefix scan reads sorted sets only)."""
+        if not self._config.set_key or not names:
+            return names
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.type(name)
+            types = await pipe.execute()
+        kept = []
+        for name, kind in zip(names, types, strict=True):
+            if _text(kind) in ("zset", "none"):
+                kept.append(name)
+            else:
+                self._refuse(name, "wrong_type")
+        return kept
 
     def _members(self) -> AsyncIterator[bytes]:
         if self._config.set_key:

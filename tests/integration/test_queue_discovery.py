@@ -245,3 +245,30 @@ def test_existing_configs_keep_one_shared_retry_set_and_need_a_queue(
         SortedSetConfig.model_validate({"url": redis_url})
     with pytest.raises(ValueError, match="exactly one of set_key or key_prefix"):
         transport_config(redis_url, unique, set_key="s", key_prefix="p")
+
+
+async def test_a_listed_key_that_is_not_a_sorted_set_does_not_stop_the_others_upkeep(
+    redis_url: str, unique: str, r: Redis
+) -> None:
+    listed, good, other = f"{unique}:tenants", f"{unique}-good", f"{unique}-session"
+    await r.set(other, "another application's string")  # listed by mistake, or by a tenant
+    await r.sadd(listed, good, other)
+    await submit(redis_url, unique, good, "m1")
+    metrics = Metrics()
+    transport = SortedSetTransport(
+        transport_config(redis_url, unique, set_key=listed), TransportContext(metrics=metrics)
+    )
+    try:
+        specs = {s.name: s for s in await transport.discover()}
+        assert list(specs) == [good]
+        assert metrics.discovery_refused_total.labels("wrong_type")._value.get() == 1
+        [delivery] = await transport.fetch(specs[good], 1, 0)
+        transport.decode(delivery)
+        await transport.defer([Deferral(delivery, 0.05)])
+        await anyio.sleep(0.1)
+        await transport.move_due()  # the good queue's retry goes home
+        await transport.reap()
+        await transport.expire_due()
+        assert await r.zcard(good) == 1
+    finally:
+        await transport.aclose()
