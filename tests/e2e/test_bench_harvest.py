@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.harvest_model import HEADROOMS
 from tests.fixtures.servers import require_binary
 
 SUMMARY = re.compile(
@@ -42,7 +43,7 @@ def test_the_harvest_bench_runs_end_to_end(tmp_path: Path) -> None:
     assert "| prometheus-saturation |" in done.stdout
     data = json.loads((tmp_path / "harvest.json").read_text())[0]
     assert [r["name"] for r in data["rows"]] == ["prometheus-saturation"]
-    assert len(data["oracle"]) == 14  # H = 0..64, with and without preemption
+    assert len(data["oracle"]) == 2 * len(HEADROOMS)  # with and without preemption
     assert all(run["interactive_requests"] > 0 for run in data["runs"])
     if importlib.util.find_spec("matplotlib") is not None:
         assert {p.name for p in tmp_path.glob("*.png")} == {
