@@ -172,6 +172,11 @@ class Pool:
     def free_slots(self) -> int:
         return sum(p.slots - len(p.running) for p in self.pods)
 
+    def running_age(self, cls: str) -> float:
+        """Slot-seconds the running ``cls`` jobs have spent in their current run so far:
+        what ``completed_slot_seconds`` will count for them before ``now``."""
+        return sum(self.now - j.started for p in self.pods for j in p.running if j.cls == cls)
+
     def _pod_saturation(self, pod: Pod) -> float:
         c = self.config
         return max(pod.num_waiting / c.shed_queue_depth, pod.kv_usage / c.shed_kv_usage)

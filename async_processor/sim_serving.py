@@ -121,6 +121,7 @@ class PoolRuntime:
             "saturation": pool.saturation(),
             "slot_seconds": {cls: c.slot_seconds[cls] for cls in CLASSES},
             "completed_slot_seconds": {cls: c.completed_slot_seconds[cls] for cls in CLASSES},
+            "running_age": {cls: pool.running_age(cls) for cls in CLASSES},
             "completed": {cls: c.completed[cls] for cls in CLASSES},
             "shed": {cls: c.shed[cls] for cls in CLASSES},
             "preempted": {cls: c.preempted[cls] for cls in CLASSES},

@@ -41,13 +41,15 @@ definitions:
   capacity C     = pods x max-num-seqs running slots
   idle           = integral of (C - interactive running) dt over run A
   harvested      = slot-seconds of batch requests that completed during run B
-                   (work lost to preemption does not count)
+                   (work lost to preemption does not count, nor the part of a request
+                   that ran before the trace started, during the daemon's warm-up)
   harvest ratio  = harvested / idle
   TTFT/e2e ratio = interactive p99 TTFT (the model's) / e2e latency (measured) in B / in A
   oracle         = the same pool model on virtual time, admitting batch work whenever more
                    than H slots are free (exact, instant; no daemon)
-  oracle ratio   = harvest / the oracle's harvest at the same TTFT ratio (upper envelope,
-                   linear between points)
+  oracle ratio   = harvest / the oracle's harvest at the same TTFT ratio (upper envelope
+                   of its points, linear between them; below the lowest TTFT ratio the best
+                   harvest at a ratio <= 1.0, above the highest the best harvest of all)
   shed share     = batch 429s / (batch completed + batch 429s)"""
 
 
@@ -141,7 +143,8 @@ def ratio(values: list[float], reference: list[float]) -> float:
 def row(s: Scenario, a: RunResult, b: RunResult, frontier: list[Point]) -> Row:
     idle = s.capacity * s.duration - a.counters["slot_seconds"]["interactive"]
     c = b.counters
-    point = Point(b.name, c["completed_slot_seconds"]["batch"] / idle,
+    harvested = c["completed_slot_seconds"]["batch"] - c["carried_in"]["batch"]
+    point = Point(b.name, harvested / idle,
                   ratio(b.ttft, a.ttft), ratio(b.e2e, a.e2e))  # fmt: skip
     best = frontier_harvest(frontier, point.ttft_ratio)
     return Row(point, point.harvest_ratio / best if best > 0 else math.nan,

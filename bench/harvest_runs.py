@@ -81,8 +81,11 @@ class RunResult:
 
 
 def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The counters over the trace, and ``carried_in``: the slot-seconds the jobs running at
+    its start had already spent (the daemon's warm-up), which their completion will count."""
     keys = ("slot_seconds", "completed_slot_seconds", "completed", "shed", "preempted")
-    return {k: {c: after[k][c] - before[k][c] for c in after[k]} for k in keys}
+    delta = {k: {c: after[k][c] - before[k][c] for c in after[k]} for k in keys}
+    return {**delta, "carried_in": before["running_age"]}
 
 
 async def _pool(session: aiohttp.ClientSession, sim: SimulatorProcess) -> dict[str, Any]:

@@ -144,6 +144,15 @@ def test_running_slot_seconds_are_counted_per_class() -> None:
     assert p.running(BATCH) == 1 and p.free_slots() == 1
 
 
+def test_running_age_is_what_completion_will_count_for_the_time_so_far() -> None:
+    p = pool(max_num_seqs=2)
+    submit(p, 0.0, BATCH, decode=2.0)
+    submit(p, 0.5, BATCH, decode=2.0)
+    p.advance(1.5)
+    assert p.running_age(BATCH) == pytest.approx(1.5 + 1.0)
+    assert p.running_age(INTERACTIVE) == 0
+
+
 @pytest.mark.parametrize(
     ("headers", "cls"),
     [
