@@ -95,9 +95,14 @@ async def _pool(session: aiohttp.ClientSession, sim: SimulatorProcess) -> dict[s
 
 
 async def replay(
-    session: aiohttp.ClientSession, sim: SimulatorProcess, s: Scenario, result: RunResult
+    session: aiohttp.ClientSession,
+    sim: SimulatorProcess,
+    s: Scenario,
+    result: RunResult,
+    t0: float,
 ) -> None:
-    """The interactive trace, open loop: each request leaves at its time, whatever the rest do."""
+    """The interactive trace from ``t0``, open loop: each request leaves at its time,
+    whatever the rest do; returns when the last one has its answer."""
     prompt = "x" * (s.interactive_prompt_tokens * CHARS_PER_TOKEN)
     url = sim.url + "/v1/completions"
 
@@ -118,7 +123,6 @@ async def replay(
         result.e2e.append(time.monotonic() - started)
         result.arrivals.append(at)
 
-    t0 = time.monotonic()
     async with anyio.create_task_group() as tg:
         for arrival in interactive_trace(s):
             await anyio.sleep(max(0.0, t0 + arrival.at - time.monotonic()))
@@ -162,11 +166,16 @@ async def measure(
         if daemon:
             await anyio.sleep(warm_up(s))
         before, cpu0 = await _pool(session, sim), cpu_seconds(pid) if pid else 0.0
+        t0 = time.monotonic()
         async with anyio.create_task_group() as tg:
             tg.start_soon(sample, session, sim, result.series)
-            await replay(session, sim, s, result)
+            async with anyio.create_task_group() as trace:
+                trace.start_soon(replay, session, sim, s, result, t0)
+                # The counters cover the trace's span, as the oracle's do; its last requests
+                # may finish later (their latencies count), the daemon's work then does not.
+                await anyio.sleep(max(0.0, t0 + s.duration - time.monotonic()))
+                after = await _pool(session, sim)
             tg.cancel_scope.cancel()
-        after = await _pool(session, sim)
         result.counters = counter_delta(before, after)
         if pid:
             result.retries = await daemon_retries(session, metrics_port)
@@ -200,14 +209,13 @@ async def run_strategy(s: Scenario, strategy: Strategy, redis_url: str) -> RunRe
         await bulk_load(lane, backlog_size(s), batch_request(s))
         flags = list(strategy.flags)
         if strategy.pool_gate:
-            flags += ["--pool-config-file", _pools_file(stack, strategy)]
+            flags += ["--pool-config-file", _pools_file(stack, strategy, sim.url)]
         if strategy.prometheus:
             flags += ["--prometheus-url", _prometheus(stack, sim).url]
         metrics_port = free_port()
 
         def daemon() -> tuple[int, int]:
-            gate = json.loads(json.dumps(strategy.gate).replace(SIM_URL, sim.url))
-            queue = {"inference_objective": BATCH_OBJECTIVE, **gate}
+            queue = {"inference_objective": BATCH_OBJECTIVE, **at(strategy.gate, sim.url)}
             proc = start_daemon(stack, lane, sim, strategy.workers, queue=queue,
                                 flags=flags, metrics_port=metrics_port)  # fmt: skip
             return proc.pid, metrics_port
@@ -215,8 +223,14 @@ async def run_strategy(s: Scenario, strategy: Strategy, redis_url: str) -> RunRe
         return await measure(s, sim, strategy.name, daemon)
 
 
-def _pools_file(stack: ExitStack, strategy: Strategy) -> str:
-    pools = [{"id": "default", "workers": strategy.workers, **strategy.pool_gate}]
+def at(gate: dict[str, Any], sim_url: str) -> dict[str, Any]:
+    """A strategy's gate config with ``SIM_URL`` pointing at the run's simulator."""
+    config: dict[str, Any] = json.loads(json.dumps(gate).replace(SIM_URL, sim_url))
+    return config
+
+
+def _pools_file(stack: ExitStack, strategy: Strategy, sim_url: str) -> str:
+    pools = [{"id": "default", "workers": strategy.workers, **at(strategy.pool_gate, sim_url)}]
     path = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "pools.json"
     path.write_text(json.dumps(pools))
     return str(path)
