@@ -188,7 +188,10 @@ GATES: Registry[Gate, GateContext] = Registry(
     "gate",
     plugins=[
         f"async_processor.gates.{name}"
-        for name in ("basic", "adaptive", "redis", "leased_rate", "prometheus", "scrape", "tiers")
+        for name in (
+            *("basic", "adaptive", "redis", "leased_rate"),
+            *("prometheus", "scrape", "headroom", "tiers"),
+        )
     ],
 )
 

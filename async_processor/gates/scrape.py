@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Self
 
 import aiohttp
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BeforeValidator, Field, model_validator
 
@@ -33,6 +34,11 @@ async def scrape(
     ctx: GateContext, url: str, metrics: Sequence[str], labels: dict[str, str]
 ) -> list[Sample]:
     """Series of the first of ``metrics`` at ``url`` with a series carrying every label pair."""
+    return select(await fetch_page(ctx, url), metrics, labels)
+
+
+async def fetch_page(ctx: GateContext, url: str) -> list[Metric]:
+    """The metric families of the ``/metrics`` page at ``url``; GateError when unreadable."""
     try:
         async with metrics_session(ctx).get(url) as response:
             if response.status != 200:
@@ -41,9 +47,13 @@ async def scrape(
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: bad charset
         raise GateError(f"scrape of {url} failed: {exc!r}") from exc
     try:
-        families = list(text_string_to_metric_families(text))
+        return list(text_string_to_metric_families(text))
     except Exception as exc:  # the parser raises several types on malformed pages
         raise GateError(f"scrape of {url}: unparsable exposition: {exc!r}") from exc
+
+
+def select(families: list[Metric], metrics: Sequence[str], labels: dict[str, str]) -> list[Sample]:
+    """Series of the first of ``metrics`` with a series carrying every label pair."""
     for metric in metrics:
         samples = [
             Sample(float(s.value), dict(s.labels))

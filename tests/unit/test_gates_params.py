@@ -23,6 +23,7 @@ ALL_TYPES = {
     "prometheus-budget",
     "prometheus-query",
     "prometheus-saturation",
+    "pool-headroom",
     "redis",
     "redis-leased-rate",
     "redis-quota",

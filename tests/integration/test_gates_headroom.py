@@ -1,0 +1,124 @@
+"""pool-headroom: the in-flight limit follows the pool's free slots, read from a /metrics page."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+from prometheus_client import CollectorRegistry
+
+from async_processor.errors import ConfigError
+from async_processor.gates.base import Action, GateContext, GateOwner, Releases, build_gate
+from async_processor.gates.headroom import PoolHeadroomGate
+from async_processor.messages import Envelope, Request
+from async_processor.metrics import Metrics
+from tests.integration.test_gates_scrape import Page, page
+
+__all__ = ["page"]  # a fixture used below
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[GateContext]:
+    context = GateContext(owner=GateOwner(pool="pool-a"), metrics=Metrics(CollectorRegistry()))
+    yield context
+    for close in context.closers:
+        await close()
+
+
+def envelope(request_id: str) -> Envelope:
+    return Envelope(Request(id=request_id, deadline=2_000_000_000))
+
+
+def pool_page(*pods: tuple[int, int]) -> str:
+    """vLLM gauges for pods given as (running, waiting)."""
+    lines = ["# TYPE vllm:num_requests_running gauge"]
+    lines += [f'vllm:num_requests_running{{pod="p{i}"}} {r}' for i, (r, _) in enumerate(pods)]
+    lines += ["# TYPE vllm:num_requests_waiting gauge"]
+    lines += [f'vllm:num_requests_waiting{{pod="p{i}"}} {w}' for i, (_, w) in enumerate(pods)]
+    return "\n".join(lines) + "\n"
+
+
+def gate(ctx: GateContext, page: Page, **params: Any) -> PoolHeadroomGate:
+    built = build_gate("pool-headroom", {"url": page.url, "max_num_seqs": 8, **params}, ctx)
+    assert isinstance(built, PoolHeadroomGate)
+    return built
+
+
+async def admit_all(g: PoolHeadroomGate, releases: Releases, most: int = 100) -> int:
+    admitted = 0
+    for i in range(most):
+        verdict = await g.apply(envelope(f"m{i}"), releases)
+        if verdict.action is not Action.CONTINUE:
+            assert verdict.action is Action.WAIT
+            break
+        admitted += 1
+    return admitted
+
+
+@pytest.mark.anyio
+async def test_admits_the_free_slots_minus_the_headroom(page: Page, ctx: GateContext) -> None:
+    page.text = pool_page((5, 0), (2, 0))  # 2 pods x 8 slots, 7 running: 9 free
+    g = gate(ctx, page, headroom=3, interval="1h")
+    assert await admit_all(g, Releases()) == 6
+    assert await g.budget() == 0.0
+
+
+@pytest.mark.anyio
+async def test_its_own_requests_count_between_scrapes(page: Page, ctx: GateContext) -> None:
+    page.text = pool_page((8, 0), (4, 0))  # 4 free
+    g = gate(ctx, page, interval="1h")
+    first, second = Releases(), Releases()
+    assert await admit_all(g, first, most=2) == 2
+    assert await admit_all(g, second) == 2  # the page is not read again: counted here
+    await first.release_all()
+    assert await admit_all(g, Releases()) == 2  # finished requests give their slots back
+
+
+@pytest.mark.anyio
+async def test_others_waiting_and_share(page: Page, ctx: GateContext) -> None:
+    page.text = pool_page((8, 3), (6, 0))  # 14 running + 3 waiting of 16: nothing free
+    g = gate(ctx, page, interval="10ms")
+    assert await admit_all(g, Releases()) == 0
+    page.text = pool_page((2, 0), (0, 0))  # others left: 14 free, half for us
+    await anyio.sleep(0.02)
+    assert await admit_all(gate(ctx, page, share=0.5), Releases()) == 7
+    assert await admit_all(g, Releases()) == 14
+
+
+@pytest.mark.anyio
+async def test_a_parked_worker_wakes_when_a_slot_frees(page: Page, ctx: GateContext) -> None:
+    page.text = pool_page((7, 0), (8, 0))  # 1 free
+    g = gate(ctx, page, interval="1h")
+    releases = Releases()
+    assert await admit_all(g, releases) == 1
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(g.wait_changed, 60.0)
+            await anyio.sleep(0.01)
+            await releases.release_all()
+    assert (await g.apply(envelope("next"), Releases())).action is Action.CONTINUE
+
+
+@pytest.mark.anyio
+async def test_a_failed_scrape_admits_nothing_new(page: Page, ctx: GateContext) -> None:
+    page.status = 500
+    g = gate(ctx, page, interval="10ms", when_full="refuse")
+    assert (await g.apply(envelope("m"), Releases())).action is Action.REFUSE
+    page.status, page.text = 200, pool_page((0, 0))
+    await anyio.sleep(0.02)
+    assert (await g.apply(envelope("m"), Releases())).action is Action.CONTINUE
+
+
+def test_waiting_on_a_queue_is_a_config_error() -> None:
+    ctx = GateContext(owner=GateOwner("q", "q", "p"))
+    with pytest.raises(ConfigError, match="belongs on a pool"):
+        build_gate("pool-headroom", {"url": "http://x/metrics", "max_num_seqs": 8}, ctx)
+
+
+@pytest.mark.anyio
+async def test_one_page_per_pod_is_summed(page: Page, ctx: GateContext) -> None:
+    page.text = pool_page((4, 1))  # read twice: 2 pods x 8 slots, 8 running, 2 waiting
+    g = gate(ctx, page, url=[page.url, page.url], interval="1h")
+    assert await admit_all(g, Releases()) == 6
