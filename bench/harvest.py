@@ -19,7 +19,6 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import anyio
 
@@ -33,7 +32,7 @@ from bench.harvest_runs import SIM_URL, RunResult, Strategy, as_json, dumps, run
 TTFT_LIMIT = E2E_LIMIT = 1.3
 POOL = "sim-pool"
 SATURATION = epp.POOL_SATURATION.current  # what the simulator exports by default
-RECOMMENDED = "scrape-saturation in-flight 0.5s"
+RECOMMENDED = "pool-headroom H=48"
 QUICK = ("fixed-64", "prometheus-saturation", RECOMMENDED)
 
 DEFINITIONS = """\
@@ -75,8 +74,22 @@ def strategies(s: Scenario) -> list[Strategy]:
     prometheus = {"gate_type": "prometheus-saturation", "gate_params": {"pool": POOL}}
     shed_pause = ("--shed-pause", "1s")
 
-    def headroom(baseline: float) -> dict[str, Any]:
-        return {**saturation, "gate_params": {**saturation["gate_params"], "baseline": baseline}}
+    def pool_headroom(h: int, interval: str = "100ms") -> Strategy:
+        gate = {
+            "url": sim_metrics,
+            "max_num_seqs": s.max_num_seqs,
+            "headroom": h,
+            "interval": interval,
+        }
+        suffix = "" if interval == "100ms" else f" {interval}"
+        return Strategy(
+            f"pool-headroom H={h}{suffix}",
+            s.capacity - h,
+            pool_gate={"gate_type": "pool-headroom", "gate_params": gate},
+            note=f"after: a pool gate admitting while more than {h} slots are free "
+            f"(read every {interval}, its own requests counted exactly), "
+            f"C - H = {s.capacity - h} workers",
+        )
 
     return [
         Strategy("fixed-16", 16, note="16 workers, no gate"),
@@ -98,23 +111,17 @@ def strategies(s: Scenario) -> list[Strategy]:
                  note="after: --budget-scope in-flight (vs scrape-saturation)"),
         Strategy("scrape-saturation in-flight 0.5s", 64, saturation, flags=fast_cache,
                  note="after: a 500 ms cache (--prometheus-cache-ttl) instead of 5 s"),
-        Strategy("scrape-saturation in-flight 0.5s 128w", 128, saturation, flags=fast_cache,
-                 note="after: 128 workers (the pool's slots) instead of 64"),
-        Strategy("scrape-saturation in-flight 0.5s 128w pause", 128, saturation,
-                 flags=fast_cache + shed_pause, note="after: --shed-pause 1s"),
-        Strategy("scrape-saturation in-flight 0.5s 192w", 192, saturation, flags=fast_cache,
-                 note="after: 192 workers, so the in-flight cap (budget x slots) can reach the "
-                      "pool's 128 slots"),
         Strategy("scrape-saturation in-flight 0.5s 192w pause", 192, saturation,
-                 flags=fast_cache + shed_pause, note="after: --shed-pause 1s"),
-        Strategy("scrape-saturation in-flight 0.5s 192w pause h10", 192, headroom(0.1),
                  flags=fast_cache + shed_pause,
-                 note="after: baseline 0.1 keeps a tenth of the pool for interactive arrivals"),
-        Strategy("scrape-saturation in-flight 0.5s 192w pause h10 adaptive", 192, headroom(0.1),
-                 flags=fast_cache + shed_pause,
-                 pool_gate={"gate_type": "adaptive-concurrency",
-                            "gate_params": {"initial_limit": 64, "max_limit": 192}},
-                 note="after: an adaptive-concurrency pool gate learns the limit from 429s"),
+                 note="after: 192 workers, so the in-flight cap (budget x workers) can reach the "
+                      "pool's 128 slots, and --shed-pause 1s"),
+        Strategy("adaptive-concurrency latency", 192,
+                 pool_gate={"gate_type": "adaptive-concurrency", "gate_params": {
+                     "initial_limit": 64, "max_limit": 192, "latency_target": "2600ms"}},
+                 note="after: the adaptive gate also backs off when a batch request takes "
+                      "longer than 2.6 s (2.06 s on an idle pod, 3.1 s on a full one)"),
+        *(pool_headroom(h) for h in (16, 32, 40, 48)),
+        pool_headroom(40, "500ms"),
     ]  # fmt: skip
 
 
