@@ -16,6 +16,8 @@ from async_processor.config import (
     load_config,
 )
 from async_processor.errors import ConfigError
+from async_processor.gates.base import GateContext, GateOwner, build_gate
+from async_processor.gates.headroom import PoolHeadroomGate
 
 QUEUE = {"queue_name": "q1", "igw_base_url": "http://gw:8000"}
 SORTEDSET = {"url": "redis://127.0.0.1:6390/0", "queues": [QUEUE]}
@@ -290,6 +292,19 @@ def test_example_files_load_together(merge: str) -> None:
     specs = {spec.id: spec for spec in cfg.queue_specs()}
     assert specs["batch"].result_queue_name == "results-batch"
     assert specs["interactive"].labels == {"tier": "interactive"}
+
+
+def test_the_harvest_recommendation_loads() -> None:
+    cfg = load_config(
+        ["--transport", "redis-sortedset",
+         "--transport-config-file", str(EXAMPLES / "harvest-sortedset.json"),
+         "--pool-config-file", str(EXAMPLES / "harvest-pools.json")],
+        {},
+    )  # fmt: skip
+    (pool,) = cfg.effective_pools()
+    assert [spec.pool for spec in cfg.queue_specs()] == [pool.id]
+    gate = build_gate(pool.gate_type, pool.gate_params, GateContext(GateOwner(pool=pool.id)))
+    assert isinstance(gate, PoolHeadroomGate)
 
 
 def test_every_example_is_described_and_tested() -> None:
