@@ -32,7 +32,7 @@ from bench.harvest_runs import SIM_URL, RunResult, Strategy, as_json, dumps, run
 TTFT_LIMIT = E2E_LIMIT = 1.3
 POOL = "sim-pool"
 SATURATION = epp.POOL_SATURATION.current  # what the simulator exports by default
-RECOMMENDED = "pool-headroom H=48"
+RECOMMENDED = "pool-headroom H=56"
 QUICK = ("fixed-64", "prometheus-saturation", RECOMMENDED)
 
 DEFINITIONS = """\
@@ -120,8 +120,8 @@ def strategies(s: Scenario) -> list[Strategy]:
                      "initial_limit": 64, "max_limit": 192, "latency_target": "2600ms"}},
                  note="after: the adaptive gate also backs off when a batch request takes "
                       "longer than 2.6 s (2.06 s on an idle pod, 3.1 s on a full one)"),
-        *(pool_headroom(h) for h in (16, 32, 40, 48)),
-        pool_headroom(40, "500ms"),
+        *(pool_headroom(h) for h in (16, 32, 48, 56)),
+        pool_headroom(56, "500ms"),
     ]  # fmt: skip
 
 
