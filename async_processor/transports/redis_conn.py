@@ -25,7 +25,6 @@ from redis.asyncio.connection import AbstractConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import DataError
 from redis.typing import EncodableT
 from redis.utils import HIREDIS_AVAILABLE
 
@@ -47,13 +46,17 @@ def _pack_with_hiredis() -> None:
     cost of ours per message at a zero-latency gateway (issue 13). Same bytes on the wire.
     hiredis is called directly: redis-py's sync wrapper first looks at every argument in a
     Python loop (to copy memoryviews, which hiredis reads as they are): 38 µs against 18 for
-    an 11-result batch.
+    an 11-result batch. What hiredis refuses (a bytearray, a bool, an IntEnum) goes to
+    redis-py's own packer, so the patch (process-wide: the client library's users too)
+    packs and refuses exactly what redis-py does.
     """
     if not HIREDIS_AVAILABLE:
         return
     import hiredis
 
-    def pack(_: AbstractConnection, *args: EncodableT) -> list[bytes]:
+    python_pack = AbstractConnection.pack_command
+
+    def pack(conn: AbstractConnection, *args: EncodableT) -> list[bytes]:
         # As redis-py: a command name of several words ("SCRIPT LOAD") is sent as several.
         if isinstance(args[0], str):
             args = (*args[0].encode().split(), *args[1:])
@@ -61,8 +64,8 @@ def _pack_with_hiredis() -> None:
             args = (*args[0].split(), *args[1:])  # type: ignore[union-attr]
         try:
             return [hiredis.pack_command(args)]  # type: ignore[arg-type]  # its stub: a 1-tuple
-        except TypeError as exc:
-            raise DataError(exc) from exc
+        except TypeError:
+            return python_pack(conn, *args)
 
     setattr(AbstractConnection, "pack_command", pack)  # noqa: B010
 

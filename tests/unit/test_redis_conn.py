@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 from redis.asyncio.connection import Connection
+from redis.exceptions import DataError
 
 from async_processor.config import SortedSetConfig, redis_connection_file
 from async_processor.errors import ConfigError, TransportError
@@ -146,6 +147,7 @@ PACKED_ARGS: list[tuple[Any, ...]] = [
     ("SCRIPT LOAD", "return 1"),  # a multi-word command name is split, as redis-py does
     ("EVALSHA", "f" * 40, 2, "{q}:a", b"{q}:b", 3600, 0.25, 1e20, "é", memoryview(b"raw")),
     ("LPUSH", "list", b"x" * 10_000),  # over redis-py's buffer cutoff
+    ("SET", "k", bytearray(b"v")),  # hiredis refuses it; redis-py packs it
 ]
 
 
@@ -169,3 +171,8 @@ def test_asyncio_connections_pack_in_c_the_same_bytes(
     python = PythonRespSerializer(conn._buffer_cutoff, conn.encoder.encode)
     assert b"".join(conn.pack_command(*args)) == b"".join(python.pack(*args))
     assert len(calls) == 1
+
+
+def test_what_redis_py_refuses_is_still_a_data_error() -> None:
+    with pytest.raises(DataError, match="'bool'"):
+        Connection().pack_command("SET", "k", True)
