@@ -65,10 +65,18 @@ class SortedSetQueue(QueueEntry):
     result_ttl_seconds: Annotated[int, Field(ge=0)] | None = None
 
 
+QUEUE_PLACEHOLDER = "<queue>"
+
+
 class QueueTemplate(QueueEntry):
-    """What every discovered queue takes: pool, endpoint, gate, labels (weight)."""
+    """What every discovered queue takes: pool, endpoint, gate, labels (weight). In
+    ``result_queue_name``, ``<queue>`` stands for the queue's name (cluster mode: e.g.
+    ``{<queue>}:results``, a result list in each queue's slot)."""
 
     result_queue_name: str = ""
+
+    def result_list(self, queue: str) -> str:
+        return self.result_queue_name.replace(QUEUE_PLACEHOLDER, queue)
 
 
 class QueueDiscovery(Strict):
@@ -148,8 +156,13 @@ class SortedSetConfig(RedisTransportBase):
         """Configured result list -> its retention TTL: the smallest non-zero one of the
         queues writing to it (0 = kept)."""
         ttls: dict[str, int] = {self.result_queue_name: self.result_ttl_seconds}
-        if self.queue_discovery and self.queue_discovery.template.result_queue_name:
-            ttls[self.queue_discovery.template.result_queue_name] = self.result_ttl_seconds
+        template = self.queue_discovery.template if self.queue_discovery else None
+        if (
+            template
+            and template.result_queue_name
+            and QUEUE_PLACEHOLDER not in template.result_queue_name
+        ):
+            ttls[template.result_queue_name] = self.result_ttl_seconds
         for q in self.queues:
             name = q.result_queue_name or self.result_queue_name
             ttl = self.result_ttl_seconds if q.result_ttl_seconds is None else q.result_ttl_seconds
@@ -188,7 +201,7 @@ class SortedSetConfig(RedisTransportBase):
             name,
             self.batch_size,
             self.poll_interval_ms,
-            result_queue_name=template.result_queue_name,
+            result_queue_name=template.result_list(name),
         )
 
     def template_specs(self) -> list[QueueSpec]:

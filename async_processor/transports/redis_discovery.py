@@ -70,7 +70,7 @@ class QueueLister:
         self._cluster = cluster
         self._own = own
         self._static = static
-        self._result_list = discovery.template.result_queue_name or result_list
+        self._result_list = result_list  # the transport's; the template's may say <queue>
         self._metrics = metrics
         self._logged: set[str] = set()
         if metrics is not None:
@@ -130,11 +130,12 @@ class QueueLister:
         """Why ``name`` may not be polled as a tenant queue (None: it may)."""
         if not name or len(name.encode()) > MAX_NAME_BYTES or _CONTROL.search(name):
             return "bad_name"
-        if name == self._result_list or name == self._config.set_key or _DERIVED.search(name):
+        results = self._config.template.result_list(name) or self._result_list
+        if name in (results, self._result_list, self._config.set_key) or _DERIVED.search(name):
             return "daemon_key"
         if self._own.rejection(name) == "reserved_key":
             return "daemon_key"
-        if self._cluster and cluster_problem(name, self._result_list):
+        if self._cluster and cluster_problem(name, results):
             return "cross_slot"
         return None
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import anyio
 import pytest
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 
 from async_processor.client import SortedSetClient
 from async_processor.config import AppConfig, PoolConfig, SortedSetConfig
@@ -21,6 +21,7 @@ from async_processor.transports import redis_keys
 from async_processor.transports.base import Deferral, TransportContext
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.inprocess import running, runtime_config
+from tests.fixtures.redis_modes import RedisClusterNodes
 from tests.fixtures.servers import free_port
 from tests.fixtures.simulator import SimulatorProcess
 
@@ -272,3 +273,39 @@ async def test_a_listed_key_that_is_not_a_sorted_set_does_not_stop_the_others_up
         assert await r.zcard(good) == 1
     finally:
         await transport.aclose()
+
+
+async def test_a_prefix_scan_reaches_every_master_of_a_cluster(
+    redis_cluster: RedisClusterNodes, unique: str
+) -> None:
+    """Cluster mode: SCAN runs on each primary, so queues in every slot are found; each
+    one's retries and results stay in its slot (``{q}:retry``, a tagged result list)."""
+    prefix = f"{unique}:t:"
+    names = [f"{{{prefix}{n}}}" for n in range(12)]  # hash tags: spread over the masters
+    client = RedisCluster.from_url(redis_cluster.url)
+    try:
+        for name in names:
+            await client.zadd(name, {"m": 1})
+        assert len({client.keyslot(n) for n in names}) > 1
+        nodes = {client.get_node_from_key(n).name for n in names}
+        assert len(nodes) == 3  # on every master
+        template = {"igw_base_url": GW, "result_queue_name": "<queue>:results"}
+        config = SortedSetConfig.model_validate(
+            {
+                "url": redis_cluster.url,
+                "mode": "cluster",
+                "queue_discovery": {"key_prefix": "{" + prefix, "template": template},
+            }
+        )
+        transport = SortedSetTransport(config, TransportContext())
+        try:
+            found = sorted(s.name for s in await transport.discover())
+            await transport.move_due()  # per-queue retry sets, one call per slot
+            await transport.expire_due()
+        finally:
+            await transport.aclose()
+    finally:
+        for name in names:
+            await client.delete(name)
+        await client.aclose()
+    assert found == sorted(names)  # each with its result list in its own slot
