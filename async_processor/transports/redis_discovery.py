@@ -84,19 +84,19 @@ class QueueLister:
         examined = 0
         with redis_errors("queue discovery"):
             async for raw in self._members():
-                examined += 1
                 name = _text(raw)
                 if name in self._static:  # configured: polled already
                     continue
                 reason = self.refusal(name) if name is not None else "bad_name"
+                if self._config.key_prefix and reason == "daemon_key":
+                    continue  # a queue's in-flight or retry set: neither counted nor examined
+                examined += 1
                 if reason is None and name not in accepted:
                     if len(accepted) == cap:
                         self._refuse(name or "", "over_cap")
                         break
                     accepted[name or ""] = None
-                elif reason is not None and not (
-                    self._config.key_prefix and reason == "daemon_key"
-                ):
+                elif reason is not None:
                     self._refuse(name or repr(raw), reason)
                 if examined >= 2 * cap:  # a set of refused names cannot make us read it all
                     self._refuse("", "over_cap")

@@ -309,3 +309,24 @@ async def test_a_prefix_scan_reaches_every_master_of_a_cluster(
             await client.delete(name)
         await client.aclose()
     assert found == sorted(names)  # each with its result list in its own slot
+
+
+async def test_a_prefix_scan_finds_every_queue_under_the_cap_beside_many_daemon_keys(
+    redis_url: str, unique: str, r: Redis
+) -> None:
+    """The in-flight and retry sets of queues under the prefix are sorted sets too: they
+    are skipped, and must not use up the scan's bound before the queues are found."""
+    prefix = f"{unique}:t:"
+    await r.zadd(f"{prefix}a", {"m": 1})
+    await r.zadd(f"{prefix}b", {"m": 1})
+    for n in range(300):  # claims and retries of busy (or removed) queues
+        await r.zadd(f"{prefix}q{n}:retry", {"m": 1})
+    metrics = Metrics()
+    config = transport_config(redis_url, unique, key_prefix=prefix, max_queues=2)
+    transport = SortedSetTransport(config, TransportContext(metrics=metrics))
+    try:
+        specs = await transport.discover()
+    finally:
+        await transport.aclose()
+    assert sorted(s.name for s in specs) == [f"{prefix}a", f"{prefix}b"]
+    assert metrics.discovery_refused_total.labels("over_cap")._value.get() == 0
