@@ -33,6 +33,7 @@ import structlog
 from redis.asyncio import Redis
 
 from async_processor.config import SortedSetConfig
+from async_processor.errors import TransportError
 from async_processor.json_scan import id_from_prefix
 from async_processor.messages import ID_PREFIX_BYTES, Envelope, Result, too_large
 from async_processor.transports import redis_keys as keys
@@ -63,6 +64,9 @@ from async_processor.transports.redis_upkeep import SortedSetUpkeep
 log = structlog.get_logger(__name__)
 
 FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on an empty queue
+# The longest a claim is shielded from cancellation: a Redis that never answers must not
+# hold a shutdown or a removed queue's poller (a claim cut here comes back by its lease).
+CLAIM_SHIELD_SECONDS = 5.0
 ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed")
 ScriptCall = tuple[list[str], list[bytes | str | int]]  # one script's keys and arguments
 
@@ -145,14 +149,21 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         while True:
             # A claim is recorded whole or not made: cancelled mid-way (a queue removed, a
             # shutdown), its members would sit claimed by nobody until their lease ran out.
-            with anyio.CancelScope(shield=True):
-                deliveries = await self._claim(queue, limit)
+            # Shielded for CLAIM_SHIELD_SECONDS at most; past it, what it holds is let go.
+            held: list[Delivery] = []
+            with anyio.move_on_after(CLAIM_SHIELD_SECONDS, shield=True) as claiming:
+                deliveries = await self._claim(queue, limit, held)
+            if claiming.cancelled_caught:  # not renewed: their leases lapse, reap returns them
+                for delivery in held:
+                    self._claims.release(delivery)
+                raise TransportError(f"redis claim: no answer in {CLAIM_SHIELD_SECONDS} s")
             remaining = give_up - anyio.current_time()
             if deliveries or remaining <= 0:
                 return deliveries
             await anyio.sleep(min(remaining, FETCH_POLL_STEP))
 
-    async def _claim(self, queue: QueueSpec, limit: int) -> list[Delivery]:
+    async def _claim(self, queue: QueueSpec, limit: int, held: list[Delivery]) -> list[Delivery]:
+        """Claim, hold (``held``: what the heartbeat now renews) and check the markers."""
         prefix = f"{self._owner}:{next(self._fetches)}"
         with redis_errors("claim"):
             flat = await self._scripts["claim"](
@@ -169,7 +180,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
                     ID_PREFIX_BYTES,
                 ],
             )
-        deliveries = []
+        deliveries = held
         for i in range(0, len(flat), 5):
             claim = Claim(
                 id=flat[i].decode(),

@@ -828,3 +828,72 @@ async def test_dead_letter_lists_are_capped_oldest_trimmed_and_counted(make_conf
     assert kept == ['{"n": 4}', '{"n": 3}', '{"n": 2}']  # newest first, oldest trimmed
     sample = "llm_d_async_async_dead_letter_trimmed_total"
     assert metrics.registry.get_sample_value(sample, {"queue_name": q}) == 2
+
+
+async def test_a_cancelled_fetch_on_a_redis_that_never_answers_ends_in_bounded_time(
+    make_config: Callable[..., SortedSetConfig],
+) -> None:
+    """The claim is shielded (so it is recorded whole), but not past CLAIM_SHIELD_SECONDS:
+    a blackholed Redis must not hold a shutdown (or a removed queue's poller) for the
+    client's socket timeout, or at all with none."""
+    from async_processor.transports.redis_sortedset import CLAIM_SHIELD_SECONDS
+
+    connections: list[Any] = []
+
+    async def swallow(stream: Any) -> None:
+        connections.append(stream)
+        await anyio.sleep_forever()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=free_port())
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    silent = Redis(host="127.0.0.1", port=port)  # no socket timeout: waits for ever
+    transport = SortedSetTransport(make_config(), TransportContext(), client=silent)
+    ended = anyio.Event()
+
+    async def fetch(scope: anyio.CancelScope) -> None:
+        with scope, pytest.raises(TransportError):
+            await transport.fetch(transport.queues[0], 1, 0)
+        ended.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, swallow)
+        scope = anyio.CancelScope()
+        tg.start_soon(fetch, scope)
+        await anyio.sleep(0.2)
+        scope.cancel()  # a shutdown, or the queue removed
+        with anyio.move_on_after(CLAIM_SHIELD_SECONDS + 5):
+            await ended.wait()
+        finished = ended.is_set()
+        for stream in connections:  # let a fetch still stuck end
+            await stream.aclose()
+        tg.cancel_scope.cancel()
+    await transport.aclose()
+    assert finished
+
+
+async def test_a_claim_cut_after_it_landed_lets_its_leases_lapse(
+    make_config: Callable[..., SortedSetConfig],
+    redis_url: str,
+    unique: str,
+    r: Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cut while checking the markers: the claimed members are no longer renewed by the
+    heartbeat, so the reaper returns them (held for ever, they would be stranded)."""
+    from async_processor.client import SortedSetClient
+    from async_processor.transports import redis_sortedset
+
+    queue = f"{unique}-q"
+    async with SortedSetClient(redis_url, queue, f"{unique}-results") as client:
+        await client.submit({"id": "m1", "deadline": future(), "payload": {}})
+    monkeypatch.setattr(redis_sortedset, "CLAIM_SHIELD_SECONDS", 0.2)
+    async with opened(make_config()) as transport:
+
+        async def hangs(*_: Any, **__: Any) -> None:
+            await anyio.sleep_forever()
+
+        monkeypatch.setattr(transport._redis, "mget", hangs)
+        with pytest.raises(TransportError):
+            await transport.fetch(transport.queues[0], 1, 0)
+        assert await r.zcard(redis_keys.inflight_key(queue)) == 1  # the claim landed
+        assert transport._claims.renewable(queue) == []  # and is not renewed
