@@ -141,6 +141,15 @@ class SortedSetUpkeep:
             for group in self._keys.slot_groups(names)
         ]
         await self._drain("retry_move", "move_due_own", groups)
+        # Discovery on: what a deployment before it left in the shared set goes home, to a
+        # configured queue only (the shared set's rule sends an unknown origin to the first).
+        configured = [q.name for q in self.config.queue_specs()]
+        if not self._keys.cluster and configured:
+            shared = self.config.retry_queue_name
+            with redis_errors("retry_move"):
+                left = await self._redis.exists(shared)
+            if left:
+                await self._drain("retry_move", "move_due", [[shared, *configured]])
 
     async def expire_due(self) -> None:
         """Answer every queued member past its deadline with its DEADLINE_EXCEEDED result

@@ -330,3 +330,31 @@ async def test_a_prefix_scan_finds_every_queue_under_the_cap_beside_many_daemon_
         await transport.aclose()
     assert sorted(s.name for s in specs) == [f"{prefix}a", f"{prefix}b"]
     assert metrics.discovery_refused_total.labels("over_cap")._value.get() == 0
+
+
+async def test_retries_left_in_the_shared_retry_set_still_go_home_with_discovery(
+    redis_url: str, unique: str, r: Redis
+) -> None:
+    """Turning discovery on gives each queue its own retry set; what the deployment before
+    it (or a replica of it still stopping, handing back) left in the shared one must not
+    sit there for ever."""
+    listed, queue = f"{unique}:tenants", f"{unique}-a"
+    await r.sadd(listed, f"{unique}-b")
+    member = (
+        b'{"internal":{"request_queue_name":"' + queue.encode() + b'"},"request_kind":"x",'
+        b'"data":{"id":"m1","deadline":' + str(int(time.time()) + 120).encode() + b"}}"
+    )
+    await r.zadd(f"{unique}:retry-set", {member: time.time() - 1})  # due
+    config = transport_config(redis_url, unique, set_key=listed)
+    config = config.model_copy(
+        update={"queues": [SortedSetConfig.model_validate(
+            {"queues": [{"queue_name": queue, "igw_base_url": GW}]}).queues[0]]}
+    )  # fmt: skip
+    transport = SortedSetTransport(config, TransportContext())
+    try:
+        await transport.discover()
+        await transport.move_due()
+    finally:
+        await transport.aclose()
+    assert await r.zcard(f"{unique}:retry-set") == 0
+    assert await r.zrange(queue, 0, -1) == [member]
