@@ -46,9 +46,10 @@ def _pack_with_hiredis() -> None:
     cost of ours per message at a zero-latency gateway (issue 13). Same bytes on the wire.
     hiredis is called directly: redis-py's sync wrapper first looks at every argument in a
     Python loop (to copy memoryviews, which hiredis reads as they are): 38 µs against 18 for
-    an 11-result batch. What hiredis refuses (a bytearray, a bool, an IntEnum) goes to
-    redis-py's own packer, so the patch (process-wide: the client library's users too)
-    packs and refuses exactly what redis-py does.
+    an 11-result batch. What hiredis refuses (a bytearray, a bool, an IntEnum), and the
+    connections that encode text other than as strict UTF-8, go to redis-py's own packer,
+    so the patch (process-wide: the client library's users too) packs and refuses exactly
+    what redis-py does.
     """
     if not HIREDIS_AVAILABLE:
         return
@@ -57,6 +58,9 @@ def _pack_with_hiredis() -> None:
     python_pack = AbstractConnection.pack_command
 
     def pack(conn: AbstractConnection, *args: EncodableT) -> list[bytes]:
+        encoder = conn.encoder  # hiredis encodes text as UTF-8, strictly
+        if encoder.encoding != "utf-8" or encoder.encoding_errors != "strict":
+            return python_pack(conn, *args)
         # As redis-py: a command name of several words ("SCRIPT LOAD") is sent as several.
         if isinstance(args[0], str):
             args = (*args[0].encode().split(), *args[1:])

@@ -176,3 +176,21 @@ def test_asyncio_connections_pack_in_c_the_same_bytes(
 def test_what_redis_py_refuses_is_still_a_data_error() -> None:
     with pytest.raises(DataError, match="'bool'"):
         Connection().pack_command("SET", "k", True)
+
+
+@pytest.mark.parametrize(
+    ("options", "value"),
+    [({"encoding": "latin-1"}, "é"), ({"encoding_errors": "replace"}, "\udcff")],
+)
+def test_a_connection_of_another_encoding_packs_as_redis_py_does(
+    options: dict[str, str], value: str
+) -> None:
+    """The patch is process-wide (an application using the client library has its own
+    connections): hiredis only encodes UTF-8, strictly."""
+    from redis.connection import PythonRespSerializer
+
+    conn = Connection(**options)  # type: ignore[arg-type]
+    python = PythonRespSerializer(conn._buffer_cutoff, conn.encoder.encode)
+    assert b"".join(conn.pack_command("SET", "k", value)) == b"".join(
+        python.pack("SET", "k", value)
+    )
