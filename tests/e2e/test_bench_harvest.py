@@ -1,6 +1,7 @@
-"""``python -m bench.harvest`` runs end to end on tiny runs: the oracle, run A and the
-reference's prometheus-saturation (the daemon, a real Redis and a real Prometheus), then
-the table, the JSON, the PNGs and the summary line. Figures are not asserted."""
+"""``python -m bench.harvest`` runs end to end on tiny runs: the oracle, run A, the
+reference's prometheus-saturation (the daemon, a real Redis and a real Prometheus) and the
+recommended pool-headroom pool gate, then the table, the JSON, the PNGs and the summary
+line. Figures are not asserted (only that the pool gate let batch work through)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ SUMMARY = re.compile(
 def test_the_harvest_bench_runs_end_to_end(tmp_path: Path) -> None:
     require_binary("redis-server")
     require_binary("prometheus")
-    args = ["--duration", "4", "--only", "prometheus-saturation", "--out", str(tmp_path)]
+    only = "prometheus-saturation,pool-headroom H=56"  # a queue gate and a pool gate
+    args = ["--duration", "4", "--only", only, "--out", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, "-m", "bench.harvest", *args],
         capture_output=True,
@@ -42,10 +44,11 @@ def test_the_harvest_bench_runs_end_to_end(tmp_path: Path) -> None:
     assert "harvested      = slot-seconds of batch requests" in done.stdout
     assert "| prometheus-saturation |" in done.stdout
     data = json.loads((tmp_path / "harvest.json").read_text())[0]
-    assert [r["name"] for r in data["rows"]] == ["prometheus-saturation"]
+    assert [r["name"] for r in data["rows"]] == ["prometheus-saturation", "pool-headroom H=56"]
+    assert data["rows"][1]["completed"] > 0  # the pool gate read the run's simulator
     assert len(data["oracle"]) == 2 * len(HEADROOMS)  # with and without preemption
     assert all(run["interactive_requests"] > 0 for run in data["runs"])
     if importlib.util.find_spec("matplotlib") is not None:
         assert {p.name for p in tmp_path.glob("*.png")} == {
-            "harvest-A.png", "harvest-prometheus-saturation.png"
+            "harvest-A.png", "harvest-prometheus-saturation.png", "harvest-pool-headroom-H=56.png"
         }  # fmt: skip
