@@ -142,6 +142,7 @@ def populated_metrics() -> Metrics:
     ctx = GateContext(owner=GateOwner("", "", "default"), metrics=m)
     build_gate("adaptive-concurrency", None, ctx)
     build_gate("redis-leased-rate", {"address": "127.0.0.1:1", "control_key": "k"}, ctx)
+    build_gate("pool-headroom", {"url": "http://127.0.0.1:1/metrics", "max_num_seqs": 1}, ctx)
     return m
 
 
