@@ -38,7 +38,7 @@ from async_processor.messages import (
 from async_processor.metrics import QueueMetrics
 from async_processor.retry import REFUSE_DELAY, expired, last_answer
 from async_processor.settle import Settler
-from async_processor.transports.base import Delivery, QueueSpec, Transport
+from async_processor.transports.base import Delivery, QueueSpec, Transport, abandon
 from async_processor.work import Work, put
 
 log = structlog.get_logger(__name__)
@@ -283,9 +283,16 @@ class Poller:
         self._handed_on.add(delivery)
 
     async def _hand_back(self, deliveries: Sequence[Delivery]) -> None:
+        handed = 0
         with anyio.CancelScope(shield=True), anyio.move_on_after(HAND_BACK_TIMEOUT):
             for delivery in deliveries:
                 await self._defer(delivery, 0.0)
+                handed += 1
+        # Not handed back in time (the writer is stuck): let their leases lapse, and give
+        # their slots back, since a removed queue's poller stops while the daemon runs on.
+        for delivery in deliveries[handed:]:
+            abandon(self._transport, delivery, "hand_back_timeout")
+            self._settler.release()
 
     async def _note_gate_closed(self) -> None:
         try:

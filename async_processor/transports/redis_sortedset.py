@@ -67,7 +67,7 @@ FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on a
 # The longest a claim is shielded from cancellation: a Redis that never answers must not
 # hold a shutdown or a removed queue's poller (a claim cut here comes back by its lease).
 CLAIM_SHIELD_SECONDS = 5.0
-ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed")
+ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed", "hand_back_timeout")
 ScriptCall = tuple[list[str], list[bytes | str | int]]  # one script's keys and arguments
 
 

@@ -288,3 +288,38 @@ async def test_two_fetch_loops_together_stay_within_the_in_flight_budget() -> No
         forwarded = _drain(lane_out)
         tg.cancel_scope.cancel()
     assert len(forwarded) == 4  # ceil(0.5 x 8), though each loop saw room for 4
+
+
+class AbandoningTransport(FakeTransport):
+    def __init__(self, raws: Sequence[bytes] = ()) -> None:
+        super().__init__(raws)
+        self.abandoned: list[str] = []
+
+    def abandon(self, delivery: Delivery, reason: str) -> None:
+        self.abandoned.append(self.decode(delivery).id)
+
+
+async def test_a_hand_back_that_cannot_finish_gives_up_the_rest_and_their_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A removed queue's poller stops while the process runs on: what it could not hand
+    back in time (the writer is stuck) is abandoned, so the heartbeat no longer renews it,
+    and its slots come back (else the pool shrinks for good)."""
+    import async_processor.poller as poller_module
+
+    monkeypatch.setattr(poller_module, "HAND_BACK_TIMEOUT", 0.1)
+    future = time.time() + 600
+    transport = AbandoningTransport([message(i, future) for i in ("a", "b", "c")])
+    capacity = PoolCapacity(8)
+    lane_in, lane_out = anyio.create_memory_object_stream[Work](0)  # nobody takes them
+    writer_in, writer_out = anyio.create_memory_object_stream[Op](0)  # nor the hand-backs
+    metrics = Metrics().queue("q", "q", "default")
+    fake = cast(Transport, transport)
+    poller = _poller(QUEUE, fake, ConstantGate(1.0), capacity, lane_in, writer_in, metrics)
+    async with lane_out, writer_out, anyio.create_task_group() as tg:
+        tg.start_soon(poller.run)
+        await anyio.wait_all_tasks_blocked()
+        assert capacity.free == 5  # three fetched, the first waiting on the lane
+        tg.cancel_scope.cancel()
+    assert sorted(transport.abandoned) == ["a", "b", "c"]
+    assert capacity.free == 8
