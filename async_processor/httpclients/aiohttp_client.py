@@ -1,4 +1,4 @@
-"""The aiohttp implementation of ``HttpClient`` (the default; docs/../DESIGN §5a).
+"""The aiohttp implementation of ``HttpClient``: the default (README, Benchmarks, says why).
 
 One ``ClientSession`` for all workers: keep-alive connections, no cap beyond the workers.
 """

@@ -6,7 +6,7 @@ saying why there is none and whether sending again could help. Every client keep
 same contract (``tests/unit/test_http_clients.py`` runs it against each): no redirect is
 followed (a 3xx is the answer), an answer over the limit is refused while it is read, the
 timeout covers connect to last body byte, a cancelled call closes its connection (the
-gateway stops the work), TLS and mTLS come from ``TLSConfig``.
+gateway stops the work; pyreqwest 0.15 does not), TLS and mTLS come from ``TLSConfig``.
 """
 
 from __future__ import annotations
