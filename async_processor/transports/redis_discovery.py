@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import structlog
@@ -30,7 +31,12 @@ from redis.asyncio import Redis
 from async_processor.config import SortedSetConfig
 from async_processor.config.transports import QueueDiscovery
 from async_processor.transports.base import QueueSpec
-from async_processor.transports.redis_keys import OWN_PREFIXES, OwnKeys, redis_errors
+from async_processor.transports.redis_keys import (
+    OWN_PREFIXES,
+    REMOVED_QUEUES_KEY,
+    OwnKeys,
+    redis_errors,
+)
 from async_processor.transports.redis_keyspace import KeySpace
 from async_processor.transports.redis_settings import cluster_problem
 
@@ -163,44 +169,70 @@ def _glob_escape(prefix: str) -> str:
 class QueueCatalog:
     """The queues a redis-sortedset transport serves: configured, discovered, and removed
     ones still holding claims or retries (``upkeep``: reaped, moved and swept until empty,
-    so nothing of theirs is stranded)."""
+    so nothing of theirs is stranded). A removed queue is named in Redis
+    (``REMOVED_QUEUES_KEY``) before its poller stops and until it is empty, so a daemon
+    killed or restarted meanwhile, with discovery or without, takes its upkeep over."""
 
     def __init__(
         self, config: SortedSetConfig, keyspace: KeySpace, lister: QueueLister | None
     ) -> None:
         self._config = config
         self._keys = keyspace
+        self._removed_keys = replace(keyspace, queue_retry=True)  # a discovered queue's own
         self._lister = lister
         self.static: list[QueueSpec] = config.queue_specs()
         self.discovered: dict[str, QueueSpec] = {}
         self._lingering: dict[str, QueueSpec] = {}
         self._checked: set[str] = set()  # lingering queues seen for one refresh already
+        self._restored = False
 
     @property
     def upkeep(self) -> list[QueueSpec]:
         return [*self.static, *self.discovered.values(), *self._lingering.values()]
 
+    @property
+    def removed(self) -> list[str]:
+        return list(self._lingering)
+
     async def refresh(self, redis: Redis) -> list[QueueSpec]:
         """Read the source; returns the discovered queues to poll now."""
         assert self._lister is not None
         names = await self._lister.names()
+        gone = [n for n in self.discovered if n not in names]
+        if gone:  # named in Redis before its poller stops: a kill from here on strands nothing
+            with redis_errors("queue discovery"):
+                await redis.sadd(REMOVED_QUEUES_KEY, *gone)
         wanted = {
             n: self.discovered.get(n) or self._lingering.pop(n, None) or self._spec(n)
             for n in names
         }
-        for name, spec in self.discovered.items():
-            if name not in wanted:
-                self._lingering[name] = spec
+        for name in gone:
+            self._lingering[name] = self.discovered[name]
         self.discovered = wanted
-        await self._drop_empty(redis)
+        await self.drop_empty(redis)
         return list(wanted.values())
 
+    async def restore(self, redis: Redis) -> None:
+        """Once: the removed queues an earlier run left holding claims or retries join
+        upkeep (a listed or configured one is served as such)."""
+        if self._restored:
+            return
+        with redis_errors("queue discovery"):
+            raws = [raw async for raw in redis.sscan_iter(REMOVED_QUEUES_KEY, count=SCAN_COUNT)]
+        served = {q.name for q in self.static} | set(self.discovered)
+        for name in filter(None, map(_text, raws)):
+            if name not in served:
+                self._lingering.setdefault(name, self._spec(name))
+        self._restored = True
+
     def _spec(self, name: str) -> QueueSpec:
+        if self._config.queue_discovery is None:  # discovery turned off: upkeep only
+            return QueueSpec(id=name, name=name)
         return self._config.discovered_spec(name)
 
-    async def _drop_empty(self, redis: Redis) -> None:
+    async def drop_empty(self, redis: Redis) -> None:
         """Forget removed queues with no claim and no retry left, from their second
-        refresh on (their poller may still be stopping during the first)."""
+        check on (their poller may still be stopping during the first)."""
         settled = [n for n in self._lingering if n in self._checked]
         self._checked = set(self._lingering) - set(settled)
         if not settled:
@@ -209,12 +241,18 @@ class QueueCatalog:
             async with redis.pipeline(transaction=False) as pipe:
                 for name in settled:
                     pipe.zcard(self._keys.inflight(name))
-                    pipe.zcard(self._keys.retry(name, self._config.retry_queue_name))
+                    pipe.zcard(self._removed_keys.retry(name, ""))
                 counts = await pipe.execute()
+        empty = []
         for index, name in enumerate(settled):
             if counts[2 * index] or counts[2 * index + 1]:
                 self._checked.add(name)
             else:
+                empty.append(name)
+        if empty:
+            with redis_errors("queue discovery"):
+                await redis.srem(REMOVED_QUEUES_KEY, *empty)
+            for name in empty:
                 del self._lingering[name]
 
     def names(self) -> Sequence[str]:

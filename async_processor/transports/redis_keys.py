@@ -153,6 +153,9 @@ def dead_letter_entry(
 
 
 OWN_PREFIXES = ("request-active:", "request-cancel:", "request-done:")
+# The discovered queues removed while they still held claims or retries: kept in Redis so
+# a restarted daemon (or one with discovery turned off) still reaps and moves them home.
+REMOVED_QUEUES_KEY = "async-processor:removed-queues"
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +184,7 @@ def own_keys(
     """Request queues with their in-flight and dead-letter keys, the retry set, the
     markers, and every gate key: a gate parameter named ``*_key`` (that key and the keys
     under ``<key>:``, e.g. a rate gate's ``<control_key>:state``) or ``prefix`` (quotas)."""
-    exact = {retry_queue, *queue_keys(queues)}
+    exact = {retry_queue, REMOVED_QUEUES_KEY, *queue_keys(queues)}
     prefixes = list(OWN_PREFIXES)
     for params in gate_params:
         for name, value in params.items():

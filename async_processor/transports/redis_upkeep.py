@@ -3,7 +3,8 @@ fetches, on every replica (docs/architecture.md G1, G7).
 
 heartbeat (extend this process's leases), reap (expired claims back on their queue, any
 replica's), move_due (due retries back on their origin queue), expire_due (queued members
-past their deadline answered without a worker) and retain (unconsumed results trimmed).
+past their deadline answered without a worker), retain (unconsumed results trimmed) and
+settle_removed (removed discovered queues an earlier run left, kept until empty).
 ``SortedSetTransport`` mixes this in; ``run`` is its upkeep task.
 """
 
@@ -26,6 +27,7 @@ from async_processor.retry import expired, last_answer
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import Delivery, QueueSpec, TransportContext
 from async_processor.transports.redis_claims import ClaimBook
+from async_processor.transports.redis_discovery import QueueCatalog
 from async_processor.transports.redis_keys import redis_errors
 from async_processor.transports.redis_keyspace import KeySpace
 
@@ -51,6 +53,7 @@ class SortedSetUpkeep:
     _scripts: dict[str, AsyncScript]
     _redis: Redis
     _claims: ClaimBook
+    _catalog: QueueCatalog
     decode: Callable[[Delivery], Envelope]
     _write_results: WriteResults
 
@@ -63,6 +66,7 @@ class SortedSetUpkeep:
             tg.start_soon(_every, "retry_move", RETRY_MOVE_INTERVAL, self.move_due)
             tg.start_soon(_every, "expire", EXPIRE_INTERVAL, self.expire_due)
             tg.start_soon(_every, "retain", RETAIN_INTERVAL, self.retain)
+            tg.start_soon(_every, "removed", lease / 2, self.settle_removed)
             task_status.started()
 
     async def _pipelined(
@@ -128,6 +132,14 @@ class SortedSetUpkeep:
                 if self._ctx.metrics is not None:
                     self._ctx.metrics.results_trimmed_total.labels(result_list).inc(trimmed)
 
+    async def settle_removed(self) -> None:
+        """Upkeep for the removed queues an earlier run left in Redis (a kill or restart
+        while they drained); without discovery they are also forgotten here once empty."""
+        await self._catalog.restore(self._redis)
+        if self.config.queue_discovery is None:
+            await self._catalog.drop_empty(self._redis)
+        self.queues = self._catalog.upkeep
+
     async def move_due(self) -> None:
         """Move every due retry back to its origin queue, scored by its deadline (in
         cluster mode and with discovered queues each queue's own retry set, many queues
@@ -135,6 +147,9 @@ class SortedSetUpkeep:
         names = [q.name for q in self.queues]
         if not self._keys.cluster and not self._keys.queue_retry:
             await self._drain("retry_move", "move_due", [[self.config.retry_queue_name, *names]])
+            # Discovery turned off: removed discovered queues still have their own sets.
+            removed = [[f"{n}:retry", n] for n in self._catalog.removed]
+            await self._drain("retry_move", "move_due_own", removed)
             return
         groups = [
             [key for n in group for key in (self._keys.retry(n, ""), n)]

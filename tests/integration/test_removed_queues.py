@@ -1,0 +1,83 @@
+"""A removed discovered queue's claims and retries survive a kill or restart of the daemon
+that was draining it: the restarted daemon (discovery on, or turned off) reaps the claim
+and moves the retry home, then forgets the queue (real redis-server)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+
+from async_processor.config import SortedSetConfig
+from async_processor.transports.base import Deferral, TransportContext
+from async_processor.transports.redis_keys import REMOVED_QUEUES_KEY
+from async_processor.transports.redis_sortedset import SortedSetTransport
+from tests.integration.test_queue_discovery import GW, submit, transport_config
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def r(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+async def removed_while_draining(redis_url: str, unique: str, r: Redis) -> str:
+    """A queue with one claim in flight and one retry out is removed from the discovery
+    set; its daemon sees that, then dies without settling either."""
+    listed, queue = f"{unique}:tenants", f"{unique}-a"
+    await r.sadd(listed, queue)
+    await submit(redis_url, unique, queue, "m1", "m2")
+    config = transport_config(redis_url, unique, set_key=listed)
+    transport = SortedSetTransport(
+        config.model_copy(update={"lease_seconds": 1}), TransportContext()
+    )
+    try:
+        [spec] = await transport.discover()
+        claimed = await transport.fetch(spec, 2, 0)
+        await r.srem(listed, queue)
+        assert await transport.discover() == []
+        transport.decode(claimed[1])
+        await transport.defer([Deferral(claimed[1], 0.05)])  # m2: a retry; m1: in flight
+    finally:
+        await transport.aclose()  # killed: no heartbeat, no hand-back
+    assert await r.zcard(f"{queue}:inflight") == 1 and await r.zcard(f"{queue}:retry") == 1
+    return queue
+
+
+def restarted(redis_url: str, unique: str, discovery: bool) -> SortedSetTransport:
+    config = transport_config(redis_url, unique, set_key=f"{unique}:tenants")
+    if not discovery:  # turned off: the daemon serves a configured queue only
+        other = {"queues": [{"queue_name": f"{unique}-static", "igw_base_url": GW}]}
+        queues = SortedSetConfig.model_validate(other).queues
+        config = config.model_copy(update={"queue_discovery": None, "queues": queues})
+    return SortedSetTransport(config, TransportContext())
+
+
+@pytest.mark.parametrize("discovery", [True, False], ids=["discovery", "no-discovery"])
+async def test_a_removed_queue_left_draining_by_a_killed_daemon_is_drained_after_restart(
+    redis_url: str, unique: str, r: Redis, discovery: bool
+) -> None:
+    queue = await removed_while_draining(redis_url, unique, r)
+    assert queue.encode() in await r.smembers(REMOVED_QUEUES_KEY)
+    transport = restarted(redis_url, unique, discovery)
+    try:
+        if discovery:
+            assert await transport.discover() == []
+        await transport.settle_removed()
+        assert queue in [q.name for q in transport.queues]
+        await anyio.sleep(1.2)  # the dead daemon's lease runs out
+        await transport.reap()
+        await transport.move_due()
+        assert await r.zcard(queue) == 2  # back home
+        assert await r.zcard(f"{queue}:inflight") == 0 == await r.zcard(f"{queue}:retry")
+        for _ in range(2):  # then forgotten, here and in Redis
+            await (transport.discover() if discovery else transport.settle_removed())
+        assert queue not in [q.name for q in transport.queues]
+        assert queue.encode() not in await r.smembers(REMOVED_QUEUES_KEY)
+    finally:
+        await transport.aclose()
