@@ -2,7 +2,9 @@
 
 Stage: wiring, beside the pollers. Input: ``transport.discover()`` every
 ``refresh_seconds``. Output: for a new queue, a poller and a merge source (and one more
-slot in its pool, as for a configured queue); for a removed one, its poller cancelled.
+slot in its pool, as for a configured queue); for a removed one, its poller cancelled,
+and once it has drained, what was kept for the queue freed (``forget``: its gate entry and
+metric series) unless it was found again meanwhile.
 A cancelled poller hands back what it fetched and has not forwarded (a claim in the
 making completes first, the transport shields it), then closes its lane; the merge and
 the workers finish what was forwarded, so nothing is lost and no claim is left behind.
@@ -26,6 +28,7 @@ from async_processor.work import PoolCapacity
 log = structlog.get_logger(__name__)
 
 Wire = Callable[[QueueSpec], tuple[Source, Poller]]
+Forget = Callable[[QueueSpec], None]
 
 
 class QueueRefresh:
@@ -33,11 +36,13 @@ class QueueRefresh:
         self,
         discover: Callable[[], Awaitable[list[QueueSpec]]],
         wire: Wire,
+        forget: Forget,
         capacities: Mapping[str, PoolCapacity],
         interval: float,
     ) -> None:
         self._discover = discover
         self._wire = wire
+        self._forget = forget
         self._capacities = capacities
         self._interval = interval
         # pool -> where its merge policy takes sources added later
@@ -79,13 +84,16 @@ class QueueRefresh:
         capacity = self._capacities[spec.pool]
         capacity.resize(1)  # what its poller holds while its queue is empty
         await self.feeds[spec.pool].send(source)
-        tg.start_soon(self._poll, poller, scope, capacity)
+        tg.start_soon(self._poll, spec, poller, scope, capacity)
         log.info("queue_added", queue=spec.name, pool=spec.pool)
 
-    @staticmethod
-    async def _poll(poller: Poller, scope: anyio.CancelScope, capacity: PoolCapacity) -> None:
+    async def _poll(
+        self, spec: QueueSpec, poller: Poller, scope: anyio.CancelScope, capacity: PoolCapacity
+    ) -> None:
         try:
             with scope:
                 await poller.run()
         finally:
             capacity.resize(-1)
+            if spec.name not in self._running:  # removed, not found again meanwhile
+                self._forget(spec)

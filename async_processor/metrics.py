@@ -25,6 +25,7 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 from async_processor.messages import Request, Result
 
@@ -196,6 +197,20 @@ class Metrics:
         if bound is None:
             bound = self._bound[key] = QueueMetrics.bind(self, key)
         return bound
+
+    def forget_queue(self, queue_name: str) -> None:
+        """Drop every series labelled with ``queue_name`` (a removed queue, drained), so
+        tenant churn does not grow the registry; a queue found again starts at 0."""
+        self._bound = {k: v for k, v in self._bound.items() if k[1] != queue_name}
+        for family in vars(self).values():
+            if not isinstance(family, MetricWrapperBase):
+                continue
+            names = list(family._labelnames)
+            if "queue_name" not in names:
+                continue
+            at = names.index("queue_name")
+            for values in [v for v in list(family._metrics) if v[at] == queue_name]:
+                family.remove(*values)
 
     def pool(self, pool: str) -> QueueMetrics:
         """Pool-level series (pool gates): empty queue labels, as the reference does."""

@@ -289,6 +289,7 @@ class Processor:
         return QueueRefresh(
             self.transport.discover,
             lambda queue: self._wire_queue(pools[queue.pool], queue, writer),
+            self._forget_queue,
             {pool_id: pool.capacity for pool_id, pool in pools.items()},
             discovery.refresh_seconds,
         )
@@ -314,6 +315,11 @@ class Processor:
             bound_in_flight=self.config.runtime.budget_scope == "in-flight",
         )
         return Source(queue, lane_out), poller
+
+    def _forget_queue(self, queue: QueueSpec) -> None:
+        """A removed queue's poller has drained: free its gate entry and metric series."""
+        self.queue_gates.forget(queue.name)
+        self.metrics.forget_queue(queue.name)
 
     def _settler(self, writer: ResultWriter, capacity: PoolCapacity) -> Settler:
         return Settler(transport=self.transport, writer=writer.sender(), capacity=capacity)

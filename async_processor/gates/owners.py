@@ -37,6 +37,11 @@ class QueueGates:
         self._by_queue[queue.name] = gate
         return gate
 
+    def forget(self, name: str) -> None:
+        """A removed queue, drained: its entry goes (a group's gate stays with the group;
+        Redis clients are shared per address and closed at shutdown)."""
+        self._by_queue.pop(name, None)
+
     def _build(self, queue: QueueSpec) -> Gate:
         # A shared gate's own series (metric gate gauges) carry the group as queue_name.
         if queue.gate_group:

@@ -80,6 +80,12 @@ class ClaimBook:
     def release(self, delivery: Delivery) -> None:
         self.held.get(delivery.queue.name, {}).pop(claim_of(delivery).id, None)
 
+    def prune(self, served: Iterable[str]) -> None:
+        """Forget the queues no longer served that hold no claim (removed, drained)."""
+        keep = set(served)
+        for name in [n for n, held in self.held.items() if not held and n not in keep]:
+            del self.held[name]
+
     @contextmanager
     def acking(self, deliveries: Iterable[Delivery]) -> Iterator[None]:
         ids = {claim_of(d).id for d in deliveries}

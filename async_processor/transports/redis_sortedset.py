@@ -134,6 +134,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         and removed ones until they hold no claim and no retry."""
         discovered = await self._catalog.refresh(self._redis)
         self.queues = self._catalog.upkeep
+        self._claims.prune(self._catalog.names())
         self._routing.own = self._routed_own()
         if self._ctx.metrics is not None:
             self._ctx.metrics.discovered_queues.set(len(discovered))

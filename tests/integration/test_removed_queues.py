@@ -14,7 +14,15 @@ from async_processor.config import SortedSetConfig
 from async_processor.transports.base import Deferral, TransportContext
 from async_processor.transports.redis_keys import REMOVED_QUEUES_KEY
 from async_processor.transports.redis_sortedset import SortedSetTransport
-from tests.integration.test_queue_discovery import GW, submit, transport_config
+from tests.fixtures.inprocess import running
+from tests.fixtures.simulator import SimulatorProcess
+from tests.integration.test_queue_discovery import (
+    GW,
+    daemon_config,
+    results,
+    submit,
+    transport_config,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -81,3 +89,34 @@ async def test_a_removed_queue_left_draining_by_a_killed_daemon_is_drained_after
         assert queue.encode() not in await r.smembers(REMOVED_QUEUES_KEY)
     finally:
         await transport.aclose()
+
+
+async def test_tenant_churn_leaves_no_gate_metric_series_or_claim_entry_behind(
+    redis_url: str, unique: str, r: Redis, simulator: SimulatorProcess
+) -> None:
+    """Queues added, served and removed in cycles: once each has drained, nothing kept
+    for it remains (memory stays flat however many tenants come and go)."""
+    listed = f"{unique}:tenants"
+    config = daemon_config(transport_config(redis_url, unique, set_key=listed), simulator.url)
+    gone = [f"{unique}-{n}" for n in range(4)]
+    async with running(config) as processor:
+        transport = processor.transport
+        assert isinstance(transport, SortedSetTransport)
+        for queue in gone:
+            await r.sadd(listed, queue)
+            await submit(redis_url, unique, queue, f"id-{queue}")
+            assert await results(r, unique, 1) == [f"id-{queue}"]
+            await r.srem(listed, queue)
+        with anyio.fail_after(10):
+            while set(gone) & {q.name for q in transport.queues}:
+                await anyio.sleep(0.1)
+            await anyio.sleep(0.5)  # one more refresh
+        labelled = {
+            sample.labels.get("queue_name")
+            for family in processor.metrics.registry.collect()
+            for sample in family.samples
+        }
+        assert not set(gone) & labelled
+        assert not set(gone) & set(processor.queue_gates._by_queue)
+        assert not set(gone) & set(transport._claims.held)
+        assert processor.metrics._bound.keys() <= {("", "", "p")}
