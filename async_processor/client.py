@@ -10,11 +10,14 @@ each submission gets a fresh 32-hex ``request_token``; ``request-active:<id>`` h
 until the deadline; ``cancel`` copies it to ``request-cancel:<id>`` for 7 days.
 
 Reading results loses none: each is moved (``BLMOVE``, Redis >= 6.2) into this consumer's
-processing list ``<result list>:processing:<consumer>`` and removed from there only once
-it is handed to the caller. A move whose reply was lost (the connection dropped, redis-py
-sent the command again) leaves its result there, and the next read returns it first; so
-does a consumer that restarts with the same ``consumer`` name. An entry that is not a
-result is returned as an ``UndecodableResult`` (its raw bytes), not dropped.
+processing list ``<result list>:processing:<consumer>``. ``results()`` removes it from
+there only when the caller asks for the next one (or calls ``ack``, or leaves the client's
+``async with`` without an error): a consumer killed while handling a result gets it again
+when it restarts with the same ``consumer`` name (at-least-once). ``drain_results`` removes
+its results before returning the list. A move whose reply was lost (the connection
+dropped, redis-py sent the command again) leaves its result there, and the next read
+returns it first. An entry that is not a result is returned as an ``UndecodableResult``
+(its raw bytes), not dropped.
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ class SortedSetClient:
         # Per processing list: the oldest entry it held after our last removal (None:
         # none). A list not here is unknown: the next read looks first.
         self._leftover: dict[str, bytes | None] = {}
+        # Per processing list: the entry ``results()`` handed over last, not yet removed.
+        self._unacked: dict[str, bytes] = {}
 
     async def __aenter__(self) -> SortedSetClient:
         return self
@@ -100,7 +105,11 @@ class SortedSetClient:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.aclose()
+        try:
+            if exc_type is None:  # handled: what results() handed over last is done
+                await self.ack()
+        finally:
+            await self.aclose()
 
     async def aclose(self) -> None:
         await self._redis.aclose()
@@ -211,9 +220,16 @@ class SortedSetClient:
         timeout: float | None = None,
         result_queue: str | None = None,
     ) -> AsyncIterator[Result]:
-        """Results in arrival order; ends after ``timeout`` s with none (None = never ends)."""
-        while (result := await self._pop(result_queue, timeout)) is not None:
+        """Results in arrival order; ends after ``timeout`` s with none (None = never ends).
+        Each stays in the processing list until the next is asked for (or ``ack``)."""
+        while (result := await self._pop(result_queue, timeout, hold=True)) is not None:
             yield result
+
+    async def ack(self) -> None:
+        """Remove what ``results()`` handed over last (the next read does it otherwise)."""
+        with redis_errors("result ack"):
+            for processing in list(self._unacked):
+                await self._remove(processing, self._unacked[processing])
 
     async def drain_results(
         self,
@@ -226,17 +242,20 @@ class SortedSetClient:
         out: list[Result] = []
         give_up = time.monotonic() + timeout
         while len(out) < n and (remaining := give_up - time.monotonic()) > 0:
-            result = await self._pop(result_queue, remaining)
+            result = await self._pop(result_queue, remaining, hold=False)
             if result is None:
                 break
             out.append(result)
         return out
 
-    async def _pop(self, result_queue: str | None, wait: float | None) -> Result | None:
+    async def _pop(
+        self, result_queue: str | None, wait: float | None, *, hold: bool
+    ) -> Result | None:
         """The oldest result left in our processing list, else one BLMOVE into it (0 =
-        block forever, so a finite wait is at least 10 ms); removed once decoded.
+        block forever, so a finite wait is at least 10 ms); removed once decoded, or with
+        ``hold`` at the next read.
 
-        Two round trips per result: the move, then the removal pipelined with a look at
+        Two round trips per result: the move, and the removal pipelined with a look at
         what else the processing list holds (``_leftover``), so the next read needs no
         look of its own. Only the first read of a list, and the read after one that
         failed or was cancelled (its move may have landed), ask Redis first.
@@ -245,15 +264,26 @@ class SortedSetClient:
         processing = processing_key(source, self.consumer)
         seconds = 0.0 if wait is None else max(wait, 0.01)
         with redis_errors("result read"):
+            if processing in self._unacked:  # handed over by results() and handled since
+                await self._remove(processing, self._unacked[processing])
             raw = await self._take(source, processing, seconds)
             if raw is None:
                 return None
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.lrem(processing, -1, raw)  # type: ignore[arg-type]  # bytes
-                pipe.lindex(processing, -1)
-                _, left = await pipe.execute()
-            self._leftover[processing] = cast(bytes | None, left)
+            if hold:
+                self._unacked[processing] = raw
+            else:
+                await self._remove(processing, raw)
         return _decoded(raw)
+
+    async def _remove(self, processing: str, raw: bytes) -> None:
+        """Remove ``raw`` and look at what the list still holds, in one round trip."""
+        self._leftover.pop(processing, None)  # unknown until the reply is in
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.lrem(processing, -1, raw)  # type: ignore[arg-type]  # bytes
+            pipe.lindex(processing, -1)
+            _, left = await pipe.execute()
+        self._unacked.pop(processing, None)
+        self._leftover[processing] = cast(bytes | None, left)
 
     async def _take(self, source: str, processing: str, seconds: float) -> bytes | None:
         # Taken out, so a read that fails or is cancelled from here on leaves it unknown.
