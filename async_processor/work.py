@@ -72,24 +72,33 @@ class PoolCapacity:
         """Wait for a free slot in turn, then take up to ``wanted``. ``waiting``: how many
         of the caller's messages the merge has not taken yet (fewer goes first)."""
         if self.free <= 0 or self._waiters or self._woken:
-            turn = anyio.Event()
-            self._waiters[turn] = waiting
-            try:
-                await turn.wait()
-            except BaseException:
-                if turn.is_set():  # woken but cancelled before taking: pass the turn on
-                    self._woken -= 1
-                    self._wake()
-                else:
-                    del self._waiters[turn]
-                raise
-            self._woken -= 1
+            await self._turn(waiting, first=False)
+            while self.free <= 0:  # its slot was taken away (resize) before it resumed
+                await self._turn(waiting, first=True)
         # Leave a slot for each poller still waiting: one queue's batch must not take the
         # slots the others need to keep one message each before the merge.
         taken = min(wanted, max(1, self.free - len(self._waiters)))
         self.free -= taken
         self._wake()
         return taken
+
+    async def _turn(self, waiting: Callable[[], int], *, first: bool) -> None:
+        """Wait until woken; ``first``: ahead of the others (it had been woken already)."""
+        turn = anyio.Event()
+        if first:
+            self._waiters = {turn: waiting, **self._waiters}
+        else:
+            self._waiters[turn] = waiting
+        try:
+            await turn.wait()
+        except BaseException:
+            if turn.is_set():  # woken but cancelled before taking: pass the turn on
+                self._woken -= 1
+                self._wake()
+            else:
+                del self._waiters[turn]
+            raise
+        self._woken -= 1
 
     def release(self, count: int = 1) -> None:
         if count <= 0:

@@ -128,3 +128,25 @@ async def test_a_batch_leaves_a_slot_for_each_poller_still_waiting() -> None:
             await wait_all_tasks_blocked()
             capacity.release(3)
     assert got == [1, 1, 1]
+
+
+async def test_a_slot_taken_away_between_a_wake_up_and_its_waiter_is_not_taken() -> None:
+    """A queue removed (resize -1) after a waiter was woken for a freed slot but before it
+    resumed: the waiter waits again instead of taking a slot that no longer exists."""
+    capacity = PoolCapacity(2)
+    assert await capacity.reserve(2) == 2
+    got: list[int] = []
+
+    async def waiter() -> None:
+        got.append(await capacity.reserve(1))
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await wait_all_tasks_blocked()
+            capacity.release(1)  # wakes the waiter for the freed slot...
+            capacity.resize(-1)  # ...which goes before it resumes
+            await wait_all_tasks_blocked()
+            assert (capacity.free, got) == (0, [])  # never -1
+            capacity.release(1)
+    assert got == [1] and capacity.free == 0
