@@ -128,6 +128,7 @@ async def test_a_cancel_while_waiting_for_a_worker_is_answered_without_sending(
     assert "queued" not in gateway.arrived and gateway.answered == []
 
 
+@KEEPS_CANCELLED_CALLS
 async def test_a_cancel_of_another_submission_does_not_cut_this_one(
     redis_url: str, unique: str
 ) -> None:
