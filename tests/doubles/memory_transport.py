@@ -47,6 +47,10 @@ class MemoryTransport:
         """What is on ``queue``, not fetched."""
         return list(self._waiting[queue])
 
+    def on_broker(self, queue: str) -> list[bytes]:
+        """What ``queue`` holds once every hand-back is due: waiting plus deferred."""
+        return [*self._waiting[queue], *(raw for _, name, raw in self._due if name == queue)]
+
     async def wait_results(self, count: int, timeout: float = 5.0) -> dict[str, Result]:
         with anyio.fail_after(timeout):
             while len(self.results) < count:

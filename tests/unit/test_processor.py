@@ -67,10 +67,12 @@ async def test_stopping_hands_back_what_was_fetched_but_not_started() -> None:
             while len(transport.held) < 2:
                 await anyio.sleep(0.01)
     assert transport.held == {}  # every fetched message was settled one way or the other
-    handed_back = [d.delivery.envelope.id for d in transport.deferred if d.delivery.envelope]
-    never_fetched = [decode_envelope(raw).id for raw in transport.waiting(QUEUE)]
-    assert handed_back, "the message in flight at the drain timeout is handed back"
-    assert sorted([*handed_back, *transport.results, *never_fetched]) == ["r0", "r1", "r2"]
+    assert transport.deferred, "the message in flight at the drain timeout is handed back"
+    # Each message ends once: answered, or back on the broker. Counted on the broker, not by
+    # hand-backs: a poller whose claim was landing at the stop may fetch a message a worker
+    # had just handed back, and hand it back again (two deferrals, one message).
+    on_broker = [decode_envelope(raw).id for raw in transport.on_broker(QUEUE)]
+    assert sorted([*transport.results, *on_broker]) == ["r0", "r1", "r2"]
 
 
 async def test_a_pool_keeps_its_prefetch_fetched_beside_busy_workers() -> None:
