@@ -136,6 +136,11 @@ class TransportContext:
     # The pools' gate parameters: their Redis keys are the daemon's own (never a result list).
     gate_params: Sequence[Mapping[str, Any]] = ()
 
+    def count_duplicate(self, queue: QueueSpec) -> None:
+        """A result not written because its submission was already answered."""
+        if self.metrics is not None:
+            self.metrics.duplicates_suppressed_total.labels(queue.id, queue.name, queue.pool).inc()
+
 
 @runtime_checkable
 class Abandons(Protocol):

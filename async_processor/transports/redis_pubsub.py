@@ -137,10 +137,7 @@ class RedisPubSubTransport:
         Logged at info, as fan-out makes it routine; counted as on redis-sortedset."""
         queue = delivery.queue
         log.info("duplicate_result_skipped", request_id=result.id, queue=queue.name)
-        if self._ctx.metrics is not None:
-            self._ctx.metrics.duplicates_suppressed_total.labels(
-                queue.id, queue.name, queue.pool
-            ).inc()
+        self._ctx.count_duplicate(queue)
 
     async def defer(self, items: Sequence[Deferral]) -> None:
         """Into the retry set, due after each delay; the mover brings them back."""

@@ -288,10 +288,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         silent (the producer may be resubmitting on purpose and waiting in vain)."""
         queue = delivery.queue
         log.warning("duplicate_suppressed", request_id=result.id, queue=queue.name)
-        if self._ctx.metrics is not None:
-            self._ctx.metrics.duplicates_suppressed_total.labels(
-                queue.id, queue.name, queue.pool
-            ).inc()
+        self._ctx.count_duplicate(queue)
 
     def _check_replicas(self, waited: list[int]) -> None:
         """The results are written either way; fewer replicas than asked means a failover

@@ -32,3 +32,28 @@ local function usable_as(key, kind)
   local actual = checked_type(key)
   return actual == 'none' or actual == kind
 end
+
+-- A member's envelope as a table, or nil for bytes that are not a JSON object.
+local function envelope_of(member)
+  local ok, msg = pcall(cjson.decode, member)
+  if ok and type(msg) == 'table' then
+    return msg
+  end
+  return nil
+end
+
+-- The request's deadline, from an envelope ({data = request}) or a bare request, else
+-- fallback: a message going back to its queue is scored by its deadline, as producers do.
+local function deadline_of(msg, fallback)
+  if msg == nil then
+    return fallback
+  end
+  local data = msg['data']
+  if type(data) ~= 'table' then
+    data = msg
+  end
+  if type(data['deadline']) == 'number' then
+    return data['deadline']
+  end
+  return fallback
+end

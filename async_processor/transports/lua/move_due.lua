@@ -15,22 +15,12 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 for _, member in ipairs(due) do
-  local origin, deadline = KEYS[2], now
-  local ok, msg = pcall(cjson.decode, member)
-  if ok and type(msg) == 'table' then
-    local data = msg['data']
-    if type(data) ~= 'table' then
-      data = msg
-    end
-    local routing = msg['internal']
-    if type(routing) == 'table' and queues[routing['request_queue_name']] then
-      origin = routing['request_queue_name']
-    end
-    if type(data['deadline']) == 'number' then
-      deadline = data['deadline']
-    end
+  local msg, origin = envelope_of(member), KEYS[2]
+  local routing = msg and msg['internal']
+  if type(routing) == 'table' and queues[routing['request_queue_name']] then
+    origin = routing['request_queue_name']
   end
-  redis.call('ZADD', origin, deadline, member)
+  redis.call('ZADD', origin, deadline_of(msg, now), member)
   redis.call('ZREM', KEYS[1], member)
 end
 return #due

@@ -12,18 +12,7 @@ local most = 0
 for i = 1, #KEYS, 2 do
   local due = redis.call('ZRANGEBYSCORE', KEYS[i], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
   for _, member in ipairs(due) do
-    local deadline = now
-    local ok, msg = pcall(cjson.decode, member)
-    if ok and type(msg) == 'table' then
-      local data = msg['data']
-      if type(data) ~= 'table' then
-        data = msg
-      end
-      if type(data['deadline']) == 'number' then
-        deadline = data['deadline']
-      end
-    end
-    redis.call('ZADD', KEYS[i + 1], deadline, member)
+    redis.call('ZADD', KEYS[i + 1], deadline_of(envelope_of(member), now), member)
     redis.call('ZREM', KEYS[i], member)
   end
   if #due > most then
