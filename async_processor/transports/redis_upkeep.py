@@ -37,6 +37,9 @@ RETRY_MOVE_INTERVAL = 0.2  # seconds between checks of the retry set for due mem
 CHUNK = 500  # members per reaper / retry-mover / heartbeat script call
 EXPIRE_INTERVAL = 0.5  # seconds between deadline sweeps: results within ~1 s of a deadline
 RETAIN_INTERVAL = 10.0  # seconds between retention rounds: results trimmed within TTL + this
+# A retained list expires this long after its TTL unless a round renews it: what a queue
+# that left upkeep (or a deployment stopped for good) left there goes too, past its TTL.
+RETAIN_GRACE = 2 * int(RETAIN_INTERVAL)
 EXPIRE_CHUNK = 20  # members decoded per sweep round trip (each up to --max-message-bytes)
 UPKEEP_MAX_BACKOFF = 5.0
 
@@ -56,6 +59,8 @@ class SortedSetUpkeep:
     _catalog: QueueCatalog
     decode: Callable[[Delivery], Envelope]
     _write_results: WriteResults
+    # Queues' own result lists whose trimmed series exist (immutable: a safe class default).
+    _trim_series: frozenset[str] = frozenset()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Heartbeat, reaper and retry mover, until cancelled."""
@@ -115,22 +120,50 @@ class SortedSetUpkeep:
         await self._drain("reap", "reap", groups)
 
     async def retain(self) -> None:
-        """Per configured result list: record its pushed count (the marks that date its
-        entries, also read by ``status``) and trim what is unconsumed past its TTL."""
-        for result_list, ttl in self.config.result_ttls().items():
-            with redis_errors("retain"):
-                trimmed, _, _ = await self._scripts["retain"](
-                    keys=[
-                        result_list,
-                        keys.result_side_key(result_list, "pushed"),
-                        keys.result_side_key(result_list, "marks"),
-                    ],
-                    args=[ttl, max(ttl, keys.MARKS_HORIZON_SECONDS)],
-                )
-            if trimmed:
-                log.warning("results_trimmed", result_list=result_list, count=trimmed, ttl=ttl)
-                if self._ctx.metrics is not None:
-                    self._ctx.metrics.results_trimmed_total.labels(result_list).inc(trimmed)
+        """Per result list (configured, and each served or removed queue's own, from the
+        discovery template's ``<queue>``): record its pushed count (the marks that date its
+        entries, also read by ``status``) and trim what is unconsumed past its TTL; one
+        round trip per TTL."""
+        ttls = self._result_ttls()
+        by_ttl: dict[int, list[str]] = {}
+        for result_list, ttl in ttls.items():
+            by_ttl.setdefault(ttl, []).append(result_list)
+        for ttl, lists in by_ttl.items():
+            side = keys.result_side_key
+            groups = [[r, side(r, "pushed"), side(r, "marks")] for r in lists]
+            args = [ttl, max(ttl, keys.MARKS_HORIZON_SECONDS), RETAIN_GRACE]
+            replies = await self._pipelined("retain", "retain", groups, args)
+            for result_list, (trimmed, _, _) in zip(lists, replies, strict=True):
+                if trimmed:
+                    self._trimmed(result_list, int(trimmed), ttl)
+        self._follow_trim_series(ttls)
+
+    def _result_ttls(self) -> dict[str, int]:
+        """``result_ttls`` plus the result list of each queue in upkeep that has its own
+        (the template's ``<queue>``), at the transport's TTL."""
+        ttls = self.config.result_ttls()
+        for queue in self.queues:
+            if queue.result_queue_name:
+                ttls.setdefault(queue.result_queue_name, self.config.result_ttl_seconds)
+        return ttls
+
+    def _trimmed(self, result_list: str, count: int, ttl: int) -> None:
+        log.warning("results_trimmed", result_list=result_list, count=count, ttl=ttl)
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.results_trimmed_total.labels(result_list).inc(count)
+
+    def _follow_trim_series(self, ttls: dict[str, int]) -> None:
+        """A queue's own result list has its trimmed series (at 0 from its first round)
+        while the queue is in upkeep, so tenant churn does not grow the scrape."""
+        if self._ctx.metrics is None:
+            return
+        family = self._ctx.metrics.results_trimmed_total
+        own = frozenset(ttls) - frozenset(self.config.result_ttls())
+        for result_list in own - self._trim_series:
+            family.labels(result_list)
+        for result_list in self._trim_series - own:
+            family.remove(result_list)
+        self._trim_series = own
 
     async def settle_removed(self) -> None:
         """Upkeep for the removed queues an earlier run left in Redis (a kill or restart

@@ -187,6 +187,7 @@ async def _upkeep(processor: Processor) -> None:
     await transport.heartbeat()
     await transport.reap()
     await transport.move_due()
+    await transport.retain()
     await transport.health()
     assert await transport.backlog(transport.queues[0]) == 0
 

@@ -17,6 +17,7 @@ from async_processor.metrics import Metrics
 from async_processor.status import redis_status
 from async_processor.transports.base import Completion, TransportContext
 from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_upkeep import RETAIN_GRACE
 
 pytestmark = pytest.mark.anyio
 
@@ -135,3 +136,56 @@ async def test_only_retained_lists_count_their_results(
         await transport.aclose()
     assert [x.id for x in await client.drain_results(2, 1, result_queue=named)] == ["to-named"]
     assert len(await client.drain_results(3, 1)) == 2
+
+
+async def test_each_discovered_queues_own_result_list_is_retained_and_expires_once_let_go(
+    redis_url: str, unique: str
+) -> None:
+    """With ``<queue>`` in the template's result list every tenant has its own list: each
+    is trimmed (counted under its name) like the configured one, and its keys expire once
+    no round renews them (its queue left upkeep), so tenant churn leaves nothing for ever."""
+    listed, queue = f"{unique}:tenants", f"{unique}-t1"
+    own = f"{queue}:out"
+    cfg = SortedSetConfig.model_validate(
+        {"url": redis_url, "result_ttl_seconds": 1, "retry_queue_name": f"{unique}:retry",
+         "queue_discovery": {"set_key": listed, "template": {
+             "igw_base_url": "http://gw:1", "result_queue_name": "<queue>:out"}}}
+    )  # fmt: skip
+    metrics = Metrics()
+    transport = SortedSetTransport(cfg, TransportContext(metrics=metrics))
+    r = transport._redis
+    try:
+        await r.sadd(listed, queue)
+        [spec] = await transport.discover()
+        async with SortedSetClient(redis_url, queue, own) as client:
+            deadline = int(time.time()) + 600
+            await client.submit_many({"id": f"r{i}", "deadline": deadline, "payload": {}}
+                                     for i in range(3))  # fmt: skip
+        deliveries = await transport.fetch(spec, 3, 0)
+        await transport.complete(
+            [Completion(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in deliveries]
+        )
+        await transport.retain()  # dates them
+        trimmed = {"result_list": own}
+        assert metrics.registry.get_sample_value(SERIES, trimmed) == 0
+        await anyio.sleep(1.2)
+        await transport.retain()
+        assert await r.llen(own) == 0
+        assert metrics.registry.get_sample_value(SERIES, trimmed) == 3
+        ttls = [await r.ttl(k) for k in ("{" + own + "}:pushed", "{" + own + "}:marks")]
+        assert all(0 < t <= 24 * 3600 + RETAIN_GRACE for t in ttls)  # bookkeeping expires
+        await r.lpush(own, b"late")  # written after the round, as complete.lua does
+        await r.incr("{" + own + "}:pushed")
+        await transport.retain()
+        assert 0 < await r.ttl(own) <= 1 + RETAIN_GRACE
+        await r.srem(listed, queue)
+        for _ in range(3):  # drained: it leaves upkeep, and its series goes with it
+            await transport.discover()
+            await transport.retain()
+        assert queue not in [q.name for q in transport.queues]
+        assert metrics.registry.get_sample_value(SERIES, trimmed) is None
+    finally:
+        await transport.aclose()
+
+
+SERIES = "llm_d_async_async_results_trimmed_total"

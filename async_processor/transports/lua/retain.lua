@@ -4,7 +4,10 @@
 -- KEYS[2] its results-pushed counter (created here, INCR by complete.lua), KEYS[3] its
 -- marks: a zset of member = pushed count, score = the first time that count was seen
 -- (Redis clock).
--- ARGV[1] TTL seconds (0: never trim), ARGV[2] how long marks are kept (seconds)
+-- ARGV[1] TTL seconds (0: never trim), ARGV[2] how long marks are kept (seconds),
+-- ARGV[3] grace seconds: the three keys expire unless the next round renews them (the list
+-- TTL + grace on, so what a round no longer covers is gone once past its TTL; the counter
+-- and marks after their horizon + grace).
 -- Result n (1 = the first ever pushed) was written no later than the first mark whose
 -- count is >= n. The list holds results pushed - len + 1 .. pushed (oldest on the right),
 -- so with the newest mark at least TTL old holding count c, the c - (pushed - len) oldest
@@ -47,4 +50,12 @@ if #keep > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf',
     '(' .. redis.call('ZSCORE', KEYS[3], keep[1]))
 end
+local grace = tonumber(ARGV[3])
+if ttl > 0 then
+  redis.call('EXPIRE', KEYS[1], ttl + grace)
+else  -- kept: an expiry set while a TTL was configured must not delete it
+  redis.call('PERSIST', KEYS[1])
+end
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]) + grace)
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]) + grace)
 return {trimmed, len - trimmed, pushed}
