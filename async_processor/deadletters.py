@@ -1,9 +1,11 @@
 """``async-processor dead-letters``: list, show, replay or purge the Redis dead-letter lists.
 
 Stage: outside the daemon (an operator's tool). Input: the daemon's own flags and config
-(the same queues, hence the same ``<queue>:dead-letter`` keys), an action and entry
-ids. Output: a table or JSON on stdout; one structured log line per action on stderr
-(queue, reason, request id, never the payload), and a count of what was done.
+(the same queues, hence the same ``<queue>:dead-letter`` keys: with ``queue_discovery``
+also the discovered queues, found as the daemon finds them, and removed ones still
+draining), an action and entry ids. Output: a table or JSON on stdout; one structured
+log line per action on stderr (queue, reason, request id, never the payload), and a count
+of what was done.
 
 An entry is named by a short digest of its content (``list`` shows it), which stays the
 same while the daemon pushes new entries and others are removed. Replay and purge match
@@ -25,6 +27,7 @@ import hashlib
 import json
 import sys
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -37,6 +40,7 @@ from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig
 from async_processor.errors import ConfigError, InvalidMessage, TransportError
 from async_processor.json_scan import peek_id
 from async_processor.messages import decode_envelope
+from async_processor.status import served_queues
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keys import redis_errors
 from async_processor.transports.redis_keyspace import KeySpace
@@ -95,7 +99,8 @@ class Entry:
 
 
 class DeadLetters:
-    """The dead-letter lists of a Redis transport's configured queues."""
+    """The dead-letter lists of the queues a Redis transport's daemon serves: configured,
+    and on redis-sortedset discovered and removed ones still draining (``load``)."""
 
     def __init__(self, config: SortedSetConfig | RedisPubSubConfig, client: Redis) -> None:
         self.config = config
@@ -103,10 +108,12 @@ class DeadLetters:
         self.sorted_set = isinstance(config, SortedSetConfig)
         self._keys = KeySpace(cluster=config.mode == "cluster")  # the daemon's key names
         self._replay = client.register_script(REPLAY)
+        self.queues = [q.queue_name for q in config.queues]
 
-    @property
-    def queues(self) -> list[str]:
-        return [q.queue_name for q in self.config.queues]
+    async def load(self, pool_gate_params: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Find the queues as the daemon does (``status.served_queues``)."""
+        served = await served_queues(self.config, self.redis, None, pool_gate_params)
+        self.queues = [queue.name for _, queue in served]
 
     async def entries(self, queue: str) -> list[Entry]:
         """Oldest first (the list is pushed at its head)."""
@@ -159,7 +166,7 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ids", nargs="*", metavar="ID",
                         help="entry ids, as list shows them (show/replay/purge)")  # fmt: skip
     parser.add_argument("--queue", default="", metavar="NAME",
-                        help="one queue's list (default: every configured queue)")  # fmt: skip
+                        help="one queue's list (default: every queue served)")  # fmt: skip
     parser.add_argument("--all", action="store_true", help="every entry (replay/purge)")
     parser.add_argument("--deadline-in", type=duration, default=None, metavar="DURATION",
                         help="replay with a fresh deadline this far from now "
@@ -188,8 +195,6 @@ def _check(config: AppConfig, opts: argparse.Namespace) -> None:
             "gcp-pubsub copies dead letters to the topic <subscription>-dead-letter; "
             "read them with a subscription to it"
         )
-    if opts.queue and opts.queue not in [q.queue_name for q in transport.queues]:
-        raise ConfigError(f"--queue {opts.queue!r} is not a configured queue")
     if opts.action in ("replay", "purge") and not (opts.ids or opts.all):
         raise ConfigError(f"{opts.action} needs entry ids or --all")
     if opts.action == "show" and not opts.ids:
@@ -202,6 +207,9 @@ async def _run(config: AppConfig, opts: argparse.Namespace) -> int:
     client = connect(transport.redis_connection())
     try:
         lists = DeadLetters(transport, client)
+        await lists.load([pool.gate_params for pool in config.pools])
+        if opts.queue and opts.queue not in lists.queues:
+            raise ConfigError(f"--queue {opts.queue!r} is not a queue the daemon serves")
         with redis_errors("time"):
             seconds, micros = await client.time()
         now = seconds + micros / 1e6

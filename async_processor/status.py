@@ -4,7 +4,9 @@ Stage: outside the daemon (read-only; also the source of ``exporter``'s gauges).
 the daemon's own flags and config (so it looks at exactly the keys the daemon uses).
 Output: per queue its depth, claims in flight, retries due / parked, oldest deadline and
 dead letters; per result list its length and the age of its oldest unconsumed result;
-as a table, or JSON with ``--json``.
+as a table, or JSON with ``--json``. With ``queue_discovery`` the queues are the daemon's:
+configured, discovered (the same set or prefix scan, refusal rules and cap) and removed
+ones still draining, each with its own retry set and result list.
 
 What each transport can tell: the sorted set has all of it. redis-pubsub channels keep no
 backlog (depth and in flight are unknown), but its retry set and dead-letter lists are
@@ -21,9 +23,9 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from redis.asyncio import Redis
@@ -32,8 +34,18 @@ from async_processor.cliargs import daemon_config
 from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig, SortedSetConfig
 from async_processor.durations import format_duration
 from async_processor.errors import TransportError
+from async_processor.transports.base import QueueSpec
 from async_processor.transports.redis_conn import connect
-from async_processor.transports.redis_keys import redis_errors, result_side_key
+from async_processor.transports.redis_discovery import (
+    QueueCatalog,
+    queue_lister,
+    transport_own_keys,
+)
+from async_processor.transports.redis_keys import (
+    REMOVED_QUEUES_KEY,
+    redis_errors,
+    result_side_key,
+)
 from async_processor.transports.redis_keyspace import KeySpace
 
 RETRY_SCAN_CHUNK = 1000  # retry-set members read per round trip
@@ -49,6 +61,8 @@ class QueueStatus:
     retry_parked: int | None = None  # in the retry set, due later (backoff)
     oldest_deadline: float | None = None  # epoch seconds of the most urgent waiting request
     dead_letters: int | None = None
+    # configured; discovered (queue_discovery); removed (draining its claims and retries)
+    origin: str = "configured"
 
 
 @dataclass
@@ -81,8 +95,9 @@ async def collect(
         return await _gcp_status(config.transport, transport)
     client = connect(transport.redis_connection())
     try:
+        gates = [pool.gate_params for pool in config.pools]
         return await redis_status(
-            config.transport, transport, client, per_queue_retries, result_ages
+            config.transport, transport, client, per_queue_retries, result_ages, gates
         )
     finally:
         await client.aclose()
@@ -94,39 +109,96 @@ async def redis_status(
     client: Redis,
     per_queue_retries: bool = True,
     result_ages: bool = True,
+    pool_gate_params: Sequence[Mapping[str, Any]] = (),
 ) -> Status:
-    keyspace = KeySpace(cluster=config.mode == "cluster")
-    retry_sets = _retry_sets(keyspace, config)
+    now, removed = await _clock_and_removed(client, config.mode == "cluster")
+    served = await served_queues(config, client, removed, pool_gate_params)
+    keyspace = _keyspace(config)
+    retry_sets = _retry_sets(keyspace, config, [q for _, q in served])
     # Only the sorted set's results are dated (by the daemon's retention rounds).
     dated = result_ages and isinstance(config, SortedSetConfig)
+    result_lists = _result_lists(config, [q for _, q in served])
     with redis_errors("status"):
-        seconds, micros = await client.time()
-        now = seconds + micros / 1e6
-        counts = await _counts(client, keyspace, config, list(retry_sets), now, dated=dated)
+        counts = await _counts(
+            client, keyspace, config, [q for _, q in served], result_lists, list(retry_sets), now,
+            dated=dated,
+        )  # fmt: skip
         replies = iter(counts)
         due: Counter[str] = Counter()
         parked: Counter[str] = Counter()
         for retry_set, origins in retry_sets.items() if per_queue_retries else ():
-            set_due, set_parked = await _retries(client, retry_set, origins, now)
-            due, parked = due + set_due, parked + set_parked
-    statuses = []
-    for entry in config.queues:
-        status = QueueStatus(entry.queue_name, entry.worker_pool_id, dead_letters=next(replies))
-        if isinstance(config, SortedSetConfig):
-            status.depth, status.in_flight = next(replies), next(replies)
-            oldest = next(replies)
-            status.oldest_deadline = oldest[0][1] if oldest else None
-        if per_queue_retries:
-            status.retry_due, status.retry_parked = due[entry.queue_name], parked[entry.queue_name]
-        statuses.append(status)
+            if len(origins) > 1:  # a shared set: its members say where they return
+                set_due, set_parked = await _retries(client, retry_set, origins, now)
+                due, parked = due + set_due, parked + set_parked
+    statuses = [_queue_status(origin, queue, config, replies) for origin, queue in served]
     lengths: dict[str, int | None] = {}
     ages: dict[str, float | None] = {}
-    for result_list in _result_lists(config):
+    for result_list in result_lists:
         lengths[result_list] = length = next(replies)
         if dated:
             ages[result_list] = _oldest_age(length, next(replies), next(replies), now)
     retries = {r: {"due": next(replies), "parked": next(replies)} for r in retry_sets}
+    if per_queue_retries:
+        for retry_set, origins in retry_sets.items():
+            if len(origins) == 1:  # a queue's own set: counted by score already
+                due[origins[0]] += retries[retry_set]["due"]
+                parked[origins[0]] += retries[retry_set]["parked"]
+        for status in statuses:
+            status.retry_due, status.retry_parked = due[status.queue], parked[status.queue]
     return Status(name, now, statuses, lengths, retries, ages)
+
+
+async def _clock_and_removed(client: Redis, cluster: bool) -> tuple[float, list[bytes]]:
+    """Redis's clock and the removed queues still draining (a few, while they drain): one
+    round trip, but a cluster pipeline takes no TIME."""
+    with redis_errors("status"):
+        if cluster:
+            seconds, micros = await client.time()
+            members = cast("set[bytes]", await client.smembers(REMOVED_QUEUES_KEY))
+            return seconds + micros / 1e6, list(members)
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.time()
+            pipe.smembers(REMOVED_QUEUES_KEY)
+            (seconds, micros), removed = await pipe.execute()
+        return seconds + micros / 1e6, list(removed)
+
+
+async def served_queues(
+    config: SortedSetConfig | RedisPubSubConfig,
+    client: Redis,
+    removed: Iterable[bytes] | None,
+    pool_gate_params: Sequence[Mapping[str, Any]] = (),
+) -> list[tuple[str, QueueSpec]]:
+    """(origin, queue) for every queue a daemon of ``config`` serves now: configured, and
+    on redis-sortedset the discovered ones (read as the daemon reads them) and the removed
+    ones still draining (``removed``: the members of ``REMOVED_QUEUES_KEY``, read here if
+    None; with discovery turned off too), by ``QueueCatalog.survey``."""
+    if not isinstance(config, SortedSetConfig):
+        return [("configured", q) for q in config.queue_specs()]
+    if removed is None:
+        with redis_errors("queue discovery"):
+            removed = cast("set[bytes]", await client.smembers(REMOVED_QUEUES_KEY))
+    keyspace = _keyspace(config)
+    own = transport_own_keys(config, pool_gate_params)
+    lister = queue_lister(config, client, keyspace, own, None)
+    return await QueueCatalog(config, keyspace, lister).survey(removed)
+
+
+def _keyspace(config: SortedSetConfig | RedisPubSubConfig) -> KeySpace:
+    """The daemon's key names: with discovery, a retry set per queue."""
+    discovery = isinstance(config, SortedSetConfig) and config.queue_discovery is not None
+    return KeySpace(cluster=config.mode == "cluster", queue_retry=discovery)
+
+
+def _queue_status(
+    origin: str, queue: QueueSpec, config: SortedSetConfig | RedisPubSubConfig, replies: Any
+) -> QueueStatus:
+    status = QueueStatus(queue.name, queue.pool, dead_letters=next(replies), origin=origin)
+    if isinstance(config, SortedSetConfig):
+        status.depth, status.in_flight = next(replies), next(replies)
+        oldest = next(replies)
+        status.oldest_deadline = oldest[0][1] if oldest else None
+    return status
 
 
 def _oldest_age(
@@ -141,12 +213,16 @@ def _oldest_age(
 
 
 def _retry_sets(
-    keyspace: KeySpace, config: SortedSetConfig | RedisPubSubConfig
+    keyspace: KeySpace, config: SortedSetConfig | RedisPubSubConfig, queues: list[QueueSpec]
 ) -> dict[str, list[str]]:
-    """Retry set -> the queues whose retries it holds (one shared set; per queue in cluster)."""
+    """Retry set -> the queues whose retries it holds: one shared set (its configured
+    queues), or one per queue (cluster mode, discovery). With discovery the shared set is
+    listed too: the daemon still moves home what an earlier deployment left there."""
     sets: dict[str, list[str]] = {}
-    for queue in (q.queue_name for q in config.queues):
+    for queue in (q.name for q in queues):
         sets.setdefault(keyspace.retry(queue, config.retry_queue_name), []).append(queue)
+    if keyspace.queue_retry and not keyspace.cluster and config.queues:
+        sets[config.retry_queue_name] = [q.queue_name for q in config.queues]
     return sets
 
 
@@ -154,6 +230,8 @@ async def _counts(
     client: Redis,
     keyspace: KeySpace,
     config: SortedSetConfig | RedisPubSubConfig,
+    queues: list[QueueSpec],
+    result_lists: list[str],
     retry_sets: list[str],
     now: float,
     *,
@@ -166,13 +244,13 @@ async def _counts(
     keys sit in each queue's slot, so the pipeline goes node by node.
     """
     async with client.pipeline(transaction=not keyspace.cluster) as pipe:
-        for queue in (q.queue_name for q in config.queues):
+        for queue in (q.name for q in queues):
             pipe.llen(keyspace.dead_letter(queue))
             if isinstance(config, SortedSetConfig):
                 pipe.zcard(queue)
                 pipe.zcard(keyspace.inflight(queue))
                 pipe.zrange(queue, 0, 0, withscores=True)
-        for result_list in _result_lists(config):
+        for result_list in result_lists:
             pipe.llen(result_list)
             if dated:
                 pipe.get(result_side_key(result_list, "pushed"))
@@ -183,11 +261,14 @@ async def _counts(
         return list(await pipe.execute())
 
 
-def _result_lists(config: SortedSetConfig | RedisPubSubConfig) -> list[str]:
-    """The configured result lists (a message may route elsewhere; those are not known)."""
+def _result_lists(
+    config: SortedSetConfig | RedisPubSubConfig, queues: list[QueueSpec]
+) -> list[str]:
+    """The configured result lists and each served queue's own (a message may route
+    elsewhere; those are not known)."""
     names = [config.result_queue_name]
     if isinstance(config, SortedSetConfig):
-        names += [q.result_queue_name for q in config.queues if q.result_queue_name]
+        names += [q.result_queue_name for q in queues if q.result_queue_name]
     return list(dict.fromkeys(names))
 
 
@@ -258,11 +339,15 @@ COLUMNS = (
 
 
 def render(status: Status) -> str:
-    """A fixed-width table per queue, then the result lists."""
-    rows = [[title for title, _ in COLUMNS]]
+    """A fixed-width table per queue (with discovered queues, an ORIGIN column), then the
+    result lists."""
+    columns = list(COLUMNS)
+    if any(queue.origin != "configured" for queue in status.queues):  # queue_discovery
+        columns.insert(1, ("ORIGIN", "origin"))
+    rows = [[title for title, _ in columns]]
     for queue in status.queues:
-        rows.append([_cell(queue, attr, status.time) for _, attr in COLUMNS])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+        rows.append([_cell(queue, attr, status.time) for _, attr in columns])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = [f"transport {status.transport}", ""]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]  # fmt: skip

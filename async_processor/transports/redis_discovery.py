@@ -21,9 +21,9 @@ counting them.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from redis.asyncio import Redis
@@ -35,6 +35,7 @@ from async_processor.transports.redis_keys import (
     OWN_PREFIXES,
     REMOVED_QUEUES_KEY,
     OwnKeys,
+    own_keys,
     redis_errors,
 )
 from async_processor.transports.redis_keyspace import KeySpace
@@ -55,6 +56,42 @@ _DERIVED = re.compile(
     r"|(^|\}:)(" + "|".join(re.escape(p) for p in OWN_PREFIXES) + ")"
 )
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def transport_own_keys(
+    config: SortedSetConfig, pool_gate_params: Iterable[Mapping[str, Any]]
+) -> OwnKeys:
+    """The keys a redis-sortedset deployment owns beyond its queues' derived ones: its
+    configured queues' keys, the retry set, markers and every gate key (the configured
+    queues', the pools' and the discovery template's)."""
+    static = config.queue_specs()
+    params = [*(q.gate_params for q in static), *pool_gate_params]
+    if config.queue_discovery is not None:
+        params.append(config.queue_discovery.template.gate_params)
+    names = [q.name for q in static]
+    return own_keys(names, config.retry_queue_name, params, config.result_queue_pattern)
+
+
+def queue_lister(
+    config: SortedSetConfig,
+    redis: Redis,
+    keyspace: KeySpace,
+    own: OwnKeys,
+    metrics: Metrics | None,
+) -> QueueLister | None:
+    """The lister of ``config.queue_discovery`` (None without it), as the daemon reads it."""
+    if config.queue_discovery is None:
+        return None
+    static = [q.name for q in config.queue_specs()]
+    return QueueLister(
+        redis,
+        config.queue_discovery,
+        cluster=keyspace.cluster,
+        own=keyspace.own_keys(own, static),
+        static=frozenset(static),
+        result_list=config.result_queue_name,
+        metrics=metrics,
+    )
 
 
 class QueueLister:
@@ -162,6 +199,12 @@ def _text(raw: bytes | str) -> str | None:
         return None
 
 
+async def _removed_names(redis: Redis) -> list[str]:
+    with redis_errors("queue discovery"):
+        raws = [raw async for raw in redis.sscan_iter(REMOVED_QUEUES_KEY, count=SCAN_COUNT)]
+    return list(filter(None, map(_text, raws)))
+
+
 def _glob_escape(prefix: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
 
@@ -217,13 +260,23 @@ class QueueCatalog:
         upkeep (a listed or configured one is served as such)."""
         if self._restored:
             return
-        with redis_errors("queue discovery"):
-            raws = [raw async for raw in redis.sscan_iter(REMOVED_QUEUES_KEY, count=SCAN_COUNT)]
         served = {q.name for q in self.static} | set(self.discovered)
-        for name in filter(None, map(_text, raws)):
+        for name in await _removed_names(redis):
             if name not in served:
                 self._lingering.setdefault(name, self._spec(name))
         self._restored = True
+
+    async def survey(self, removed: Iterable[bytes]) -> list[tuple[str, QueueSpec]]:
+        """What a daemon of this config serves now, read-only (``status``, ``dead-letters``):
+        (origin, queue) for each configured queue, each discovered one (the daemon's
+        source, refusal rules and cap) and each removed one still named in
+        ``REMOVED_QUEUES_KEY`` (``removed``, its members: draining claims or retries)."""
+        served = [("configured", q) for q in self.static]
+        if self._lister is not None:
+            served += [("discovered", self._spec(n)) for n in await self._lister.names()]
+        known = {q.name for _, q in served}
+        removed_names = sorted(n for n in filter(None, map(_text, removed)) if n not in known)
+        return [*served, *(("removed", self._spec(n)) for n in removed_names)]
 
     def _spec(self, name: str) -> QueueSpec:
         if self._config.queue_discovery is None:  # discovery turned off: upkeep only

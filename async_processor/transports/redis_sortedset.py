@@ -54,7 +54,11 @@ from async_processor.transports.redis_claims import (
     token_of,
 )
 from async_processor.transports.redis_conn import connect
-from async_processor.transports.redis_discovery import QueueCatalog, QueueLister
+from async_processor.transports.redis_discovery import (
+    QueueCatalog,
+    queue_lister,
+    transport_own_keys,
+)
 from async_processor.transports.redis_keys import redis_errors as redis_errors
 from async_processor.transports.redis_keyspace import KeySpace
 from async_processor.transports.redis_markers import MarkerChecks
@@ -87,16 +91,9 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         self._fetches = itertools.count()
         static = config.queue_specs()
         self._claims = ClaimBook([q.name for q in static])  # the heartbeat extends what it holds
-        gate_params = [*(q.gate_params for q in static), *ctx.gate_params]
-        if discovery is not None:
-            gate_params.append(discovery.template.gate_params)
-        self._own = keys.own_keys(
-            [q.name for q in static],
-            config.retry_queue_name,
-            gate_params,
-            config.result_queue_pattern,
-        )
-        self._catalog = QueueCatalog(config, self._keys, self._lister(static))
+        self._own = transport_own_keys(config, ctx.gate_params)
+        lister = queue_lister(config, self._redis, self._keys, self._own, ctx.metrics)
+        self._catalog = QueueCatalog(config, self._keys, lister)
         self.queues: Sequence[QueueSpec] = self._catalog.upkeep
         self._routing = ResultRouting(config, self._keys, self._routed_own(), ctx.metrics)
         if ctx.metrics is not None:  # every series at 0 from the start, so alerts see a rise
@@ -108,20 +105,6 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
                 ctx.metrics.dead_letter_trimmed_total.labels(queue.name)
             for result_list in config.result_ttls():
                 ctx.metrics.results_trimmed_total.labels(result_list)
-
-    def _lister(self, static: Sequence[QueueSpec]) -> QueueLister | None:
-        discovery = self.config.queue_discovery
-        if discovery is None:
-            return None
-        return QueueLister(
-            self._redis,
-            discovery,
-            cluster=self._keys.cluster,
-            own=self._keys.own_keys(self._own, [q.name for q in static]),
-            static=frozenset(q.name for q in static),
-            result_list=self.config.result_queue_name,
-            metrics=self._ctx.metrics,
-        )
 
     def _routed_own(self) -> keys.OwnKeys:
         """The keys no message may name as its result list: ours, and every queue's."""

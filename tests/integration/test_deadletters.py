@@ -168,7 +168,7 @@ def test_usage_errors_exit_2(
     code, _, err = run(capsys, "replay", *flags)
     assert code == 2 and "needs entry ids or --all" in err
     code, _, err = run(capsys, "list", *flags, "--queue", "nope")
-    assert code == 2 and "not a configured queue" in err
+    assert code == 2 and "not a queue the daemon serves" in err
 
 
 def test_redis_pubsub_replay_keeps_the_entry_when_nobody_subscribes(

@@ -20,6 +20,7 @@ from async_processor.cli import main
 from async_processor.config import SortedSetConfig
 from async_processor.messages import Envelope, Request, Routing
 from async_processor.status import redis_status
+from async_processor.transports import redis_keys
 from async_processor.transports.base import Deferral, TransportContext
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.lossy_proxy import lossy_proxy
@@ -236,3 +237,80 @@ def test_status_and_dead_letter_replay_on_a_cluster_use_each_queues_slot(
     assert code == 0 and r.llen(f"{{{queues[1]}}}:dead-letter") == 0
     assert r.zscore(queues[1], envelope("dl", now + 900)) == int(now + 900)
     r.close()
+
+
+def test_status_and_dead_letters_see_the_daemons_discovered_and_removed_queues(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, redis_url: str, unique: str
+) -> None:
+    """With ``queue_discovery`` the commands read the same set as the daemon, with its
+    refusal rules and cap, each queue's own retry set and result list, and the removed
+    queues still draining; dead-letters lists, selects and replays their entries."""
+    listed, a, b, c = f"{unique}:tenants", f"{unique}-a", f"{unique}-b", f"{unique}-c"
+    raw = {
+        "url": redis_url,
+        "retry_queue_name": f"{unique}-retry",
+        "result_queue_name": f"{unique}-results",
+        "queue_discovery": {
+            "set_key": listed,
+            "max_queues": 2,
+            "template": {
+                "igw_base_url": GW,
+                "result_queue_name": "<queue>:out",
+            },
+        },
+    }
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(raw))
+    flags = ["--transport", "redis-sortedset", "--transport-config-file", str(path)]
+    r = redis.Redis.from_url(redis_url)
+    now = time.time()
+    for queue in (a, b, c):
+        r.zadd(queue, {envelope(f"{queue}-{n}", now + 600 + n): now + 600 + n for n in range(3)})
+    r.sadd(listed, a, b, f"{a}:inflight")  # the last one is a daemon key: refused
+    anyio.run(_defer_and_dead_letter_in_discovered, SortedSetConfig.model_validate(raw), a)
+    r.lpush(f"{a}:out", "result")
+    r.sadd(redis_keys.REMOVED_QUEUES_KEY, c)  # removed, draining: a claim left
+    r.zadd(f"{c}:inflight", {"claim": now + 30})
+    capsys.readouterr()  # the transport's log lines
+    try:
+        code = main(["status", *flags, "--json"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        got = json.loads(out)
+        queues = {q["queue"]: q for q in got["queues"]}
+        assert {n: q["origin"] for n, q in queues.items()} == {
+            a: "discovered", b: "discovered", c: "removed"}  # fmt: skip
+        assert (queues[a]["depth"], queues[a]["retry_parked"], queues[a]["dead_letters"]) == (
+            1, 1, 1)  # fmt: skip
+        assert (queues[b]["depth"], queues[c]["in_flight"]) == (3, 1)
+        assert got["retry_sets"][f"{a}:retry"] == {"due": 0, "parked": 1}
+        assert got["result_lists"][f"{a}:out"] == 1
+        code, table = status(capsys, *flags)
+        assert "ORIGIN" in table and "removed" in table
+        code = main(["dead-letters", "list", *flags, "--queue", a, "--json"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        [entry] = json.loads(out)
+        assert entry["queue"] == a
+        assert main(["dead-letters", "replay", "--all", *flags]) == 0
+        assert r.llen(f"{a}:dead-letter") == 0 and r.zcard(a) == 2
+        capsys.readouterr()  # the counts replay printed
+        r.sadd(listed, f"{unique}-z")  # past max_queues: the daemon leaves one (any) out
+        code, out = status(capsys, *flags, "--json")
+        assert len([q for q in json.loads(out)["queues"] if q["origin"] == "discovered"]) == 2
+    finally:
+        r.srem(redis_keys.REMOVED_QUEUES_KEY, c)
+        r.close()
+
+
+async def _defer_and_dead_letter_in_discovered(config: SortedSetConfig, queue: str) -> None:
+    """Discover the queues, claim two of ``queue``: defer one 10 min, dead-letter the other."""
+    transport = SortedSetTransport(config, TransportContext())
+    try:
+        spec = next(s for s in await transport.discover() if s.name == queue)
+        first, second = await transport.fetch(spec, 2, 0)
+        transport.decode(first)
+        await transport.defer([Deferral(first, 600)])
+        await transport.dead_letter(second, "malformed", "test")
+    finally:
+        await transport.aclose()
