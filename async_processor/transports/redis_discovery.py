@@ -32,6 +32,7 @@ from async_processor.config import SortedSetConfig
 from async_processor.config.transports import QueueDiscovery
 from async_processor.transports.base import QueueSpec
 from async_processor.transports.redis_keys import (
+    EMPTY_SINCE_KEY,
     OWN_PREFIXES,
     REMOVED_QUEUES_KEY,
     OwnKeys,
@@ -199,6 +200,11 @@ def _text(raw: bytes | str) -> str | None:
         return None
 
 
+async def _redis_now(redis: Redis) -> float:
+    seconds, micros = await redis.time()
+    return float(seconds + micros / 1e6)
+
+
 async def _removed_names(redis: Redis) -> list[str]:
     with redis_errors("queue discovery"):
         raws = [raw async for raw in redis.sscan_iter(REMOVED_QUEUES_KEY, count=SCAN_COUNT)]
@@ -226,7 +232,13 @@ class QueueCatalog:
         self.static: list[QueueSpec] = config.queue_specs()
         self.discovered: dict[str, QueueSpec] = {}
         self._lingering: dict[str, QueueSpec] = {}
-        self._checked: set[str] = set()  # lingering queues seen for one refresh already
+        discovery = config.queue_discovery
+        # Discovery off: an older deployment's replica may still poll at the default pace.
+        default = float(QueueDiscovery.model_fields["refresh_seconds"].default)
+        refresh = discovery.refresh_seconds if discovery else default
+        # How long a removed queue stays named once empty: past the refresh of a replica
+        # that lags one refresh behind, and one lease (docs/transports.md).
+        self._grace = 2 * refresh + config.lease_seconds
         self._restored = False
 
     @property
@@ -244,7 +256,10 @@ class QueueCatalog:
         gone = [n for n in self.discovered if n not in names]
         if gone:  # named in Redis before its poller stops: a kill from here on strands nothing
             with redis_errors("queue discovery"):
-                await redis.sadd(REMOVED_QUEUES_KEY, *gone)
+                async with redis.pipeline(transaction=False) as pipe:
+                    pipe.sadd(REMOVED_QUEUES_KEY, *gone)
+                    pipe.zrem(EMPTY_SINCE_KEY, *gone)  # removed anew: its grace starts again
+                    await pipe.execute()
         wanted = {
             n: self.discovered.get(n) or self._lingering.pop(n, None) or self._spec(n)
             for n in names
@@ -284,29 +299,41 @@ class QueueCatalog:
         return self._config.discovered_spec(name)
 
     async def drop_empty(self, redis: Redis) -> None:
-        """Forget removed queues with no claim and no retry left, from their second
-        check on (their poller may still be stopping during the first)."""
-        settled = [n for n in self._lingering if n in self._checked]
-        self._checked = set(self._lingering) - set(settled)
-        if not settled:
+        """Forget removed queues that have held no claim and no retry for ``grace`` s.
+
+        The time each was first seen empty is kept in Redis (``EMPTY_SINCE_KEY``, by
+        Redis's clock), so every replica counts from the first sighting, and a claim or
+        retry seen meanwhile restarts the count. The grace outlasts a lagging replica that
+        has not refreshed yet and makes one last claim (then dies): that claim lands while
+        the queue is still named, so someone reaps it. A queue named by an older daemon
+        (no time recorded) starts its count at its first check.
+        """
+        names = list(self._lingering)
+        if not names:
             return
         with redis_errors("queue discovery"):
+            now = await _redis_now(redis)
             async with redis.pipeline(transaction=False) as pipe:
-                for name in settled:
+                for name in names:
                     pipe.zcard(self._keys.inflight(name))
                     pipe.zcard(self._removed_keys.retry(name, ""))
                 counts = await pipe.execute()
-        empty = []
-        for index, name in enumerate(settled):
-            if counts[2 * index] or counts[2 * index + 1]:
-                self._checked.add(name)
-            else:
-                empty.append(name)
-        if empty:
-            with redis_errors("queue discovery"):
-                await redis.srem(REMOVED_QUEUES_KEY, *empty)
-            for name in empty:
-                del self._lingering[name]
+            busy = [n for i, n in enumerate(names) if counts[2 * i] or counts[2 * i + 1]]
+            empty = [n for n in names if n not in busy]
+            async with redis.pipeline(transaction=False) as pipe:
+                if busy:
+                    pipe.zrem(EMPTY_SINCE_KEY, *busy)
+                for name in empty:
+                    pipe.zadd(EMPTY_SINCE_KEY, {name: now}, nx=True)
+                if empty:
+                    pipe.zmscore(EMPTY_SINCE_KEY, empty)
+                since = (await pipe.execute())[-1] if empty else []
+            done = [n for n, t in zip(empty, since, strict=True) if now - t >= self._grace]
+            if done:  # the time first: a kill between the two restarts the count, never ends it
+                await redis.zrem(EMPTY_SINCE_KEY, *done)
+                await redis.srem(REMOVED_QUEUES_KEY, *done)
+        for name in done:
+            del self._lingering[name]
 
     def names(self) -> Sequence[str]:
         return [q.name for q in self.upkeep]

@@ -156,6 +156,8 @@ OWN_PREFIXES = ("request-active:", "request-cancel:", "request-done:")
 # The discovered queues removed while they still held claims or retries: kept in Redis so
 # a restarted daemon (or one with discovery turned off) still reaps and moves them home.
 REMOVED_QUEUES_KEY = "async-processor:removed-queues"
+# Removed queue -> when it was first seen empty (Redis time): forgotten a grace period later.
+EMPTY_SINCE_KEY = "async-processor:removed-queues:empty-since"
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +186,7 @@ def own_keys(
     """Request queues with their in-flight and dead-letter keys, the retry set, the
     markers, and every gate key: a gate parameter named ``*_key`` (that key and the keys
     under ``<key>:``, e.g. a rate gate's ``<control_key>:state``) or ``prefix`` (quotas)."""
-    exact = {retry_queue, REMOVED_QUEUES_KEY, *queue_keys(queues)}
+    exact = {retry_queue, REMOVED_QUEUES_KEY, EMPTY_SINCE_KEY, *queue_keys(queues)}
     prefixes = list(OWN_PREFIXES)
     for params in gate_params:
         for name, value in params.items():

@@ -188,6 +188,7 @@ async def _upkeep(processor: Processor) -> None:
     await transport.reap()
     await transport.move_due()
     await transport.retain()
+    await transport.settle_removed()
     await transport.health()
     assert await transport.backlog(transport.queues[0]) == 0
 

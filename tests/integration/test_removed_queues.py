@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from async_processor.config import SortedSetConfig
 from async_processor.transports.base import Deferral, TransportContext
-from async_processor.transports.redis_keys import REMOVED_QUEUES_KEY
+from async_processor.transports.redis_keys import EMPTY_SINCE_KEY, REMOVED_QUEUES_KEY
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.inprocess import running
 from tests.fixtures.simulator import SimulatorProcess
@@ -83,9 +83,10 @@ async def test_a_removed_queue_left_draining_by_a_killed_daemon_is_drained_after
         await transport.move_due()
         assert await r.zcard(queue) == 2  # back home
         assert await r.zcard(f"{queue}:inflight") == 0 == await r.zcard(f"{queue}:retry")
-        for _ in range(2):  # then forgotten, here and in Redis
-            await (transport.discover() if discovery else transport.settle_removed())
-        assert queue not in [q.name for q in transport.queues]
+        with anyio.fail_after(30):  # then forgotten, here and in Redis, after its grace
+            while queue in [q.name for q in transport.queues]:
+                await (transport.discover() if discovery else transport.settle_removed())
+                await anyio.sleep(0.2)
         assert queue.encode() not in await r.smembers(REMOVED_QUEUES_KEY)
     finally:
         await transport.aclose()
@@ -107,7 +108,7 @@ async def test_tenant_churn_leaves_no_gate_metric_series_or_claim_entry_behind(
             await submit(redis_url, unique, queue, f"id-{queue}")
             assert await results(r, unique, 1) == [f"id-{queue}"]
             await r.srem(listed, queue)
-        with anyio.fail_after(10):
+        with anyio.fail_after(20):  # each kept through its grace (2 x 0.2 + 5 s)
             while set(gone) & {q.name for q in transport.queues}:
                 await anyio.sleep(0.1)
             await anyio.sleep(0.5)  # one more refresh
@@ -120,3 +121,61 @@ async def test_tenant_churn_leaves_no_gate_metric_series_or_claim_entry_behind(
         assert not set(gone) & set(processor.queue_gates._by_queue)
         assert not set(gone) & set(transport._claims.held)
         assert processor.metrics._bound.keys() <= {("", "", "p")}
+
+
+async def test_a_lagging_replicas_last_claim_on_a_removed_queue_is_not_stranded(
+    redis_url: str, unique: str, r: Redis
+) -> None:
+    """Replica A sees the queue removed and empty; replica B, one refresh behind, claims
+    from it once more and dies. A keeps the queue named through its grace period, so the
+    claim is seen and reaped home (before: A forgot the queue at its second check, and
+    nobody reaped B's claim while the queue stayed unlisted)."""
+    listed, queue = f"{unique}:tenants", f"{unique}-a"
+    await r.sadd(listed, queue)
+    await submit(redis_url, unique, queue, "m1", "m2")
+    config = transport_config(redis_url, unique, set_key=listed)
+    config = config.model_copy(update={"lease_seconds": 1})  # grace: 2 x 0.2 + 1 s
+    a = SortedSetTransport(config, TransportContext())
+    b = SortedSetTransport(config, TransportContext())
+    try:
+        [spec] = await a.discover()
+        await b.discover()
+        await r.srem(listed, queue)
+        for _ in range(3):  # A: removed, and empty at every check
+            assert await a.discover() == []
+        assert await r.zscore(EMPTY_SINCE_KEY, queue) is not None
+        assert len(await b.fetch(spec, 1, 0)) == 1  # B's last claim; B dies holding it
+        await b.aclose()
+        await anyio.sleep(1.2)  # B's lease runs out
+        await a.discover()
+        await a.reap()
+        assert await r.zcard(f"{queue}:inflight") == 0
+        assert await r.zcard(queue) == 2  # both home
+        with anyio.fail_after(10):  # and then forgotten
+            while queue in [q.name for q in a.queues]:
+                await a.discover()
+                await anyio.sleep(0.2)
+        assert queue.encode() not in await r.smembers(REMOVED_QUEUES_KEY)
+        assert await r.zscore(EMPTY_SINCE_KEY, queue) is None
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_a_queue_named_by_an_older_daemon_is_kept_through_its_grace(
+    redis_url: str, unique: str, r: Redis
+) -> None:
+    """An upgrade: the set names a queue and no time was recorded for it. It is drained
+    and its grace counted from the first check, not forgotten at once."""
+    queue = f"{unique}-old"
+    await r.sadd(REMOVED_QUEUES_KEY, queue)
+    transport = restarted(redis_url, unique, discovery=False)
+    try:
+        await transport.settle_removed()
+        await transport.settle_removed()
+        assert queue in [q.name for q in transport.queues]  # empty, but within its grace
+        assert await r.zscore(EMPTY_SINCE_KEY, queue) is not None
+    finally:
+        await r.srem(REMOVED_QUEUES_KEY, queue)
+        await r.zrem(EMPTY_SINCE_KEY, queue)
+        await transport.aclose()
