@@ -53,8 +53,12 @@ QUEUE_GAUGES = {
 
 def backlog(status: Status) -> int:
     """Work not yet answered: waiting and in flight on every queue, plus the retry sets
-    (unknown figures count as 0)."""
-    queued = sum((q.depth or 0) + (q.in_flight or 0) for q in status.queues)
+    (unknown figures count as 0). A removed discovered queue still draining counts its
+    claims and retries (a replica must reap and move them) but not what waits on it:
+    nobody polls it, so that would keep KEDA from scaling to zero for good."""
+    queued = sum(
+        (q.depth or 0 if q.origin != "removed" else 0) + (q.in_flight or 0) for q in status.queues
+    )
     return queued + sum(sum(counts.values()) for counts in status.retry_sets.values())
 
 

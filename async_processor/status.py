@@ -24,7 +24,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, cast
 
 import anyio
@@ -114,7 +114,7 @@ async def redis_status(
     now, removed = await _clock_and_removed(client, config.mode == "cluster")
     served = await served_queues(config, client, removed, pool_gate_params)
     keyspace = _keyspace(config)
-    retry_sets = _retry_sets(keyspace, config, [q for _, q in served])
+    retry_sets = _retry_sets(keyspace, config, served)
     # Only the sorted set's results are dated (by the daemon's retention rounds).
     dated = result_ages and isinstance(config, SortedSetConfig)
     result_lists = _result_lists(config, [q for _, q in served])
@@ -213,14 +213,21 @@ def _oldest_age(
 
 
 def _retry_sets(
-    keyspace: KeySpace, config: SortedSetConfig | RedisPubSubConfig, queues: list[QueueSpec]
+    keyspace: KeySpace,
+    config: SortedSetConfig | RedisPubSubConfig,
+    served: list[tuple[str, QueueSpec]],
 ) -> dict[str, list[str]]:
     """Retry set -> the queues whose retries it holds: one shared set (its configured
-    queues), or one per queue (cluster mode, discovery). With discovery the shared set is
-    listed too: the daemon still moves home what an earlier deployment left there."""
+    queues), or one per queue (cluster mode, discovery, and always a removed discovered
+    queue's). With discovery the shared set is listed too: the daemon still moves home
+    what an earlier deployment left there."""
+    own = replace(keyspace, queue_retry=True)
     sets: dict[str, list[str]] = {}
-    for queue in (q.name for q in queues):
-        sets.setdefault(keyspace.retry(queue, config.retry_queue_name), []).append(queue)
+    for origin, queue in served:
+        retry = (own if origin == "removed" else keyspace).retry(
+            queue.name, config.retry_queue_name
+        )
+        sets.setdefault(retry, []).append(queue.name)
     if keyspace.queue_retry and not keyspace.cluster and config.queues:
         sets[config.retry_queue_name] = [q.queue_name for q in config.queues]
     return sets

@@ -25,6 +25,7 @@ from async_processor.cli import main
 from async_processor.config import AppConfig, SortedSetConfig, load_config
 from async_processor.exporter import Exporter, serve
 from async_processor.transports.base import TransportContext
+from async_processor.transports.redis_keys import REMOVED_QUEUES_KEY
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.servers import RedisServer
 
@@ -67,8 +68,10 @@ async def backlog_becomes(url: str, want: int) -> None:
 
 @pytest.mark.anyio
 async def test_backlog_follows_the_queue_retries_and_claims(
-    tmp_path: Path, redis_url: str, unique: str
+    tmp_path: Path, private_redis: RedisServer, unique: str
 ) -> None:
+    """On a server of its own: every daemon serves the removed queues named in Redis."""
+    redis_url = private_redis.url
     queue = f"{unique}-q"
     r = redis.Redis.from_url(redis_url)
     deadline = time.time() + 600
@@ -88,6 +91,11 @@ async def test_backlog_follows_the_queue_retries_and_claims(
         r.lpush(f"{queue}:dead-letter", "x")
         await backlog_becomes(f"{metrics}/backlog", 1)
         _, text = await get(f"{metrics}/metrics")
+        # A removed tenant draining: its claim is work, what waits on it nobody polls.
+        r.zadd("gone", {"a": deadline, "b": deadline})
+        r.zadd("gone:inflight", {"claim": time.time() + 30})
+        r.sadd(REMOVED_QUEUES_KEY, "gone")
+        await backlog_becomes(f"{metrics}/backlog", 2)
     samples = {(s.name, s.labels.get("queue_name")): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
     assert samples[("llm_d_async_exporter_queue_depth", queue)] == 1
@@ -115,8 +123,9 @@ async def test_an_unreachable_broker_is_unknown_not_zero(
 
 @pytest.mark.anyio
 async def test_the_metrics_token_guards_backlog_too(
-    tmp_path: Path, redis_url: str, unique: str
+    tmp_path: Path, private_redis: RedisServer, unique: str
 ) -> None:
+    redis_url = private_redis.url
     token = tmp_path / "token"
     token.write_text("s3cret")
     cfg = config(tmp_path, redis_url, f"{unique}-q", "--metrics-bearer-token-file", str(token))
