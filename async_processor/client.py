@@ -13,8 +13,10 @@ Reading results loses none: each is moved (``BLMOVE``, Redis >= 6.2) into this c
 processing list ``<result list>:processing:<consumer>``. ``results()`` removes it from
 there only when the caller asks for the next one (or calls ``ack``, or leaves the client's
 ``async with`` without an error): a consumer killed while handling a result gets it again
-when it restarts with the same ``consumer`` name (at-least-once). ``drain_results`` removes
-its results before returning the list. A move whose reply was lost (the connection
+when it restarts with the same ``consumer`` name (at-least-once). ``drain_results`` does
+the same for a batch: the results it returned are removed at the next read of that list
+(or ``ack``, or the clean exit), and whatever a crash left in the processing list comes
+back first. A move whose reply was lost (the connection
 dropped, redis-py sent the command again) leaves its result there, and the next read
 returns it first. An entry that is not a result is returned as an ``UndecodableResult``
 (its raw bytes), not dropped.
@@ -93,8 +95,8 @@ class SortedSetClient:
         # Per processing list: the oldest entry it held after our last removal (None:
         # none). A list not here is unknown: the next read looks first.
         self._leftover: dict[str, bytes | None] = {}
-        # Per processing list: the entry ``results()`` handed over last, not yet removed.
-        self._unacked: dict[str, bytes] = {}
+        # Per processing list: the entries handed over last, not yet removed.
+        self._unacked: dict[str, list[bytes]] = {}
 
     async def __aenter__(self) -> SortedSetClient:
         return self
@@ -222,11 +224,12 @@ class SortedSetClient:
     ) -> AsyncIterator[Result]:
         """Results in arrival order; ends after ``timeout`` s with none (None = never ends).
         Each stays in the processing list until the next is asked for (or ``ack``)."""
-        while (result := await self._pop(result_queue, timeout, hold=True)) is not None:
+        while (result := await self._pop(result_queue, timeout)) is not None:
             yield result
 
     async def ack(self) -> None:
-        """Remove what ``results()`` handed over last (the next read does it otherwise)."""
+        """Remove what ``results()`` or ``drain_results`` handed over last (the next read
+        of the same list does it otherwise)."""
         with redis_errors("result ack"):
             for processing in list(self._unacked):
                 await self._remove(processing, self._unacked[processing])
@@ -238,22 +241,31 @@ class SortedSetClient:
         *,
         result_queue: str | None = None,
     ) -> list[Result]:
-        """Up to ``n`` results, waiting at most ``timeout`` s in total."""
-        out: list[Result] = []
-        give_up = time.monotonic() + timeout
-        while len(out) < n and (remaining := give_up - time.monotonic()) > 0:
-            result = await self._pop(result_queue, remaining, hold=False)
-            if result is None:
-                break
-            out.append(result)
-        return out
+        """Up to ``n`` results, waiting at most ``timeout`` s in total. They stay in the
+        processing list until the next read of this list (``drain_results`` or
+        ``results()``), ``ack`` or a clean exit, as with ``results()``.
 
-    async def _pop(
-        self, result_queue: str | None, wait: float | None, *, hold: bool
-    ) -> Result | None:
+        One round trip to remove the last batch and look at what a crash left in the
+        processing list (returned first, oldest first), then one ``BLMOVE`` per result.
+        """
+        source = result_queue or self.result_queue
+        processing = processing_key(source, self.consumer)
+        give_up = time.monotonic() + timeout
+        with redis_errors("result read"):
+            raws = await self._remove(processing, self._unacked.get(processing, []), look=n)
+            self._leftover.pop(processing, None)  # what we now hold is in the list
+            while len(raws) < n and (remaining := give_up - time.monotonic()) > 0:
+                moved = await self._move(source, processing, max(remaining, 0.01))
+                if moved is None:  # one whose reply was lost is returned by the next read
+                    break
+                raws.append(moved)
+        if raws:
+            self._unacked[processing] = raws
+        return [_decoded(raw) for raw in raws]
+
+    async def _pop(self, result_queue: str | None, wait: float | None) -> Result | None:
         """The oldest result left in our processing list, else one BLMOVE into it (0 =
-        block forever, so a finite wait is at least 10 ms); removed once decoded, or with
-        ``hold`` at the next read.
+        block forever, so a finite wait is at least 10 ms); removed at the next read.
 
         Two round trips per result: the move, and the removal pipelined with a look at
         what else the processing list holds (``_leftover``), so the next read needs no
@@ -264,26 +276,29 @@ class SortedSetClient:
         processing = processing_key(source, self.consumer)
         seconds = 0.0 if wait is None else max(wait, 0.01)
         with redis_errors("result read"):
-            if processing in self._unacked:  # handed over by results() and handled since
+            if processing in self._unacked:  # handed over earlier and handled since
                 await self._remove(processing, self._unacked[processing])
             raw = await self._take(source, processing, seconds)
             if raw is None:
                 return None
-            if hold:
-                self._unacked[processing] = raw
-            else:
-                await self._remove(processing, raw)
+            self._unacked[processing] = [raw]
         return _decoded(raw)
 
-    async def _remove(self, processing: str, raw: bytes) -> None:
-        """Remove ``raw`` and look at what the list still holds, in one round trip."""
+    async def _remove(self, processing: str, raws: Sequence[bytes], look: int = 1) -> list[bytes]:
+        """Remove ``raws`` and return the ``look`` oldest entries the list still holds
+        (oldest first), in one round trip."""
         self._leftover.pop(processing, None)  # unknown until the reply is in
+        if look <= 0 and not raws:
+            return []
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.lrem(processing, -1, raw)  # type: ignore[arg-type]  # bytes
-            pipe.lindex(processing, -1)
-            _, left = await pipe.execute()
+            for raw in raws:
+                pipe.lrem(processing, -1, raw)  # type: ignore[arg-type]  # bytes
+            pipe.lrange(processing, -max(look, 1), -1)
+            *_, left = await pipe.execute()
         self._unacked.pop(processing, None)
-        self._leftover[processing] = cast(bytes | None, left)
+        oldest = list(reversed(cast(list[bytes], left)))
+        self._leftover[processing] = oldest[0] if oldest else None
+        return oldest[: max(look, 0)]
 
     async def _take(self, source: str, processing: str, seconds: float) -> bytes | None:
         # Taken out, so a read that fails or is cancelled from here on leaves it unknown.
@@ -292,12 +307,16 @@ class SortedSetClient:
         else:  # first read, or the last one failed
             raw = await self._oldest(processing)
         if raw is None:
-            # Redis takes a fractional timeout; redis-py's stubs say int.
-            moved = await self._redis.blmove(source, processing, seconds, "RIGHT", "LEFT")  # type: ignore[arg-type]
-            raw = cast(bytes | None, moved)
+            raw = await self._move(source, processing, seconds)
         if raw is None:  # a move whose reply was lost may have left one after all
             raw = await self._oldest(processing)
         return raw
+
+    async def _move(self, source: str, processing: str, seconds: float) -> bytes | None:
+        """The oldest result moved into the processing list (waiting ``seconds``; 0: ever)."""
+        # Redis takes a fractional timeout; redis-py's stubs say int.
+        moved = await self._redis.blmove(source, processing, seconds, "RIGHT", "LEFT")  # type: ignore[arg-type]
+        return cast(bytes | None, moved)
 
     async def _oldest(self, processing: str) -> bytes | None:
         return cast(bytes | None, await self._redis.lindex(processing, -1))

@@ -223,11 +223,11 @@ async def test_a_consumer_resumes_what_it_had_moved_but_not_returned(
     assert result.id == "moved"
 
 
-async def test_a_result_costs_two_round_trips(
+async def test_a_drained_result_costs_one_round_trip(
     redis_server: RedisServer, r: Redis, unique: str
 ) -> None:
-    # The move, then the removal pipelined with the look at what the processing list
-    # still holds; only the first read looks before moving.
+    # One move per result, after one look at what the processing list still holds (the
+    # removal of the batch before, pipelined with it); the batch goes at the clean exit.
     results = f"{unique}-results"
     await r.lpush(results, *(Result.http(f"r{i}", 200, b"{}").encode() for i in range(20)))
     async with (
@@ -239,7 +239,7 @@ async def test_a_result_costs_two_round_trips(
         got = await client.drain_results(20, timeout=5)
         round_trips = proxy.requests - before
     assert [x.id for x in got] == [f"r{i}" for i in range(20)]
-    assert round_trips == 1 + 2 * 20
+    assert round_trips == 1 + 20
     assert await r.keys(f"*{unique}*processing*") == []
 
 
@@ -282,6 +282,42 @@ async def test_a_consumer_killed_between_move_and_removal_loses_nothing(
     assert await r.llen(results) == 0
 
 
+# A consumer killed (SIGKILL) while it handles the batch drain_results returned.
+_DIES_HANDLING_A_BATCH = """
+import os, signal, sys
+import anyio
+from async_processor.client import SortedSetClient
+
+async def main() -> None:
+    url, results = sys.argv[1:]
+    async with SortedSetClient(url, "unused", results, consumer="c1") as client:
+        batch = await client.drain_results(2, timeout=5)
+        assert len(batch) == 2
+        os.kill(os.getpid(), signal.SIGKILL)
+
+anyio.run(main)
+"""
+
+
+async def test_a_consumer_killed_while_handling_a_drained_batch_gets_it_again(
+    redis_url: str, r: Redis, unique: str
+) -> None:
+    """drain_results is at-least-once: before, it removed its results before returning
+    them, so a consumer killed while handling them lost them."""
+    results = f"{unique}-results"
+    await r.lpush(results, *(Result.http(f"r{i}", 200, b"{}").encode() for i in range(3)))
+    with anyio.fail_after(30):
+        dead = await anyio.run_process(
+            [sys.executable, "-c", _DIES_HANDLING_A_BATCH, redis_url, results], check=False
+        )
+    assert dead.returncode == -9
+    async with SortedSetClient(redis_url, f"{unique}-q", results, consumer="c1") as client:
+        again = await client.drain_results(1, timeout=0.5)  # a crash's leftovers come first
+        rest = await client.drain_results(5, timeout=0.5)
+    assert [x.id for x in [*again, *rest]] == ["r0", "r1", "r2"]
+    assert await r.keys(f"*{unique}*processing*") == []
+
+
 async def test_after_a_failed_removal_the_next_read_returns_that_result_first(
     client: SortedSetClient, r: Redis, unique: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -298,6 +334,7 @@ async def test_after_a_failed_removal_the_next_read_returns_that_result_first(
         await client.drain_results(1, timeout=1)  # r1 moved, its removal failed
     rest = await client.drain_results(3, timeout=0.5)
     assert [x.id for x in [first, *rest]] == ["r0", "r1", "r2"]
+    await client.ack()
     assert await r.keys(f"*{unique}*processing*") == []
 
 

@@ -148,7 +148,8 @@ async def test_each_discovered_queues_own_result_list_is_retained_and_expires_on
     own = f"{queue}:out"
     cfg = SortedSetConfig.model_validate(
         {"url": redis_url, "result_ttl_seconds": 1, "retry_queue_name": f"{unique}:retry",
-         "queue_discovery": {"set_key": listed, "template": {
+         "lease_seconds": 1,
+         "queue_discovery": {"set_key": listed, "refresh_seconds": 0.2, "template": {
              "igw_base_url": "http://gw:1", "result_queue_name": "<queue>:out"}}}
     )  # fmt: skip
     metrics = Metrics()
@@ -179,9 +180,11 @@ async def test_each_discovered_queues_own_result_list_is_retained_and_expires_on
         await transport.retain()
         assert 0 < await r.ttl(own) <= 1 + RETAIN_GRACE
         await r.srem(listed, queue)
-        for _ in range(3):  # drained: it leaves upkeep, and its series goes with it
-            await transport.discover()
-            await transport.retain()
+        with anyio.fail_after(10):  # drained: it leaves upkeep after its grace (1.4 s)
+            while queue in [q.name for q in transport.queues]:
+                await transport.discover()
+                await anyio.sleep(0.2)
+        await transport.retain()  # and its series goes with it
         assert queue not in [q.name for q in transport.queues]
         assert metrics.registry.get_sample_value(SERIES, trimmed) is None
     finally:
