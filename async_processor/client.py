@@ -246,13 +246,18 @@ class SortedSetClient:
         ``results()``), ``ack`` or a clean exit, as with ``results()``.
 
         One round trip to remove the last batch and look at what a crash left in the
-        processing list (returned first, oldest first), then one ``BLMOVE`` per result.
+        processing list (returned first, oldest first; one more look per such entry),
+        then one ``BLMOVE`` per result.
         """
         source = result_queue or self.result_queue
         processing = processing_key(source, self.consumer)
         give_up = time.monotonic() + timeout
         with redis_errors("result read"):
-            raws = await self._remove(processing, self._unacked.get(processing, []), look=n)
+            raws: list[bytes] = []
+            left = await self._remove(processing, self._unacked.get(processing, []))
+            while left is not None and len(raws) < n:  # what a crash left: rare, a look each
+                raws.append(left)
+                left = await self._oldest(processing, len(raws) + 1)
             self._leftover.pop(processing, None)  # what we now hold is in the list
             while len(raws) < n and (remaining := give_up - time.monotonic()) > 0:
                 moved = await self._move(source, processing, max(remaining, 0.01))
@@ -284,21 +289,18 @@ class SortedSetClient:
             self._unacked[processing] = [raw]
         return _decoded(raw)
 
-    async def _remove(self, processing: str, raws: Sequence[bytes], look: int = 1) -> list[bytes]:
-        """Remove ``raws`` and return the ``look`` oldest entries the list still holds
-        (oldest first), in one round trip."""
+    async def _remove(self, processing: str, raws: Sequence[bytes]) -> bytes | None:
+        """Remove ``raws`` and return the oldest entry the list still holds, in one round
+        trip (``LINDEX``: the producer's ACL line has no ``LRANGE``)."""
         self._leftover.pop(processing, None)  # unknown until the reply is in
-        if look <= 0 and not raws:
-            return []
         async with self._redis.pipeline(transaction=False) as pipe:
             for raw in raws:
                 pipe.lrem(processing, -1, raw)  # type: ignore[arg-type]  # bytes
-            pipe.lrange(processing, -max(look, 1), -1)
+            pipe.lindex(processing, -1)
             *_, left = await pipe.execute()
         self._unacked.pop(processing, None)
-        oldest = list(reversed(cast(list[bytes], left)))
-        self._leftover[processing] = oldest[0] if oldest else None
-        return oldest[: max(look, 0)]
+        self._leftover[processing] = cast(bytes | None, left)
+        return cast(bytes | None, left)
 
     async def _take(self, source: str, processing: str, seconds: float) -> bytes | None:
         # Taken out, so a read that fails or is cancelled from here on leaves it unknown.
@@ -318,8 +320,9 @@ class SortedSetClient:
         moved = await self._redis.blmove(source, processing, seconds, "RIGHT", "LEFT")  # type: ignore[arg-type]
         return cast(bytes | None, moved)
 
-    async def _oldest(self, processing: str) -> bytes | None:
-        return cast(bytes | None, await self._redis.lindex(processing, -1))
+    async def _oldest(self, processing: str, rank: int = 1) -> bytes | None:
+        """The ``rank``-th oldest entry of the processing list (1: the oldest)."""
+        return cast(bytes | None, await self._redis.lindex(processing, -rank))
 
     # ------------------------------------------------------------------ depths
 
