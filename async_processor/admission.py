@@ -4,8 +4,11 @@ Input: a ``Work`` item inside a worker, the pool's gate and the limits. Output: 
 when admitted, else an outcome for the worker to settle: a ``Final`` result (drop,
 gate error, deadline) or a ``HandBack`` (refused, waited too long, shutting down).
 
-Wait parks the worker without spinning: it re-asks the gate at most every 50 ms, or
-sooner when the gate can signal a change (``gates.base.WaitsForChange``). Past
+Wait parks the worker without spinning. A gate that can signal a change
+(``gates.base.WaitsForChange``: a freed slot, a new reading) wakes its parked workers
+itself, and they re-check on their own only every ``WAIT_FALLBACK`` (a wake-up lost to a
+race costs at most that); a gate that cannot is re-asked every ``WAIT_STEP``. Re-asking
+every 50 ms regardless cost 8-16 % of a core with 72 workers parked. Past
 ``--gate-wait-timeout`` the message goes back to the broker instead of failing, since
 its deadline may be hours away (the reference failed it with DEADLINE_EXCEEDED).
 """
@@ -30,7 +33,8 @@ from async_processor.work import Work
 
 log = structlog.get_logger(__name__)
 
-WAIT_STEP = 0.05
+WAIT_STEP = 0.05  # re-asking a gate that cannot signal a change
+WAIT_FALLBACK = 1.0  # re-asking a gate that can, in case a wake-up was missed
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +84,22 @@ async def admit(
             return expired(envelope.id, last_answer(envelope.routing))
         if now >= wait_until or stopping.is_set():
             return HandBack(0.0)
-        await _park(pool.gate, min(WAIT_STEP, deadline - now, wait_until - now))
+        await _park(pool.gate, min(deadline, wait_until) - now, stopping)
 
 
-async def _park(gate: Gate, timeout: float) -> None:
+async def _park(gate: Gate, left: float, stopping: anyio.Event) -> None:
     if not isinstance(gate, WaitsForChange):
-        await anyio.sleep(timeout)
+        await anyio.sleep(min(WAIT_STEP, left))
         return
-    with anyio.move_on_after(timeout):
-        await gate.wait_changed(timeout)
+    timeout = min(WAIT_FALLBACK, left)
+    async with anyio.create_task_group() as tg:
+
+        async def stop_early() -> None:
+            # A parked worker may sleep up to WAIT_FALLBACK: shutdown must not wait that long.
+            await stopping.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(stop_early)
+        with anyio.move_on_after(timeout):
+            await gate.wait_changed(timeout)
+        tg.cancel_scope.cancel()

@@ -68,6 +68,7 @@ class PoolHeadroomGate:
         self._until = -math.inf  # when the last scrape goes stale
         self._lock = anyio.Lock()
         self._changed = ChangeSignal()
+        self._timer = False  # a parked waiter will wake to re-scrape when the reading is stale
         self._warn = Throttle()
         self._gauge = owner_gauge(ctx, "pool_headroom_limit", "In-flight limit of pool-headroom.")
 
@@ -89,11 +90,19 @@ class PoolHeadroomGate:
         return CONTINUE
 
     async def wait_changed(self, timeout: float) -> None:
-        """Until a slot frees or a scrape ends; a stale reading returns (to re-scrape)."""
-        if not self._lock.locked():
-            timeout = min(timeout, max(0.0, self._until - time.monotonic()))
-        if timeout > 0:
+        """Until a slot frees or a scrape ends. One parked waiter (the timer) also wakes when
+        the reading goes stale, to scrape again; the rest sleep until woken, not all
+        of them at every ``interval``."""
+        if self._timer or self._lock.locked():
             await self._changed.wait(timeout)
+            return
+        self._timer = True
+        try:
+            stale_in = max(0.0, self._until - time.monotonic())
+            if min(timeout, stale_in) > 0:
+                await self._changed.wait(min(timeout, stale_in))
+        finally:
+            self._timer = False
 
     async def _refresh(self) -> None:
         """One scrape at a time, when the last one is stale; callers meanwhile use it."""
@@ -115,7 +124,9 @@ class PoolHeadroomGate:
             self._until = time.monotonic() + self.params.interval
             if self._gauge is not None:
                 self._gauge.set(self.limit)
-            self._changed.notify(max(0, self.limit - self.own))
+            # One waiter per slot to take, and one to become the timer if none is parked as it
+            # (waiters parked during the scrape did not, so nothing would re-scrape).
+            self._changed.notify(max(self.limit - self.own, 0 if self._timer else 1))
 
     def _limit(self, others: float, pods: int) -> int:
         p = self.params

@@ -122,3 +122,45 @@ async def test_one_page_per_pod_is_summed(page: Page, ctx: GateContext) -> None:
     page.text = pool_page((4, 1))  # read twice: 2 pods x 8 slots, 8 running, 2 waiting
     g = gate(ctx, page, url=[page.url, page.url], interval="1h")
     assert await admit_all(g, Releases()) == 6
+
+
+async def park_until_admitted(g: PoolHeadroomGate, name: str, asked: list[int]) -> None:
+    """Admission's loop for one worker with no fallback re-ask: only the gate wakes it."""
+    while True:
+        asked[0] += 1
+        if (await g.apply(envelope(name), Releases())).action is Action.CONTINUE:
+            return
+        await g.wait_changed(60.0)
+
+
+@pytest.mark.anyio
+async def test_parked_workers_sleep_through_stale_readings_until_slots_free(
+    page: Page, ctx: GateContext
+) -> None:
+    page.text = pool_page((8, 0), (8, 0))  # full
+    g, asked = gate(ctx, page, interval="20ms"), [0]
+    with anyio.fail_after(10):  # nothing but the gate's re-scrapes can wake them
+        async with anyio.create_task_group() as tg:
+            for i in range(12):
+                tg.start_soon(park_until_admitted, g, f"w{i}", asked)
+            await anyio.sleep(0.5)  # 25 intervals
+            while_full = asked[0]
+            page.text = pool_page((0, 0), (0, 0))  # 16 free: a re-scrape admits all 12
+    # Each worker waking at every interval to re-scrape asked about 12 x 25 times; one
+    # timer waiter does so once per interval (plus the one a scrape wakes to take over).
+    assert while_full < 12 * 25 / 2, while_full
+
+
+@pytest.mark.anyio
+async def test_a_worker_parked_during_a_fetch_sizing_scrape_still_re_scrapes(
+    page: Page, ctx: GateContext
+) -> None:
+    page.text, page.delay = pool_page((8, 0), (8, 0)), 0.2  # full, and slow to answer
+    g, asked = gate(ctx, page, interval="20ms"), [0]
+    with anyio.fail_after(5):  # the parked worker waits 60 s unless the gate wakes it
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(g.budget)  # the pool sizing a fetch: a scrape no worker waits on
+            await anyio.sleep(0.05)
+            tg.start_soon(park_until_admitted, g, "w", asked)  # parks while it runs
+            await anyio.sleep(0.3)
+            page.text, page.delay = pool_page((0, 0), (0, 0)), 0.0

@@ -72,6 +72,7 @@ class Page:
     text: str = ""
     status: int = 200
     url: str = ""
+    delay: float = 0.0  # seconds before it answers
 
 
 @pytest.fixture
@@ -79,6 +80,7 @@ async def page() -> AsyncIterator[Page]:
     current = Page()
 
     async def metrics(request: web.Request) -> web.Response:
+        await anyio.sleep(current.delay)
         return web.Response(text=current.text, status=current.status, content_type="text/plain")
 
     app = web.Application()

@@ -11,8 +11,10 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
+from async_processor import admission
 from async_processor.admission import PoolGate
 from async_processor.gates.base import CONTINUE, DROP, REFUSE, WAIT, Releases, Verdict
+from async_processor.gates.shared import ChangeSignal
 from async_processor.messages import Envelope, ErrorCode
 from async_processor.processor import Processor
 from async_processor.retry import REFUSE_DELAY
@@ -113,3 +115,50 @@ async def test_a_wait_that_reaches_the_deadline_is_answered_deadline_exceeded() 
         transport.put(QUEUE, message("x", time.time() + 1))
         results = await transport.wait_results(1, timeout=5)
     assert results["x"].error_code == ErrorCode.DEADLINE_EXCEEDED.value
+
+
+class SignallingGate(ScriptedGate):
+    """A scripted gate that wakes its parked workers itself (``WaitsForChange``)."""
+
+    def __init__(self, *verdicts: Verdict | Exception) -> None:
+        super().__init__(*verdicts)
+        self.changed = ChangeSignal()
+
+    async def wait_changed(self, timeout: float) -> None:
+        await self.changed.wait(timeout)
+
+
+async def test_a_worker_parked_on_a_signalling_gate_sleeps_until_signalled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(admission, "WAIT_FALLBACK", 60.0)  # only the signal can wake it
+    gate = SignallingGate(WAIT, CONTINUE)
+    async with gated(gate) as (transport, _sim):
+        transport.put(QUEUE, message("s", time.time() + 60))
+        await until(lambda: gate.asked == 1)
+        await anyio.sleep(0.3)  # six of the WAIT_STEP re-asks a polling gate gets
+        assert gate.asked == 1
+        gate.changed.notify(1)
+        results = await transport.wait_results(1)
+    assert results["s"].status_code == 200 and gate.asked == 2
+
+
+async def test_a_missed_signal_is_made_up_by_the_fallback_re_ask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(admission, "WAIT_FALLBACK", 0.05)
+    gate = SignallingGate(WAIT, WAIT, CONTINUE)  # opens, but never says so
+    async with gated(gate) as (transport, _sim):
+        transport.put(QUEUE, message("f", time.time() + 60))
+        results = await transport.wait_results(1)
+    assert results["f"].status_code == 200 and gate.asked == 3
+
+
+async def test_stopping_wakes_a_parked_worker_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission, "WAIT_FALLBACK", 60.0)
+    gate = SignallingGate(WAIT)
+    with anyio.fail_after(10):  # not the 60 s fallback
+        async with gated(gate, wait_timeout=600) as (transport, _sim):
+            transport.put(QUEUE, message("p", time.time() + 600))
+            await until(lambda: gate.asked == 1)
+    assert [d.delay for d in transport.deferred] == [0.0]  # handed back, not lost
