@@ -26,7 +26,14 @@ from async_processor.gates import epp
 from bench import harvest_plot
 from bench.common import redis
 from bench.harness import LOG_DIR
-from bench.harvest_model import Point, Scenario, frontier_harvest, oracle_points, percentile
+from bench.harvest_model import (
+    Point,
+    Scenario,
+    cycle_ratios,
+    frontier_harvest,
+    oracle_points,
+    percentile,
+)
 from bench.harvest_runs import SIM_URL, RunResult, Strategy, as_json, dumps, run_alone, run_strategy
 
 TTFT_LIMIT = E2E_LIMIT = 1.3
@@ -34,6 +41,10 @@ POOL = "sim-pool"
 SATURATION = epp.POOL_SATURATION.current  # what the simulator exports by default
 RECOMMENDED = "pool-headroom H=56"
 QUICK = ("fixed-64", "prometheus-saturation", RECOMMENDED)
+# The default run: the issue's stock strategies and the recommendation, 3 cycles each,
+# within 15 min; every other row (the steps towards the recommendation) runs with --only.
+FULL = ("fixed-16", "fixed-64", "prometheus-saturation", "scrape-saturation",
+        "adaptive-concurrency", RECOMMENDED)  # fmt: skip
 
 DEFINITIONS = """\
 definitions:
@@ -43,7 +54,11 @@ definitions:
                    (work lost to preemption does not count, nor the part of a request
                    that ran before the trace started, during the daemon's warm-up)
   harvest ratio  = harvested / idle
-  TTFT/e2e ratio = interactive p99 TTFT (the model's) / e2e latency (measured) in B / in A
+  trace          = cycles x the load profile (20 % -> 85 % -> burst 100 % -> 20 %), each
+                   cycle its own seed; every run and the oracle replay the same trace
+  TTFT/e2e ratio = interactive p99 TTFT (the model's) / e2e latency (measured) in B / in A,
+                   the p99 over all cycles' requests together; "per cycle" is the range of
+                   each cycle's own TTFT ratio (one burst each: the spread, not the figure)
   oracle         = the same pool model on virtual time, admitting batch work whenever more
                    than H slots are free (exact, instant; no daemon)
   oracle ratio   = harvest / the oracle's harvest at the same TTFT ratio (upper envelope
@@ -120,7 +135,7 @@ def strategies(s: Scenario) -> list[Strategy]:
                      "initial_limit": 64, "max_limit": 192, "latency_target": "2600ms"}},
                  note="after: the adaptive gate also backs off when a batch request takes "
                       "longer than 2.6 s (2.06 s on an idle pod, 3.1 s on a full one)"),
-        *(pool_headroom(h) for h in (16, 32, 48, 56)),
+        *(pool_headroom(h) for h in (0, 8, 16, 32, 48, 56)),
         pool_headroom(56, "500ms"),
     ]  # fmt: skip
 
@@ -151,8 +166,9 @@ def row(s: Scenario, a: RunResult, b: RunResult, frontier: list[Point]) -> Row:
     idle = s.capacity * s.duration - a.counters["slot_seconds"]["interactive"]
     c = b.counters
     harvested = c["completed_slot_seconds"]["batch"] - c["carried_in"]["batch"]
+    cycles = cycle_ratios(s, (b.arrivals, b.ttft), (a.arrivals, a.ttft))
     point = Point(b.name, harvested / idle,
-                  ratio(b.ttft, a.ttft), ratio(b.e2e, a.e2e))  # fmt: skip
+                  ratio(b.ttft, a.ttft), ratio(b.e2e, a.e2e), cycles)  # fmt: skip
     best = frontier_harvest(frontier, point.ttft_ratio)
     return Row(point, point.harvest_ratio / best if best > 0 else math.nan,
                c["completed"]["batch"], c["shed"]["batch"], c["preempted"]["batch"],
@@ -161,21 +177,25 @@ def row(s: Scenario, a: RunResult, b: RunResult, frontier: list[Point]) -> Row:
 
 def markdown(rows: list[Row], frontier: list[Point], duration: float) -> str:
     lines = [
-        "| strategy | harvest | oracle ratio | TTFT p99 × | e2e p99 × | batch done | 429s "
-        "| shed share | preempted | retries | daemon CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| strategy | harvest | oracle ratio | TTFT p99 × | per cycle | e2e p99 × | batch done "
+        "| 429s | shed share | preempted | retries | daemon CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r.point
         lines.append(
             f"| {p.name} | {p.harvest_ratio:.2f} | {r.oracle_ratio:.2f} | {p.ttft_ratio:.2f} "
-            f"| {p.e2e_ratio:.2f} | {r.completed} | {r.shed} | {r.shed_share:.3f} "
+            f"| {spread(p)} | {p.e2e_ratio:.2f} | {r.completed} | {r.shed} | {r.shed_share:.3f} "
             f"| {r.preempted} | {r.retries:.0f} | {100 * r.cpu / duration:.0f} % |"
         )
     for p in frontier:
         lines.append(f"| {p.name} | {p.harvest_ratio:.2f} | 1.00 | {p.ttft_ratio:.2f} "
-                     f"| {p.e2e_ratio:.2f} | | | | | | |")  # fmt: skip
+                     f"| {spread(p)} | {p.e2e_ratio:.2f} | | | | | | |")  # fmt: skip
     return "\n".join(lines)
+
+
+def spread(p: Point) -> str:
+    return f"{min(p.cycle_ttft):.2f}–{max(p.cycle_ttft):.2f}" if p.cycle_ttft else ""
 
 
 def summary(rows: list[Row]) -> str:
@@ -239,22 +259,27 @@ def parse(argv: list[str]) -> tuple[Scenario, list[Strategy], Path]:
     p.add_argument(
         "--quick", action="store_true", help=f"short runs of {', '.join(QUICK)} (≤ 3 min in all)"
     )
-    p.add_argument("--duration", type=float, help="seconds per run (default 40, quick 20)")
+    p.add_argument("--all", action="store_true", help="every strategy (about 40 min)")
+    p.add_argument("--duration", type=float, help="seconds per cycle (default 40, quick 20)")
+    p.add_argument("--cycles", type=int, help="load profiles per run, back to back "
+                   "(default 3, quick 1)")  # fmt: skip
     p.add_argument("--time-factor-under-load", type=float, default=1.5)
     p.add_argument("--no-preemption", action="store_true")
     p.add_argument("--only", default="", help="comma-separated strategy names")
     p.add_argument("--out", type=Path, help=f"output directory (default {LOG_DIR}/harvest-F<f>)")
     args = p.parse_args(argv)
-    duration = args.duration or (20.0 if args.quick else 40.0)
-    s = replace(Scenario(), duration=duration, time_factor=args.time_factor_under_load,
+    cycles = args.cycles or (1 if args.quick else 3)
+    duration = (args.duration or (20.0 if args.quick else 40.0)) * cycles
+    s = replace(Scenario(), duration=duration, cycles=cycles,
+                time_factor=args.time_factor_under_load,
                 preemption=not args.no_preemption)  # fmt: skip
     chosen = strategies(s)
-    if args.only or args.quick:
-        names = args.only.split(",") if args.only else list(QUICK)
-        unknown = set(names) - {x.name for x in chosen}
-        if unknown:
-            p.error(f"unknown strategies {sorted(unknown)}; known: {[x.name for x in chosen]}")
-        chosen = [x for x in chosen if x.name in names]
+    names = args.only.split(",") if args.only else list(QUICK if args.quick else FULL)
+    names = [x.name for x in chosen] if args.all else names
+    unknown = set(names) - {x.name for x in chosen}
+    if unknown:
+        p.error(f"unknown strategies {sorted(unknown)}; known: {[x.name for x in chosen]}")
+    chosen = [x for x in chosen if x.name in names]
     out = args.out or LOG_DIR / f"harvest-F{s.time_factor:g}"
     return s, chosen, out
 

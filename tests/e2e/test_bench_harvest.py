@@ -30,7 +30,7 @@ def test_the_harvest_bench_runs_end_to_end(tmp_path: Path) -> None:
     require_binary("redis-server")
     require_binary("prometheus")
     only = "prometheus-saturation,pool-headroom H=56"  # a queue gate and a pool gate
-    args = ["--duration", "4", "--only", only, "--out", str(tmp_path)]
+    args = ["--duration", "3", "--cycles", "2", "--only", only, "--out", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, "-m", "bench.harvest", *args],
         capture_output=True,
