@@ -12,7 +12,12 @@ per queue against its weighted fair share. Target: every queue ≥ 0.8 of its sh
 Overhead, in the same run: the same daemons on 2 queues (equal weights), the same
 window: daemon CPU ms per message (all replicas' user + system CPU over the window) and
 Redis round trips per message (``total_reads_processed`` over the window, minus the
-watcher's own). Target: 200 queues within 1.2× of 2 queues on both.
+watcher's own). Target (the pass bar): 200 queues within 1.2× of 2 queues on both.
+
+Idle queues, last: one daemon on ``--queues`` empty queues for ``IDLE_SECONDS``: its CPU
+(cores) and Redis round trips a second; then single messages put on idle queues one by
+one, each timed from submission to its result (minus the gateway's ``LATENCY``): the
+pickup latency of an idle queue.
 Run alone: ``python -m bench.tenants [--quick]``.
 """
 
@@ -40,6 +45,8 @@ from tests.fixtures.simulator import SimulatorProcess
 TARGET = 0.8
 OVERHEAD_TARGET = 1.2
 LATENCY = 0.2  # gateway seconds: workers ÷ latency stays within the machine's CPU
+IDLE_SECONDS = 10.0
+PICKUPS = 10  # single messages timed on idle queues
 
 
 @dataclass
@@ -48,6 +55,7 @@ class Window:
     seconds: float
     cpu_ms: float  # all daemons' CPU per message over the window
     round_trips: float  # Redis read events per message over the window
+    commands: dict[str, float]  # Redis commands per message over the window, by name
 
 
 def daemon_args(url: str, gateway: str, tag: str, workers: int, merge: Path) -> list[str]:
@@ -92,15 +100,24 @@ async def watch(url: str, tag: str, procs: list[Process], warmup: int, window: i
         own += 1
         return int((await r.info("stats"))["total_reads_processed"])
 
+    async def commands() -> Counter[str]:
+        # Commands called inside scripts count too: a claim's ZPOPMIN shows beside EVALSHA.
+        stats = await r.info("commandstats")
+        return Counter(
+            {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+        )
+
     try:
         with anyio.fail_after(900):
             while await done() < warmup:
                 await anyio.sleep(0.05)
             own = 0
+            before = await commands()
             start = time.monotonic(), sum(cpu_seconds(p.pid) for p in procs), await reads()
             while await done() < warmup + window:
                 await anyio.sleep(0.05)
             end = time.monotonic(), sum(cpu_seconds(p.pid) for p in procs), await reads()
+            used = await commands() - before
         pushed = [
             Result.decode(raw).id for raw in reversed(await r.lrange(f"{tag}:results", 0, -1))
         ]
@@ -111,6 +128,7 @@ async def watch(url: str, tag: str, procs: list[Process], warmup: int, window: i
         seconds=end[0] - start[0],
         cpu_ms=(end[1] - start[1]) * 1000 / window,
         round_trips=(end[2] - start[2] - own) / window,
+        commands={name: calls / window for name, calls in used.most_common(6)},
     )
 
 
@@ -134,6 +152,51 @@ async def run_tenants(
         return await watch(url, tag, procs, warmup, window)
 
 
+@dataclass
+class Idle:
+    cores: float  # the daemon's CPU over the idle window
+    round_trips: float  # Redis read events a second, minus the watcher's own
+    pickups: list[float]  # seconds from submission to result, minus the gateway's latency
+
+
+async def run_idle(url: str, sim: SimulatorProcess, queues: int, workers: int) -> Idle:
+    tag = f"idle-{secrets.token_hex(3)}"
+    names = [f"{tag}-t{i:03d}" for i in range(queues)]
+    r = Redis.from_url(url)
+    with ExitStack() as stack:
+        await r.sadd(f"{tag}:tenants", *names)
+        merge = LOG_DIR / f"{tag}-merge.json"
+        merge.write_text(json.dumps({"type": "weighted-fair", "parameters": {}}))
+        health = free_port()
+        args = [*daemon_args(url, sim.url, tag, workers, merge), "--health-port", str(health),
+                "--metrics-port", str(free_port())]  # fmt: skip
+        proc = python_process(stack, args, port=health, log=LOG_DIR / f"{tag}.log")
+        await anyio.sleep(3.0)  # discovery's first refresh, pollers started
+        reads = int((await r.info("stats"))["total_reads_processed"])
+        cpu, start = cpu_seconds(proc.pid), time.monotonic()
+        await anyio.sleep(IDLE_SECONDS)
+        seconds = time.monotonic() - start
+        cores = (cpu_seconds(proc.pid) - cpu) / seconds
+        round_trips = (int((await r.info("stats"))["total_reads_processed"]) - reads - 1) / seconds
+        pickups = await _pickups(url, tag, names)
+        await r.aclose()
+    return Idle(cores, round_trips, pickups)
+
+
+async def _pickups(url: str, tag: str, names: list[str]) -> list[float]:
+    """Seconds from submission to result of single messages on idle queues, one at a time."""
+    out = []
+    async with SortedSetClient(url, result_queue=f"{tag}:results") as client:
+        for n in range(PICKUPS):
+            await anyio.sleep(0.37)  # off the probe's ticks
+            started = time.monotonic()
+            request = {"id": f"p{n}", "deadline": int(time.time()) + 60, "payload": {}}
+            await client.submit(request, queue=names[(n * 37) % len(names)])
+            await client.drain_results(1, 10)
+            out.append(time.monotonic() - started - LATENCY)
+    return out
+
+
 def shares(weights: dict[str, float], ids: list[str]) -> dict[str, float]:
     got = Counter(i.split("/")[0] for i in ids)
     total = sum(weights.values())
@@ -150,6 +213,7 @@ async def measure(
         url, sim = redis(stack).url, simulator(stack, "--latency", str(LATENCY))
         wide = await run_tenants(url, sim, many, replicas, workers, warmup, window)
         narrow = await run_tenants(url, sim, few, replicas, workers, warmup, window)
+        idle = await run_idle(url, sim, queues, workers)
     ratios = shares(many, wide.ids)
     worst = min(ratios, key=ratios.__getitem__)
     by_weight = "; ".join(
@@ -173,11 +237,21 @@ async def measure(
                      f"{narrow.round_trips:.2f} Redis round trips/msg"),
         (f"{queues} queues", f"{wide.cpu_ms:.2f} CPU ms/msg, "
                              f"{wide.round_trips:.2f} Redis round trips/msg"),
+        ("commands/msg, 2", _commands(narrow)),
+        (f"commands/msg, {queues}", _commands(wide)),
         ("CPU per msg", verdict(f"× {cpu:.2f} of 2 queues", cpu <= OVERHEAD_TARGET,
                                 f"≤ {OVERHEAD_TARGET}×")),
         ("round trips", verdict(f"× {trips:.2f} of 2 queues", trips <= OVERHEAD_TARGET,
                                 f"≤ {OVERHEAD_TARGET}×")),
+        (f"idle, {queues} queues", f"1 daemon: {idle.cores:.3f} cores, "
+                                   f"{idle.round_trips:.0f} Redis round trips/s"),
+        ("idle pickup", f"{min(idle.pickups) * 1000:.0f}…{max(idle.pickups) * 1000:.0f} ms "
+                        f"from submit to result, less the gateway ({len(idle.pickups)} messages)"),
     ]  # fmt: skip
+
+
+def _commands(window: Window) -> str:
+    return ", ".join(f"{name} {calls:.2f}" for name, calls in window.commands.items())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -148,6 +148,9 @@ class SortedSetConfig(RedisTransportBase):
     # Ours: after each result+ack step, WAIT for this many replicas (0 = off) up to the timeout.
     wait_replicas: Annotated[int, Field(ge=0)] = 0
     wait_timeout_ms: Annotated[int, Field(gt=0)] = 1000
+    # Ours: with more than one queue, a claim waits up to this long for other queues'
+    # claims to join its round trip (docs/sizing-and-backpressure.md; 0 = sent at once).
+    claim_gather_ms: Annotated[int, Field(ge=0, le=1000)] = 10
     queues: list[SortedSetQueue] = Field(default_factory=list)
     # Ours: more queues, listed in Redis and refreshed while running (None: only ``queues``).
     queue_discovery: QueueDiscovery | None = None

@@ -9,6 +9,7 @@ abandoned is ``release``d (docs/architecture.md G1, G11).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -29,9 +30,11 @@ STALE_CLAIM_GRACE = 300.0
 class Claim:
     """A delivery's receipt: the claim id in ``<queue>:inflight`` and its original score.
 
-    ``cancelled`` is the cancel check made with the fetch (one MGET per batch instead of a
-    GET per message); the first ``is_cancelled`` uses it, later ones ask Redis again. Set
-    in place (a ``dataclasses.replace`` per message twice cost ~3 µs).
+    ``cancelled`` is the last reading of its cancel marker, taken at ``read_at``
+    (monotonic): with the fetch (one read per claim round instead of a GET per message),
+    then with every marker read while it is held (redis_markers.py); ``is_cancelled``
+    answers from a reading younger than ``MARKER_FRESH``, else asks Redis. Set in place
+    (a ``dataclasses.replace`` per message twice cost ~3 µs).
     ``size`` is the member's size in bytes; ``digest`` (its SHA-1) is set only for a member
     over ``--max-message-bytes``, of which the delivery holds a prefix only.
     """
@@ -41,6 +44,7 @@ class Claim:
     size: int = 0
     digest: str = ""
     cancelled: bool | None = None
+    read_at: float = -math.inf
 
 
 def claim_of(delivery: Delivery) -> Claim:
@@ -76,6 +80,9 @@ class ClaimBook:
 
     def hold(self, delivery: Delivery) -> None:
         self.held.setdefault(delivery.queue.name, {})[claim_of(delivery).id] = delivery
+
+    def all_held(self) -> Iterator[Delivery]:
+        return (d for held in self.held.values() for d in held.values())
 
     def release(self, delivery: Delivery) -> None:
         self.held.get(delivery.queue.name, {}).pop(claim_of(delivery).id, None)

@@ -70,6 +70,7 @@ DEAD_LETTER_RAW_BYTES = 4096  # of a dead-lettered message's text kept in its en
 
 SCRIPT_NAMES = (
     "claim",
+    "ready",
     "extend",
     "reap",
     "complete",

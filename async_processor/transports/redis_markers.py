@@ -8,16 +8,26 @@ submission was cancelled; at fetch, second live entries of one id parked as
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from redis.asyncio import Redis
 
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope
 from async_processor.transports.base import Delivery, TransportContext
-from async_processor.transports.redis_claims import by_queue, claim_of, token_of
+from async_processor.transports.redis_claims import ClaimBook, by_queue, claim_of, token_of
 from async_processor.transports.redis_keys import redis_errors
 from async_processor.transports.redis_keyspace import KeySpace
+
+# A marker reading answers ``is_cancelled`` for this long; held claims are read again with
+# any marker read once their reading is older than REFRESH_AGE (the cancel watch reads
+# every CANCEL_WATCH_INTERVAL while anything is in flight). A cancel made after the last
+# reading is still seen: the watch cuts the call within a round (docs/transports.md).
+MARKER_FRESH = 0.5
+REFRESH_AGE = 0.2
 
 
 class MarkerChecks:
@@ -25,14 +35,16 @@ class MarkerChecks:
 
     _redis: Redis
     _keys: KeySpace
+    _claims: ClaimBook
     _ctx: TransportContext
     decode: Callable[[Delivery], Envelope]
     dead_letter: Callable[[Delivery, str, str], Awaitable[None]]
     abandon: Callable[[Delivery, str], None]
 
     async def _check_markers(self, deliveries: list[Delivery]) -> list[Delivery]:
-        """Read the batch's cancel and live markers in one MGET (best effort: a failure
-        leaves the cancel check to ``is_cancelled``, since the claim has succeeded).
+        """Read the cancel and live markers of a claim round in one round trip (best
+        effort: a failure leaves the cancel check to ``is_cancelled``, since the claim has
+        succeeded).
 
         A member whose queue's ``live:<id>`` marker holds another token is a second entry
         of a live id (written around the client's index, e.g. by a plain ZADD): it is
@@ -40,23 +52,38 @@ class MarkerChecks:
         tokened = [d for d in deliveries if self._decodes(d) and token_of(d)]
         if not tokened:
             return deliveries
-        names = [self._cancel_key(d) for d in tokened] + [self._live_key(d) for d in tokened]
+        groups = [[tokened[i] for i in group] for group in by_queue(tokened).values()]
         try:
             with redis_errors("cancel check"):
-                values = await self._redis.mget(names)
+                values = await self._read_markers(
+                    [[*map(self._cancel_key, g), *map(self._live_key, g)] for g in groups]
+                )
         except TransportError:
             return deliveries
         superseded = []
-        for delivery, cancel, live in zip(
-            tokened, values[: len(tokened)], values[len(tokened) :], strict=True
-        ):
-            token = token_of(delivery).encode()
-            claim_of(delivery).cancelled = cancel == token
-            if live is not None and live != token:
-                superseded.append(delivery)
+        now = time.monotonic()
+        for group, group_values in zip(groups, values, strict=True):
+            for delivery, cancel, live in zip(
+                group, group_values[: len(group)], group_values[len(group) :], strict=True
+            ):
+                token = token_of(delivery).encode()
+                _note(delivery, cancel == token, now)
+                if live is not None and live != token:
+                    superseded.append(delivery)
         for delivery in superseded:
             await self._park_superseded(delivery)
         return [d for d in deliveries if d not in superseded]
+
+    async def _read_markers(self, groups: list[list[str]]) -> list[list[Any]]:
+        """The values of each group of keys (one queue's markers: one slot), in one round
+        trip: one MGET outside cluster mode, else one per group in a pipeline."""
+        if not self._keys.cluster or len(groups) == 1:
+            values = iter(await self._redis.mget([k for g in groups for k in g]))
+            return [[next(values) for _ in group] for group in groups]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for group in groups:
+                pipe.mget(group)
+            return list(await pipe.execute())
 
     async def _park_superseded(self, delivery: Delivery) -> None:
         queue = delivery.queue
@@ -88,31 +115,45 @@ class MarkerChecks:
         return self._keys.live(delivery.queue.name, request_id)
 
     async def is_cancelled(self, delivery: Delivery) -> bool:
-        """The producer's cancel marker holds this submission's token (no token: never)."""
+        """The producer's cancel marker holds this submission's token (no token: never):
+        from a reading younger than ``MARKER_FRESH``, else asked now. Each reading answers
+        one check: the next one reads again (or takes a later round's reading)."""
         claim = claim_of(delivery)
-        cancelled, claim.cancelled = claim.cancelled, None
-        if cancelled is not None:
-            return cancelled
-        return (await self.cancelled([delivery]))[0]
+        fresh = time.monotonic() - claim.read_at <= MARKER_FRESH
+        if claim.cancelled is not None and fresh:
+            cancelled = claim.cancelled
+        else:
+            cancelled = (await self.cancelled([delivery]))[0]
+        claim.cancelled, claim.read_at = None, -math.inf
+        return cancelled
 
     async def cancelled(self, deliveries: Sequence[Delivery]) -> list[bool]:
-        """``is_cancelled`` for many (a fetched batch, everything in flight): one MGET per
-        queue (each queue's markers share its slot in cluster mode), all in one round trip.
-        Deliveries without a token are never cancelled and not asked about."""
+        """``is_cancelled`` for many (a fetched batch, everything in flight), in one round
+        trip. The same read refreshes the other claims this process holds whose reading
+        is older than ``REFRESH_AGE`` (prefetched ones waiting for a worker): so the
+        worker's check before dispatch (``worker.CANCEL_RECHECK``) finds a reading made at
+        the cancel watch's last round instead of asking Redis for each message. Deliveries
+        without a token are never cancelled and not asked about."""
         flags = [False] * len(deliveries)
-        tokened = [i for i, d in enumerate(deliveries) if token_of(d)]
-        groups = [
-            [tokened[j] for j in group]
-            for group in by_queue([deliveries[i] for i in tokened]).values()
-        ]
-        if not groups:
+        asked = [d for d in deliveries if token_of(d)]
+        if not asked:
             return flags
+        now = time.monotonic()
+        wanted = set(asked)
+        asked += [
+            d
+            for d in self._claims.all_held()
+            if d not in wanted and token_of(d) and now - claim_of(d).read_at > REFRESH_AGE
+        ]
+        groups = [[asked[i] for i in group] for group in by_queue(asked).values()]
         with redis_errors("cancel check"):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for group in groups:
-                    pipe.mget([self._cancel_key(deliveries[i]) for i in group])
-                replies = await pipe.execute()
-        for group, values in zip(groups, replies, strict=True):
-            for i, value in zip(group, values, strict=True):
-                flags[i] = value == token_of(deliveries[i]).encode()
-        return flags
+            values = await self._read_markers([[*map(self._cancel_key, g)] for g in groups])
+        for group, group_values in zip(groups, values, strict=True):
+            for delivery, value in zip(group, group_values, strict=True):
+                _note(delivery, value == token_of(delivery).encode(), now)
+        return [bool(claim_of(d).cancelled) if token_of(d) else False for d in deliveries]
+
+
+def _note(delivery: Delivery, cancelled: bool, at: float) -> None:
+    claim = claim_of(delivery)
+    claim.cancelled, claim.read_at = cancelled, at

@@ -22,20 +22,17 @@ next one is written (docs/transports.md has what that buys on a failover).
 
 from __future__ import annotations
 
-import itertools
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import anyio
 import structlog
 from redis.asyncio import Redis
 
 from async_processor.config import SortedSetConfig
-from async_processor.errors import TransportError
 from async_processor.json_scan import id_from_prefix
-from async_processor.messages import ID_PREFIX_BYTES, Envelope, Result, too_large
+from async_processor.messages import Envelope, Result, too_large
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
     TRANSPORTS,
@@ -59,6 +56,7 @@ from async_processor.transports.redis_discovery import (
     queue_lister,
     transport_own_keys,
 )
+from async_processor.transports.redis_fetch import Fetcher
 from async_processor.transports.redis_keys import redis_errors as redis_errors
 from async_processor.transports.redis_keyspace import KeySpace
 from async_processor.transports.redis_markers import MarkerChecks
@@ -67,10 +65,6 @@ from async_processor.transports.redis_upkeep import SortedSetUpkeep
 
 log = structlog.get_logger(__name__)
 
-FETCH_POLL_STEP = 0.1  # seconds between claim attempts while a fetch waits on an empty queue
-# The longest a claim is shielded from cancellation: a Redis that never answers must not
-# hold a shutdown or a removed queue's poller (a claim cut here comes back by its lease).
-CLAIM_SHIELD_SECONDS = 5.0
 ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed", "hand_back_timeout")
 ScriptCall = tuple[list[str], list[bytes | str | int]]  # one script's keys and arguments
 
@@ -87,14 +81,23 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         discovery = config.queue_discovery
         self._keys = KeySpace(cluster=config.mode == "cluster", queue_retry=discovery is not None)
         self._scripts = self._keys.scripts(self._redis)
-        self._owner = uuid.uuid4().hex  # claim ids are unique per process and fetch
-        self._fetches = itertools.count()
         static = config.queue_specs()
         self._claims = ClaimBook([q.name for q in static])  # the heartbeat extends what it holds
+        self._fetcher = Fetcher(
+            self._redis,
+            self._keys,
+            self._scripts,
+            self._claims,
+            self._check_markers,
+            owner=uuid.uuid4().hex,
+            lease=config.lease_seconds,
+            max_bytes=ctx.max_message_bytes,
+        )
         self._own = transport_own_keys(config, ctx.gate_params)
         lister = queue_lister(config, self._redis, self._keys, self._own, ctx.metrics)
         self._catalog = QueueCatalog(config, self._keys, lister)
         self.queues: Sequence[QueueSpec] = self._catalog.upkeep
+        self._gather()
         self._routing = ResultRouting(config, self._keys, self._routed_own(), ctx.metrics)
         if ctx.metrics is not None:  # every series at 0 from the start, so alerts see a rise
             for queue in self.queues:
@@ -105,6 +108,11 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
                 ctx.metrics.dead_letter_trimmed_total.labels(queue.name)
             for result_list in config.result_ttls():
                 ctx.metrics.results_trimmed_total.labels(result_list)
+
+    def _gather(self) -> None:
+        """Rounds wait for other queues' claims only when there are other queues."""
+        polled = len(self._catalog.names())
+        self._fetcher.gather = self.config.claim_gather_ms / 1000 if polled > 1 else 0.0
 
     def _routed_own(self) -> keys.OwnKeys:
         """The keys no message may name as its result list: ours, and every queue's."""
@@ -118,6 +126,8 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         discovered = await self._catalog.refresh(self._redis)
         self.queues = self._catalog.upkeep
         self._claims.prune(self._catalog.names())
+        self._fetcher.served(set(self._catalog.names()))
+        self._gather()
         self._routing.own = self._routed_own()
         if self._ctx.metrics is not None:
             self._ctx.metrics.discovered_queues.set(len(discovered))
@@ -126,56 +136,9 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
     # ------------------------------------------------------------------ fetch and decode
 
     async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
-        """Claim up to ``limit`` earliest-deadline members; poll an empty queue for ``wait`` s."""
-        if limit <= 0:
-            return []
-        give_up = anyio.current_time() + wait
-        while True:
-            # A claim is recorded whole or not made: cancelled mid-way (a queue removed, a
-            # shutdown), its members would sit claimed by nobody until their lease ran out.
-            # Shielded for CLAIM_SHIELD_SECONDS at most; past it, what it holds is let go.
-            held: list[Delivery] = []
-            with anyio.move_on_after(CLAIM_SHIELD_SECONDS, shield=True) as claiming:
-                deliveries = await self._claim(queue, limit, held)
-            if claiming.cancelled_caught:  # not renewed: their leases lapse, reap returns them
-                for delivery in held:
-                    self._claims.release(delivery)
-                raise TransportError(f"redis claim: no answer in {CLAIM_SHIELD_SECONDS} s")
-            remaining = give_up - anyio.current_time()
-            if deliveries or remaining <= 0:
-                return deliveries
-            await anyio.sleep(min(remaining, FETCH_POLL_STEP))
-
-    async def _claim(self, queue: QueueSpec, limit: int, held: list[Delivery]) -> list[Delivery]:
-        """Claim, hold (``held``: what the heartbeat now renews) and check the markers."""
-        prefix = f"{self._owner}:{next(self._fetches)}"
-        with redis_errors("claim"):
-            flat = await self._scripts["claim"](
-                keys=[
-                    queue.name,
-                    self._keys.inflight(queue.name),
-                    self._keys.inflight_meta(queue.name),
-                ],
-                args=[
-                    limit,
-                    self.config.lease_seconds,
-                    prefix,
-                    self._ctx.max_message_bytes,
-                    ID_PREFIX_BYTES,
-                ],
-            )
-        deliveries = held
-        for i in range(0, len(flat), 5):
-            claim = Claim(
-                id=flat[i].decode(),
-                score=float(flat[i + 2]),
-                size=int(flat[i + 3]),
-                digest=flat[i + 4].decode(),
-            )
-            delivery = Delivery(queue=queue, raw=bytes(flat[i + 1]), handle=claim)
-            self._claims.hold(delivery)
-            deliveries.append(delivery)
-        return await self._check_markers(deliveries)
+        """Claim up to ``limit`` earliest-deadline members, in a round with other queues'
+        claims; an empty queue waits up to ``wait`` s for the idle probe (redis_fetch.py)."""
+        return await self._fetcher.fetch(queue, limit, wait)
 
     def decode(self, delivery: Delivery) -> Envelope:
         """The member's envelope with routing filled from the queue (queue labels win)."""
