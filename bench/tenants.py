@@ -58,9 +58,15 @@ class Window:
     commands: dict[str, float]  # Redis commands per message over the window, by name
 
 
-def daemon_args(url: str, gateway: str, tag: str, workers: int, merge: Path) -> list[str]:
+GATHER_MS = 10  # claim_gather_ms, the transport's default
+
+
+def daemon_args(
+    url: str, gateway: str, tag: str, workers: int, merge: Path, gather: int = GATHER_MS
+) -> list[str]:
     transport = {
         "url": url, "result_queue_name": f"{tag}:results", "poll_interval_ms": 100,
+        "claim_gather_ms": gather,
         "queue_discovery": {"set_key": f"{tag}:tenants", "refresh_seconds": 5,
                             "template": {"igw_base_url": gateway}},
     }  # fmt: skip
@@ -134,7 +140,7 @@ async def watch(url: str, tag: str, procs: list[Process], warmup: int, window: i
 
 async def run_tenants(
     url: str, sim: SimulatorProcess, weights: dict[str, float], replicas: int, workers: int,
-    warmup: int, window: int,
+    warmup: int, window: int, gather: int,
 ) -> Window:  # fmt: skip
     tag = next(iter(weights)).rsplit("-", 1)[0]
     per_weight = (warmup + window) * 1.5 / sum(weights.values())  # backlogged all along
@@ -146,8 +152,8 @@ async def run_tenants(
         procs = []
         for n in range(replicas):
             health = free_port()
-            args = [*daemon_args(url, sim.url, tag, workers, merge), "--health-port", str(health),
-                    "--metrics-port", str(free_port())]  # fmt: skip
+            args = [*daemon_args(url, sim.url, tag, workers, merge, gather), "--health-port",
+                    str(health), "--metrics-port", str(free_port())]  # fmt: skip
             procs.append(python_process(stack, args, port=health, log=LOG_DIR / f"{tag}-{n}.log"))
         return await watch(url, tag, procs, warmup, window)
 
@@ -159,7 +165,7 @@ class Idle:
     pickups: list[float]  # seconds from submission to result, minus the gateway's latency
 
 
-async def run_idle(url: str, sim: SimulatorProcess, queues: int, workers: int) -> Idle:
+async def run_idle(url: str, sim: SimulatorProcess, queues: int, workers: int, gather: int) -> Idle:
     tag = f"idle-{secrets.token_hex(3)}"
     names = [f"{tag}-t{i:03d}" for i in range(queues)]
     r = Redis.from_url(url)
@@ -168,8 +174,8 @@ async def run_idle(url: str, sim: SimulatorProcess, queues: int, workers: int) -
         merge = LOG_DIR / f"{tag}-merge.json"
         merge.write_text(json.dumps({"type": "weighted-fair", "parameters": {}}))
         health = free_port()
-        args = [*daemon_args(url, sim.url, tag, workers, merge), "--health-port", str(health),
-                "--metrics-port", str(free_port())]  # fmt: skip
+        args = [*daemon_args(url, sim.url, tag, workers, merge, gather), "--health-port",
+                str(health), "--metrics-port", str(free_port())]  # fmt: skip
         proc = python_process(stack, args, port=health, log=LOG_DIR / f"{tag}.log")
         await anyio.sleep(3.0)  # discovery's first refresh, pollers started
         reads = int((await r.info("stats"))["total_reads_processed"])
@@ -204,16 +210,17 @@ def shares(weights: dict[str, float], ids: list[str]) -> dict[str, float]:
 
 
 async def measure(
-    queues: int, replicas: int, workers: int, warmup: int, window: int, mix: list[float]
-) -> list[tuple[str, str]]:
+    queues: int, replicas: int, workers: int, warmup: int, window: int, mix: list[float],
+    gather: int,
+) -> list[tuple[str, str]]:  # fmt: skip
     tag = f"tenants-{secrets.token_hex(3)}"
     many = {f"{tag}-t{i:03d}": mix[i % len(mix)] for i in range(queues)}
     few = {f"{tag}x-t{i}": 1.0 for i in range(2)}
     with ExitStack() as stack:
         url, sim = redis(stack).url, simulator(stack, "--latency", str(LATENCY))
-        wide = await run_tenants(url, sim, many, replicas, workers, warmup, window)
-        narrow = await run_tenants(url, sim, few, replicas, workers, warmup, window)
-        idle = await run_idle(url, sim, queues, workers)
+        wide = await run_tenants(url, sim, many, replicas, workers, warmup, window, gather)
+        narrow = await run_tenants(url, sim, few, replicas, workers, warmup, window, gather)
+        idle = await run_idle(url, sim, queues, workers, gather)
     ratios = shares(many, wide.ids)
     worst = min(ratios, key=ratios.__getitem__)
     by_weight = "; ".join(
@@ -226,7 +233,7 @@ async def measure(
     return [
         ("setup", f"{queues} queues in a Redis set (weights {','.join(f'{w:g}' for w in mix)} "
                   f"in turn), {replicas} daemon processes × {workers} workers, gateway "
-                  f"{LATENCY:g} s (ideal {ideal:.0f} msg/s)"),
+                  f"{LATENCY:g} s (ideal {ideal:.0f} msg/s), claim_gather_ms {gather}"),
         ("window", f"results {warmup}…{warmup + window} in {wide.seconds:.1f} s "
                    f"({window / wide.seconds:.0f} msg/s)"),
         ("share range", f"{min(ratios.values()):.2f} … {max(ratios.values()):.2f} of fair"),
@@ -263,10 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=9000)
     p.add_argument("--weights", default="1,2,4", help="weights given to the queues in turn")
     p.add_argument("--quick", action="store_true", help="a 3,000-result window")
+    p.add_argument("--gather-ms", type=int, default=GATHER_MS, help="claim_gather_ms")
     args = p.parse_args(argv)
     window = 3000 if args.quick else args.window
     mix = [float(w) for w in args.weights.split(",")]
-    rows = anyio.run(measure, args.queues, args.replicas, args.workers, args.warmup, window, mix)
+    rows = anyio.run(
+        measure, args.queues, args.replicas, args.workers, args.warmup, window, mix, args.gather_ms
+    )
     table("many tenants: weighted fair share and fetch overhead", rows)
     return 0
 
