@@ -15,7 +15,7 @@ Little's law at 1 s / 512 workers / 40 ms. What Little's law is made of is print
 the gateway latency each consumer saw (the daemon's from its /metrics, the baseline's
 from its own count) and the share of workers busy (rate × that latency ÷ workers), with
 the CPU the emulator, the delay proxy and the simulator used meanwhile (in cores) and the
-machine's load. Run alone: ``python -m bench.pubsub [--quick]``.
+machine's load. Run alone: ``python -m bench.pubsub [--quick] [--cell 40/1 ...]``.
 """
 
 from __future__ import annotations
@@ -313,6 +313,7 @@ class Args:
     workers: int
     slow_messages: int
     slow_workers: int
+    cells: list[tuple[int, float]]  # (RTT ms, gateway s) to run; empty = all four
 
 
 async def warm_up(admin: PubSubAdmin, count: int) -> None:
@@ -342,11 +343,18 @@ async def measure(args: Args) -> list[tuple[str, str]]:
             await warm_up(admin, args.messages)
             for latency, sim in sims.items():
                 for rtt_ms, host in hosts.items():
-                    rows += await cell(admin, sim, host, rtt_ms, latency, args, shared)
+                    if not args.cells or (rtt_ms, latency) in args.cells:
+                        rows += await cell(admin, sim, host, rtt_ms, latency, args, shared)
         finally:
             await admin.aclose()
         stop_process(proxy)
     return rows
+
+
+def parse_cell(text: str) -> tuple[int, float]:
+    """``40/1`` -> (40, 1.0): one cell of the four."""
+    rtt, _, latency = text.partition("/")
+    return int(rtt), float(latency)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,9 +364,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-messages", type=int, default=8000, help="per run at a 1 s gateway")
     p.add_argument("--slow-workers", type=int, default=512, help="at a 1 s gateway")
     p.add_argument("--quick", action="store_true", help="3,000 messages per run")
+    p.add_argument(
+        "--cell",
+        action="append",
+        default=[],
+        type=parse_cell,
+        dest="cells",
+        help="RTT_MS/GATEWAY_S, e.g. 40/1 (repeatable; default: all four)",
+    )
     a = p.parse_args(argv)
     quick = 3000 if a.quick else 0
-    args = Args(quick or a.messages, a.workers, quick or a.slow_messages, a.slow_workers)
+    args = Args(quick or a.messages, a.workers, quick or a.slow_messages, a.slow_workers, a.cells)
     title = "(e) gcp-pubsub vs a bare baseline at cloud latency"
     try:
         table(title, anyio.run(measure, args))

@@ -7,10 +7,11 @@ subscription per topic entry; message data is the bare request JSON). Output:
 Why unary ``Pull`` with the asyncio GAPIC client, not the streaming-pull ``SubscriberClient``
 (docs/transports.md): the poller asks for its free slots x queue-gate budget, up to 1,000
 per pull (``QueueSpec.max_fetch``), so flow control follows capacity with no callback
-threads, no hand-off buffer and nothing to tear down when a gate closes (the poller simply
-stops calling ``fetch``). Held messages are kept alive by ``run``: a lease loop extends
-every held message before its ack deadline runs out (``modify_ack_deadline``). Messages
-are read, and requests built, as raw protobufs: proto-plus marshals on every field access.
+threads and nothing to tear down when a gate closes (the poller simply stops calling
+``fetch``). The pull side, with its read-ahead sized by the pull round trip, is
+``gcp_pull``. Held messages are kept alive by ``run``: a lease loop extends every held
+message before its ack deadline runs out (``modify_ack_deadline``). Messages are read,
+and requests built, as raw protobufs: proto-plus marshals on every field access.
 
 Guarantees: at-least-once. ``complete`` acks a message only after its result's publish
 is confirmed; a failed ack after a confirmed publish is retried without publishing again
@@ -18,8 +19,9 @@ is confirmed; a failed ack after a confirmed publish is retried without publishi
 published is acked without a second result (best effort: per process, by message id;
 another replica or a restart can still publish a duplicate). ``defer`` honours the
 computed backoff through the ack deadline (capped at 600 s, the Pub/Sub maximum).
-``aclose`` nacks whatever is still held; publishes are awaited in ``complete``, so there
-is never an unflushed result. A dead letter is acked only once its copy is confirmed.
+``aclose`` nacks whatever is still held (the read-ahead too); publishes are awaited in
+``complete``, so there is never an unflushed result. A dead letter is acked only once its
+copy is confirmed.
 Honours ``PUBSUB_EMULATOR_HOST`` (insecure channel, no credentials) and Application
 Default Credentials otherwise.
 """
@@ -41,7 +43,6 @@ from google.auth.exceptions import GoogleAuthError
 from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
 from google.pubsub_v1.types import (
     AcknowledgeRequest,
-    PullResponse,
 )
 from prometheus_client import Histogram
 
@@ -61,7 +62,6 @@ from async_processor.transports.gcp_health import Readiness
 from async_processor.transports.gcp_leases import (
     LEASE_SECONDS,
     Leases,
-    Receipt,
     ack_groups,
     receipt,
     unless_hopeless,
@@ -74,13 +74,12 @@ from async_processor.transports.gcp_publish import (
     dead_letter_topic,
     message_key,
 )
+from async_processor.transports.gcp_pull import Puller
 
 log = structlog.get_logger(__name__)
 
 LEASE_TICK = 1.0
-MIN_ACK_DEADLINE = 10  # Pub/Sub's minimum (and default)
 MAX_ACK_DEADLINE = 600  # Pub/Sub's maximum; longer deferrals come back after 600 s
-PULL_GRACE = 1.0  # the pull RPC deadline is the fetch's wait plus this
 # The raw protobuf classes behind proto-plus: built and read without marshalling per field.
 RAW_ACK: Any = AcknowledgeRequest.pb()
 DEAD_LETTER_RETRY = 5.0  # an uncopied dead letter comes back after this, not in a hot loop
@@ -124,8 +123,10 @@ class GcpPubSubTransport:
         # Orders extensions and hand-backs: an extension landing after a deferral's shorter
         # deadline would hold the message for a whole lease instead of the backoff.
         self._deadline_lock = anyio.Lock()
-        self._ack_deadlines: dict[str, int] = {}  # subscription -> its own ack deadline
         self._readiness = Readiness()
+        self._puller = Puller(
+            lambda: self._clients()[0], self._readiness.rpc, self._leases, self._nack_quietly
+        )
         self._publishing = Publisher(lambda: self._clients()[1], self._readiness.rpc)
         # Routing of messages this process deferred: Pub/Sub cannot carry it back, and its
         # delivery_attempt exists only with a dead-letter policy (best effort, per process).
@@ -145,35 +146,12 @@ class GcpPubSubTransport:
     # ------------------------------------------------------------------ fetch and decode
 
     async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
-        """One Pull of up to ``limit`` messages; the server holds it up to about ``wait`` s."""
+        """Up to ``limit`` messages: read ahead, or one Pull held up to about ``wait`` s."""
         if limit <= 0:
             return []
-        subscription = self._subscriptions[queue.name]
-        lease = await self._ack_deadline(subscription)
-        subscriber, _ = self._clients()
-        # Shielded: a pull cancelled mid-flight strands its messages until their deadline.
-        with anyio.CancelScope(shield=True), self._readiness.rpc(subscription, "pull"):
-            try:
-                response = await subscriber.pull(
-                    subscription=subscription,
-                    max_messages=limit,
-                    timeout=max(wait, 0.0) + PULL_GRACE,
-                    retry=None,
-                )
-            except gexc.DeadlineExceeded:
-                return []
-        lease_until = time.monotonic() + lease
-        # The raw protobuf: each proto-plus field access costs a marshalling step.
-        received = PullResponse.pb(response).received_messages
-        deliveries = [self._hold(queue, subscription, m, lease_until) for m in received]
-        try:
-            await anyio.lowlevel.checkpoint_if_cancelled()
-        except anyio.get_cancelled_exc_class():
-            await self._nack_quietly(deliveries, "cancelled_fetch")
-            raise
-        return deliveries
+        return await self._puller.fetch(queue, self._subscriptions[queue.name], limit, wait)
 
-    async def _nack_quietly(self, deliveries: list[Delivery], why: str) -> None:
+    async def _nack_quietly(self, deliveries: Sequence[Delivery], why: str) -> None:
         """Hand back at once, shielded and bounded; a failure only delays their redelivery."""
         if not deliveries:
             return
@@ -183,47 +161,6 @@ class GcpPubSubTransport:
                 log.info("held_messages_nacked", count=len(deliveries), why=why)
             except TransportError as exc:
                 log.warning("nack_failed", count=len(deliveries), why=why, error=str(exc))
-
-    async def _ack_deadline(self, subscription: str) -> int:
-        """The subscription's own ack deadline (learned once; also proves it exists)."""
-        known = self._ack_deadlines.get(subscription)
-        if known is not None:
-            return known
-        subscriber, _ = self._clients()
-        try:
-            with self._readiness.rpc(subscription, "get_subscription"):
-                found = await subscriber.get_subscription(
-                    subscription=subscription, timeout=RPC_TIMEOUT, retry=None
-                )
-            deadline = int(found.ack_deadline_seconds) or MIN_ACK_DEADLINE
-        except TransportError as exc:
-            # roles/pubsub.subscriber may pull but not describe: assume the minimum, so the
-            # first lease extension comes in time whatever the real deadline is.
-            if not isinstance(exc.__cause__, gexc.PermissionDenied):
-                raise
-            deadline = MIN_ACK_DEADLINE
-        self._ack_deadlines[subscription] = deadline
-        return deadline
-
-    def _hold(
-        self, queue: QueueSpec, subscription: str, received: Any, lease_until: float
-    ) -> Delivery:
-        """Every field read once from the raw ``ReceivedMessage`` protobuf."""
-        message = received.message
-        published = message.publish_time
-        held = Receipt(
-            ack_id=received.ack_id,
-            subscription=subscription,
-            message_id=message.message_id,
-            delivery_attempt=received.delivery_attempt,
-            publish_time=published.seconds + published.nanos / 1e9,
-            lease_until=lease_until,
-        )
-        delivery = Delivery(
-            queue=queue, raw=message.data, handle=held, attributes=dict(message.attributes)
-        )
-        self._leases.hold(delivery)
-        return delivery
 
     def decode(self, delivery: Delivery) -> Envelope:
         """The bare request, attributes merged into metadata (attributes win), routing filled."""
@@ -387,14 +324,17 @@ class GcpPubSubTransport:
     # ------------------------------------------------------------------ upkeep
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Extend the leases of held messages before their ack deadline, until cancelled."""
-        task_status.started()
-        while True:
-            await anyio.sleep(LEASE_TICK)
-            try:
-                await self.extend_leases()
-            except TransportError as exc:
-                log.warning("lease_extension_failed", error=str(exc))
+        """Extend the leases of held messages before their ack deadline and keep the
+        read-ahead filled, until cancelled."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._puller.run, [(q, self._subscriptions[q.name]) for q in self.queues])
+            task_status.started()
+            while True:
+                await anyio.sleep(LEASE_TICK)
+                try:
+                    await self.extend_leases()
+                except TransportError as exc:
+                    log.warning("lease_extension_failed", error=str(exc))
 
     async def extend_leases(self) -> None:
         async with self._deadline_lock:

@@ -15,6 +15,7 @@ from async_processor.config import GcpPubSubConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
+from async_processor.transports import gcp_pull
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
 from async_processor.transports.gcp_backlog import newest_point
 from async_processor.transports.gcp_leases import Receipt
@@ -437,3 +438,40 @@ def test_newest_point_of_cloud_monitoring_answer() -> None:
     }
     assert newest_point(body) == 9
     assert newest_point({}) is None
+
+
+async def test_read_ahead_serves_fetches_and_is_handed_back_once_they_stop(
+    admin: PubSubAdmin, names: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held ahead up to its bound while fetches come; nacked at once when they stop (a
+    drain, a closed gate), not kept leased until the ack deadline."""
+    monkeypatch.setattr(gcp_pull, "READ_AHEAD_MAX", 8)
+    t = transport_for(names)
+    ids = [f"m{i}" for i in range(40)]
+    await admin.publish(names["requests"], [request(i) for i in ids])
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(t.run)
+            ahead = t._puller.ahead(t._subscriptions[names["sub"]])
+            for _ in range(gcp_pull.RTT_SAMPLES):
+                ahead.measured(5.0)  # a slow Pub/Sub: hold the most
+            taken = await fetch_n(t, 4)
+            with anyio.fail_after(5):
+                while len(ahead.ready) < 8:
+                    taken += await t.fetch(t.queues[0], 1, 1.0)  # keeps the rate up
+                    await anyio.sleep(0.05)
+            assert len(ahead.ready) == 8  # bounded, and ...
+            served = await t.fetch(t.queues[0], 3, 1.0)
+            assert len(served) == 3 and len(ahead.ready) == 5  # ... fetched from at once
+            taken += served
+            ahead_ids = {json.loads(d.raw)["id"] for d in ahead.ready}
+            with anyio.fail_after(5):  # no more fetches: handed back, and only what was
+                while len(t._leases) > len(taken):  # fetched is still held
+                    await anyio.sleep(0.05)
+            assert not ahead.ready
+            # Redelivered at once (the subscription's ack deadline is 10 s).
+            again = await admin.pull_until(names["sub"], len(ids) - len(taken), timeout=5.0)
+            assert ahead_ids <= {json.loads(m.message.data)["id"] for m in again}
+            tg.cancel_scope.cancel()
+    finally:
+        await t.aclose()

@@ -19,6 +19,7 @@ from async_processor.transports.gcp_backlog import BacklogReader
 from async_processor.transports.gcp_leases import Receipt
 from async_processor.transports.gcp_publish import dead_letter_topic
 from async_processor.transports.gcp_pubsub import GcpPubSubTransport, resource_path
+from async_processor.transports.gcp_pull import RATE_WINDOW, READ_AHEAD_MAX, ReadAhead
 from tests.fixtures.servers import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.gcp]
@@ -186,3 +187,20 @@ async def test_backlog_unknown_when_monitoring_fails() -> None:
         assert await reader.undelivered("projects/proj/subscriptions/orders") is None
     finally:
         await reader.aclose()
+
+
+def test_read_ahead_is_the_fetch_rate_times_the_p95_pull_round_trip_and_bounded() -> None:
+    ahead = ReadAhead()
+    now = time.monotonic()
+    assert ahead.target(now) == 0  # nothing measured yet: nothing held ahead
+    for rtt in [0.04] * 60 + [0.6] * 4:  # 1 pull in 16 answered late
+        ahead.measured(rtt)
+    ahead.took(512 * int(RATE_WINDOW))  # 512 msg/s
+    assert ahead.target(now) == int(512 * 0.6)  # covers a p95 answer, not the median
+    assert ahead.short.is_set()  # the refill is woken, to pull up to twice the target
+    assert ahead.wanted(now) == 2 * int(512 * 0.6)
+    ahead.pending = int(512 * 0.6)  # at the target: no pull of the few taken since
+    assert ahead.wanted(now) == 0
+    ahead.took(4000)
+    assert ahead.target(now) == READ_AHEAD_MAX  # bounded however fast it is taken
+    assert ahead.target(time.monotonic() + RATE_WINDOW + 0.1) == 0  # no recent fetch
