@@ -1,12 +1,13 @@
 """The HTTP client lever (issue 13): the daemon on each ``--http-client``, and the baseline.
 
 Three settings, each the one of an issue-13 target, each run ``--runs`` times; in a run the
-daemon on aiohttp, the daemon on pyreqwest and ``bench.baseline`` drain the same number of
-messages one after the other, on the same Redis and simulator. Printed: every run, then the
-range over the runs of each figure with its target (pass/FALL-SHORT), and pyreqwest's CPU
-per message against aiohttp's in the same run (the default changes only at ≥ 25 % less).
-Not part of ``make bench`` (about 3-8 minutes a setting): ``python -m bench.http_clients
-overhead|littles_law|in_flight [--runs 3] [--quick]``.
+daemon on each client (``--clients``, default all) and ``bench.baseline`` drain the same
+number of messages one after the other, on the same Redis and simulator. Printed: every
+run, then the range over the runs of each figure with its target (pass/FALL-SHORT), and
+each client's CPU per message against aiohttp's in the same run (the default changes only
+at ≥ 25 % less). Not part of ``make bench`` (about 3-8 minutes a setting):
+``python -m bench.http_clients overhead|littles_law|in_flight [--runs 3] [--quick]
+[--clients aiohttp,httptools]``.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from dataclasses import dataclass
 
 import anyio
 
+from async_processor.httpclients import HTTP_CLIENTS
 from bench import in_flight, littles_law, overhead
 from bench.common import redis, simulator, table, verdict
 from bench.harness import Run, drain
 from bench.overhead import describe
 
-CLIENTS = ("aiohttp", "pyreqwest")
-DEFAULT_AT = 0.75  # pyreqwest becomes the default only at ≤ 0.75 of aiohttp's CPU per message
+DEFAULT_AT = 0.75  # another client becomes the default only at ≤ 0.75 of aiohttp's CPU/message
 
 
 @dataclass(frozen=True)
@@ -53,20 +54,22 @@ SETTINGS = {
 }  # fmt: skip
 
 
-async def measure(name: str, runs: int, scale: float) -> list[tuple[str, str]]:
+async def measure(
+    name: str, runs: int, scale: float, clients: tuple[str, ...]
+) -> list[tuple[str, str]]:
     s = SETTINGS[name]
     messages = int(s.messages * scale)
     label, value, ok, target = s.figure
     rows = [("setup", f"{messages} messages, {s.workers} workers, gateway latency {s.latency:g} s,"
-                      f" {s.prompt_bytes} B prompts, {runs} run(s) of {', '.join(CLIENTS)}, "
+                      f" {s.prompt_bytes} B prompts, {runs} run(s) of {', '.join(clients)}, "
                       "baseline")]  # fmt: skip
-    figures: dict[str, list[float]] = {c: [] for c in (*CLIENTS, "baseline")}
+    figures: dict[str, list[float]] = {c: [] for c in (*clients, "baseline")}
     cpu: dict[str, list[float]] = {c: [] for c in figures}
     with ExitStack() as stack:
         args = ("--latency", str(s.latency)) if s.latency else ()
         url, sim = redis(stack).url, simulator(stack, *args)
         for n in range(1, runs + 1):
-            for client in (*CLIENTS, "baseline"):
+            for client in (*clients, "baseline"):
                 run, _ = await drain(
                     url, sim, f"{name}-{client}", s.workers, messages,
                     baseline=client == "baseline", prompt_bytes=s.prompt_bytes,
@@ -78,15 +81,14 @@ async def measure(name: str, runs: int, scale: float) -> list[tuple[str, str]]:
     for client, values in figures.items():
         text = f"{min(values):.3f}–{max(values):.3f} over {len(values)} run(s)"
         rows.append((f"{label}, {client}", verdict(text, all(map(ok, values)), target)))
-    ratios = [p / a for p, a in zip(cpu["pyreqwest"], cpu["aiohttp"], strict=True)]
-    text = f"× {min(ratios):.2f}–{max(ratios):.2f}"
-    rows.append(
-        (
-            "pyreqwest / aiohttp CPU per message",
-            verdict(text, max(ratios) <= DEFAULT_AT, f"≤ × {DEFAULT_AT} to be the default"),
-        )
-    )
-    return rows  # fmt: skip
+    for client in clients if "aiohttp" in clients else ():
+        if client != "aiohttp":
+            ratios = [c / a for c, a in zip(cpu[client], cpu["aiohttp"], strict=True)]
+            text = f"× {min(ratios):.2f}–{max(ratios):.2f}"
+            ok_ratio = max(ratios) <= DEFAULT_AT
+            target = f"≤ × {DEFAULT_AT} to be the default"
+            rows.append((f"{client} / aiohttp CPU per message", verdict(text, ok_ratio, target)))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,9 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("setting", choices=sorted(SETTINGS))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="a quarter of the messages")
+    p.add_argument("--clients", default=",".join(HTTP_CLIENTS), help="comma-separated")
     args = p.parse_args(argv)
     scale = 0.25 if args.quick else 1.0
-    rows = anyio.run(measure, args.setting, args.runs, scale)
+    clients = tuple(args.clients.split(","))
+    if unknown := set(clients) - set(HTTP_CLIENTS):
+        p.error(f"unknown client(s): {', '.join(sorted(unknown))}")
+    rows = anyio.run(measure, args.setting, args.runs, scale, clients)
     table(f"HTTP client: {args.setting}", rows)
     return 0
 

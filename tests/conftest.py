@@ -17,6 +17,7 @@ pytest_plugins = [
     "tests.fixtures.otlp",
     "tests.fixtures.redis_modes",
     "tests.fixtures.logstate",
+    "tests.fixtures.httpclients",
 ]
 
 # Fixture -> the markers a test using it (directly or through other fixtures) gets.

@@ -16,6 +16,7 @@ from async_processor.httpclients.base import HttpClient
 HTTP_CLIENTS: dict[str, tuple[str, str]] = {
     "aiohttp": ("aiohttp_client", "AiohttpClient"),
     "pyreqwest": ("pyreqwest_client", "PyreqwestClient"),
+    "httptools": ("httptools_client", "HttptoolsClient"),
 }
 
 

@@ -5,14 +5,20 @@ One ``ClientSession`` for all workers: keep-alive connections, no cap beyond the
 
 from __future__ import annotations
 
-import ssl
 from collections.abc import Mapping
 
 import aiohttp
 
 from async_processor.config import TLSConfig
-from async_processor.errors import ConfigError, NoAnswer
-from async_processor.httpclients.base import Answer, AttemptTimeout, Unsendable, too_large
+from async_processor.errors import NoAnswer
+from async_processor.httpclients.base import (
+    Answer,
+    AttemptTimeout,
+    Unsendable,
+    header_lines,
+    ssl_context,
+    too_large,
+)
 from async_processor.retry import DROPPED_REASON_HEADER
 
 CHUNK = 1 << 16
@@ -23,7 +29,7 @@ class AiohttpClient:
         connector = aiohttp.TCPConnector(
             limit=max(100, connections),
             limit_per_host=0,
-            ssl=ssl_context(tls),
+            ssl=ssl_context(tls) or True,  # True: the system's trust store
             keepalive_timeout=90,
             enable_cleanup_closed=True,
         )
@@ -37,6 +43,7 @@ class AiohttpClient:
         self, url: str, body: bytes | memoryview, headers: Mapping[str, str], *,
         timeout: float, limit: int,
     ) -> Answer:  # fmt: skip
+        header_lines(headers)  # aiohttp checks values only, and raises a ValueError
         try:
             async with self.session.post(
                 url,
@@ -78,21 +85,3 @@ async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
             raise too_large(None, limit)
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def ssl_context(tls: TLSConfig) -> ssl.SSLContext | bool:
-    if not (tls.ca_cert or tls.cert or tls.insecure_skip_verify):
-        return True
-    ctx = ssl.create_default_context()
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        if tls.ca_cert:
-            ctx.load_verify_locations(cafile=tls.ca_cert)
-        if tls.cert:
-            ctx.load_cert_chain(tls.cert, tls.key or None)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"--tls-*: cannot load certificates: {exc}") from exc
-    if tls.insecure_skip_verify:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx

@@ -25,6 +25,7 @@ from async_processor.httpclients.base import (
     Answer,
     AttemptTimeout,
     Unsendable,
+    header_lines,
     read_pem,
     too_large,
 )
@@ -58,6 +59,7 @@ class PyreqwestClient:
         self, url: str, body: bytes | memoryview, headers: Mapping[str, str], *,
         timeout: float, limit: int,
     ) -> Answer:  # fmt: skip
+        header_lines(headers)  # the same refusals as every client
         try:
             request = (
                 self.client.post(url)

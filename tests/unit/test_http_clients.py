@@ -30,6 +30,7 @@ from async_processor.httpclients.base import (
     HttpClient,
     Unsendable,
 )
+from tests.fixtures.httpclients import client_for
 from tests.fixtures.redis_modes import Certs
 from tests.unit.test_config import sortedset_args
 
@@ -38,26 +39,6 @@ TEN_MB = 10 * 10**6
 BIG = b"y" * TEN_MB
 Seen = list[tuple[str, bytes, CIMultiDict[str]]]
 SEEN = web.AppKey("seen", Seen)
-
-
-@pytest.fixture(params=sorted(HTTP_CLIENTS))
-def client_name(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@asynccontextmanager
-async def client_for(name: str, tls: TLSConfig | None = None) -> AsyncIterator[HttpClient]:
-    client = build_http_client(name, tls or TLSConfig(), 16)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
-@pytest.fixture
-async def client(client_name: str) -> AsyncIterator[HttpClient]:
-    async with client_for(client_name) as built:
-        yield built
 
 
 async def _handle(request: web.Request) -> web.StreamResponse:

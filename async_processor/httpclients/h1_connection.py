@@ -1,0 +1,175 @@
+"""One HTTP/1.1 connection of the ``httptools`` client: an asyncio Protocol around llhttp.
+
+A connection carries one exchange at a time: ``exchange`` writes a whole request and
+waits for the answer the parser assembles from the callbacks below. Whatever ends an
+exchange without a complete answer (a malformed answer, an answer over the limit, the
+deadline, a cancelled caller, the peer closing early) closes the connection at once, so
+the gateway sees the request abandoned and no half-read answer is ever reused. Only the
+headers the retry rules read are kept; the body is read into a list of chunks checked
+against the limit as they come (a declared length over it is refused before any body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
+
+from async_processor.errors import NoAnswer
+from async_processor.httpclients.base import Answer, AttemptTimeout, too_large
+from async_processor.retry import DROPPED_REASON_HEADER
+
+Origin = tuple[str, str, int]  # scheme, host, port: the pool's key
+_RETRY_AFTER = b"retry-after"
+_DROPPED = DROPPED_REASON_HEADER.lower().encode()
+LARGE_BODY = 1 << 16  # from here the body is written apart from the head
+
+
+class Connection(asyncio.BufferedProtocol):
+    # Slots, not a dict: one of these is held per request in flight (issue 13's memory).
+    __slots__ = (
+        "answered", "buffer", "chunks", "dropped", "framed", "idle_since", "keep_alive",
+        "limit", "origin", "parser", "retry_after", "size", "status", "transport", "waiter",
+    )  # fmt: skip
+
+    def __init__(self, origin: Origin, buffer: memoryview) -> None:
+        self.origin = origin
+        self.buffer = buffer  # the client's receive buffer: read into, parsed, let go at once
+        self.transport: asyncio.Transport | None = None
+        self.parser = HttpResponseParser(self)
+        self.waiter: asyncio.Future[Answer] | None = None
+        self.idle_since = 0.0
+        self._reset(0)
+
+    def _reset(self, limit: int) -> None:
+        self.limit = limit
+        self.status = 0
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.retry_after: str | None = None
+        self.dropped = ""
+        self.framed = False  # a length or chunking was declared (else: read to EOF)
+        self.answered = False  # some byte of the answer arrived
+        self.keep_alive = False  # read when the answer ends: llhttp forgets it after
+
+    @property
+    def usable(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    async def exchange(
+        self, head: bytes, body: bytes | memoryview, deadline: float, limit: int,
+        loop: asyncio.AbstractEventLoop,
+    ) -> Answer:  # fmt: skip
+        """Send the request and return the answer, by ``deadline``."""
+        assert self.transport is not None  # the pool hands out usable ones only
+        waiter: asyncio.Future[Answer] = loop.create_future()
+        self.waiter = waiter
+        self._reset(limit)
+        timer = loop.call_at(deadline, self._time_out)
+        if len(body) < LARGE_BODY:  # one write, one segment; the copy is not kept once sent
+            self.transport.write(head + body)
+        else:  # not copied behind the head
+            self.transport.write(head)
+            self.transport.write(body)
+        try:
+            return await waiter
+        except BaseException:  # cancelled or failed: the gateway must see the request end
+            self.close()
+            raise
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    def reusable(self) -> bool:
+        return self.usable and self.keep_alive
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _fail(self, error: NoAnswer) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(error)
+        self.close()
+
+    def _time_out(self) -> None:
+        self._fail(AttemptTimeout())
+
+    def _pending(self) -> bool:
+        return self.waiter is not None and not self.waiter.done()
+
+    # asyncio.BufferedProtocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)  # a stream connection
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if not self._pending():  # bytes nobody asked for: the connection is out of step
+            self.close()
+            return
+        self.answered = True
+        try:
+            self.parser.feed_data(self.buffer[:nbytes])
+        except HttpParserUpgrade:
+            self._fail(NoAnswer("the gateway switched protocols"))
+        except HttpParserError as exc:
+            self._fail(NoAnswer(f"malformed answer from the gateway: {exc}"))
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if not self._pending():
+            return
+        if self.status and not self.framed:  # an answer delimited by the close itself
+            self.on_message_complete()
+        elif not self.answered:
+            reason = f": {exc}" if exc else ""
+            self._fail(NoAnswer(f"the gateway closed the connection before answering{reason}"))
+        else:
+            self._fail(NoAnswer("the gateway closed the connection before the answer was complete"))
+
+    # httptools callbacks (called from feed_data)
+
+    def on_message_begin(self) -> None:
+        if not self._pending():  # a second answer to one request
+            self._fail(NoAnswer("an answer nobody asked for"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == _RETRY_AFTER:
+            self.retry_after = value.decode("latin-1")
+        elif name == _DROPPED:
+            self.dropped = value.decode("latin-1")
+        elif name == b"content-length":
+            self.framed = True
+            if value.isdigit() and int(value) > self.limit:  # refused before any body
+                self._fail(too_large(int(value), self.limit))
+        elif name == b"transfer-encoding" and value.lower().endswith(b"chunked"):
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        self.size += len(body)
+        if self.size > self.limit:
+            self._fail(too_large(None, self.limit))
+        elif self._pending():
+            self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        if 100 <= self.status < 200:  # an interim answer (100 Continue, 103): the real one follows
+            self._reset(self.limit)
+            self.answered = True
+            return
+        if self._pending() and self.waiter is not None:
+            self.keep_alive = self.parser.should_keep_alive()
+            chunks = self.chunks
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            self.waiter.set_result(Answer(self.status, body, self.retry_after, self.dropped))
