@@ -12,6 +12,7 @@ against the limit as they come (a declared length over it is refused before any 
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
@@ -101,8 +102,8 @@ class Connection(asyncio.BufferedProtocol):
     # asyncio.BufferedProtocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)  # a stream connection
-        self.transport = transport
+        # A stream transport (uvloop's is not an asyncio.Transport subclass).
+        self.transport = cast(asyncio.Transport, transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.buffer

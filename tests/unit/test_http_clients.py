@@ -30,7 +30,7 @@ from async_processor.httpclients.base import (
     HttpClient,
     Unsendable,
 )
-from tests.fixtures.httpclients import client_for
+from tests.fixtures.httpclients import client_for, each_loop  # noqa: F401 (each loop)
 from tests.fixtures.redis_modes import Certs
 from tests.unit.test_config import sortedset_args
 

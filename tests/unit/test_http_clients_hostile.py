@@ -26,6 +26,7 @@ from async_processor.httpclients.base import (
     HttpClient,
     Unsendable,
 )
+from tests.fixtures.httpclients import each_loop  # noqa: F401 (each loop)
 
 pytestmark = pytest.mark.anyio
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
