@@ -82,7 +82,12 @@ class Connection(asyncio.BufferedProtocol):
             self.waiter = None
 
     def reusable(self) -> bool:
-        return self.usable and self.keep_alive
+        """Kept alive, and the whole request went out: an answer that came before the end
+        of the body (a refusal) leaves the rest of it to be read as the next request."""
+        return self.usable and self.keep_alive and not self._unsent()
+
+    def _unsent(self) -> int:
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
     def close(self) -> None:
         if self.transport is not None:

@@ -31,7 +31,8 @@ from tests.fixtures.httpclients import each_loop  # noqa: F401 (each loop)
 pytestmark = pytest.mark.anyio
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 # (bytes written, then): "keep" reads the next request, "close" hangs up at once,
-# "idle-close" hangs up a moment later, "garbage" writes a forged answer a moment later.
+# "idle-close" hangs up a moment later, "garbage" writes a forged answer a moment later,
+# "early" answers as soon as the head is in and only drains the body after.
 Reply = tuple[bytes, str]
 FORGED = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged"
 
@@ -47,10 +48,11 @@ class Raw:
 
 async def _one_request(reader: asyncio.StreamReader, raw: Raw) -> Reply:
     head = await reader.readuntil(b"\r\n\r\n")
+    reply = raw.replies(len(raw.requests) + 1)
     declared = re.search(rb"(?im)^content-length: *(\d+)", head)
-    body = await reader.readexactly(int(declared.group(1)) if declared else 0)
-    raw.requests.append(head + body)
-    return raw.replies(len(raw.requests))
+    length = int(declared.group(1)) if declared and reply[1] != "early" else 0
+    raw.requests.append(head + await reader.readexactly(length))
+    return reply
 
 
 async def _serve(raw: Raw, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -65,6 +67,8 @@ async def _serve(raw: Raw, reader: asyncio.StreamReader, writer: asyncio.StreamW
             await writer.drain()
             if then != "keep":
                 break
+        while then == "early" and await reader.read(1 << 20):  # the body nobody waited for
+            pass
         if then in ("idle-close", "garbage"):
             await asyncio.sleep(0.1)
             writer.write(FORGED if then == "garbage" else b"")
@@ -207,6 +211,19 @@ async def test_bytes_past_the_answer_are_never_taken_for_the_next_one(
         assert (await _post(client, raw.url)).body == b"ok"
         await anyio.sleep(0.3)
         assert (await _post(client, raw.url)).body == b"ok"
+    assert raw.connections == 2
+
+
+async def test_an_answer_before_the_end_of_the_body_ends_the_connection(
+    client: HttpClient,
+) -> None:
+    """The rest of the body is still on its way: on the same connection the gateway would
+    read it as the next request."""
+    big = b"x" * (64 * 10**6)  # more than loopback's socket buffers hold
+    async with raw_gateway(first_then_ok((OK, "early"))) as raw:
+        first = await client.post(raw.url, big, {}, timeout=10, limit=4096)
+        assert (await _post(client, raw.url)).body == b"ok"
+    assert first.body == b"ok"
     assert raw.connections == 2
 
 
