@@ -84,7 +84,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("tls-key", "client key for the gateway", "tls.key"),
     Flag("tls-insecure-skip-verify", "skip gateway certificate checks", "tls.insecure_skip_verify",
          boolean=True),
-    Flag("http-client", "the gateway's HTTP client: aiohttp, httptools or pyreqwest (an extra)",
+    Flag("http-client", "the gateway's HTTP client: httptools, aiohttp or pyreqwest (an extra)",
          "http_client"),
     Flag("log-level", "log level", default="info", choices=LEVELS),
     Flag("log-format", "log format (auto: json unless stderr is a TTY)", default="auto",

@@ -114,7 +114,7 @@ class RuntimeConfig(Strict):
     tenant_label_limit: Annotated[int, Field(ge=0)] = 100
     tls: TLSConfig = Field(default_factory=TLSConfig)
     # The gateway's HTTP client (async_processor.httpclients); pyreqwest is an extra.
-    http_client: Literal["aiohttp", "pyreqwest", "httptools"] = "aiohttp"
+    http_client: Literal["httptools", "aiohttp", "pyreqwest"] = "httptools"
 
     @field_validator("prometheus_url")
     @classmethod

@@ -1,7 +1,8 @@
 """The gateway's HTTP client; ``base.HttpClient`` is the seam every implementation keeps.
 
-``--http-client`` picks one by name. Only the module of the one in use is imported, so
-the default never loads an optional library (pyreqwest is the ``pyreqwest`` extra).
+``--http-client`` picks one by name (default ``httptools``). Only the module of the one in
+use is imported, so the default never loads an optional library (pyreqwest is the
+``pyreqwest`` extra).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from async_processor.httpclients.base import HttpClient
 
 # Name -> (module, class). The names are ``RuntimeConfig.http_client``'s choices.
 HTTP_CLIENTS: dict[str, tuple[str, str]] = {
+    "httptools": ("httptools_client", "HttptoolsClient"),
     "aiohttp": ("aiohttp_client", "AiohttpClient"),
     "pyreqwest": ("pyreqwest_client", "PyreqwestClient"),
-    "httptools": ("httptools_client", "HttptoolsClient"),
 }
 
 

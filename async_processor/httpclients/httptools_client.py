@@ -1,10 +1,11 @@
-"""The ``httptools`` implementation of ``HttpClient``: HTTP/1.1 on asyncio Protocols, parsed
-by llhttp (the C parser Node.js and uvicorn use). Chosen with ``--http-client httptools``.
+"""The ``httptools`` implementation of ``HttpClient``, the default: HTTP/1.1 on asyncio
+Protocols, parsed by llhttp (the C parser Node.js and uvicorn use).
 
 It does what the seam needs and nothing else: a POST with headers and a body, keep-alive
 connections pooled per origin, TLS and mTLS from ``TLSConfig``, no redirects, no
-compression, no proxies, no cookies. Why it exists: per request it allocates a fraction of
-what aiohttp does (README, Benchmarks, has the figures).
+compression, no proxies, no cookies. Why it is the default: the daemon spends about a third
+less CPU per message on it than on aiohttp (README, Benchmarks, has the figures). Host
+names are resolved at each new connection (aiohttp caches them for 10 s).
 
 Retry semantics of a pooled connection: one the gateway closed while it was idle is
 dropped before anything is written on it, and the request goes out on another (it was

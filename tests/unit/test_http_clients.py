@@ -221,9 +221,9 @@ def test_unreadable_certificates_are_a_config_error(client_name: str, certs: Cer
         build_http_client(client_name, bad, 16)
 
 
-def test_the_flag_names_every_client_and_defaults_to_aiohttp(tmp_path: Path) -> None:
+def test_the_flag_names_every_client_and_defaults_to_httptools(tmp_path: Path) -> None:
     args = sortedset_args(tmp_path)
-    assert load_config(args, {}).runtime.http_client == "aiohttp"
+    assert load_config(args, {}).runtime.http_client == "httptools"
     env = {"ASYNC_PROCESSOR_HTTP_CLIENT": "pyreqwest"}
     assert load_config(args, env).runtime.http_client == "pyreqwest"
     choices = get_args(RuntimeConfig.model_fields["http_client"].annotation)
