@@ -5,8 +5,9 @@ the client through the seam (``httpclients.build_http_client``), sends ``--in-fl
 POSTs of a 4 KiB body at once to a simulator answering in ``--latency`` seconds, and reads
 its own RSS when all of them are at the gateway. Printed: RSS growth per request in
 flight, against the process before the burst. No Redis, no daemon: the figure the
-in-flight target's budget (250 MB at 10,000, issue 13) spends on HTTP.
-Run: ``python -m bench.client_memory [--in-flight 5000] [--latency 10]``.
+in-flight target's budget (250 MB at 10,000, issue 13) spends on HTTP. On the daemon's
+loop (uvloop) unless ``--loop asyncio``: the transports are the loop's.
+Run: ``python -m bench.client_memory [--in-flight 5000] [--latency 10] [--loop asyncio]``.
 """
 
 from __future__ import annotations
@@ -56,22 +57,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.client_memory")
     p.add_argument("--in-flight", type=int, default=5000)
     p.add_argument("--latency", type=float, default=10.0)
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     p.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one client, JSON out
     p.add_argument("--url", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        result = anyio.run(one_client, args.one, args.url, args.in_flight, args.latency)
+        options = {"use_uvloop": args.loop == "uvloop"}
+        result = anyio.run(
+            one_client, args.one, args.url, args.in_flight, args.latency, backend_options=options
+        )
         print(json.dumps(result))
         return 0
     rows = [("setup", f"{args.in_flight} POSTs of 4 KiB in flight at once, gateway latency "
-                      f"{args.latency:g} s, one process per client")]  # fmt: skip
+                      f"{args.latency:g} s, one process per client, on {args.loop}")]  # fmt: skip
     with ExitStack() as stack:
         sim = simulator(stack, "--latency", str(args.latency))
         for name in HTTP_CLIENTS:
             out = subprocess.run(
                 [sys.executable, "-m", "bench.client_memory", "--one", name,
                  "--url", sim.url + "/v1/completions", "--in-flight", str(args.in_flight),
-                 "--latency", str(args.latency)],
+                 "--latency", str(args.latency), "--loop", args.loop],
                 capture_output=True, check=True, text=True,
             )  # fmt: skip
             seen = sim.stats()["max_concurrent_seen"]
