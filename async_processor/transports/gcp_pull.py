@@ -36,7 +36,10 @@ MIN_ACK_DEADLINE = 10  # Pub/Sub's minimum (and default)
 PULL_GRACE = 1.0  # the pull RPC deadline is the fetch's wait plus this
 MAX_PULL = 1000  # Pub/Sub's limit on max_messages per pull
 READ_AHEAD_MAX = 1000  # messages held ahead per subscription: one full pull
-READ_AHEAD_IDLE = 0.5  # s without a fetch after which the read-ahead is handed back
+# s without a fetch after which the read-ahead is handed back: longer than the lull
+# between waves of answers at a 1 s gateway (0.5 s handed back and pulled again 2-5 % of
+# the messages of bench.pubsub's 1 s cells).
+READ_AHEAD_IDLE = 2.0
 RATE_WINDOW = 2.0  # s of fetches the rate is measured over
 RTT_SAMPLES = 64  # pull round trips the p95 is taken over
 REFILL_PULLS = 2  # refill pulls in flight per subscription (an answer may come short)

@@ -446,6 +446,7 @@ async def test_read_ahead_serves_fetches_and_is_handed_back_once_they_stop(
     """Held ahead up to its bound while fetches come; nacked at once when they stop (a
     drain, a closed gate), not kept leased until the ack deadline."""
     monkeypatch.setattr(gcp_pull, "READ_AHEAD_MAX", 8)
+    monkeypatch.setattr(gcp_pull, "READ_AHEAD_IDLE", 0.5)
     t = transport_for(names)
     ids = [f"m{i}" for i in range(40)]
     await admin.publish(names["requests"], [request(i) for i in ids])
