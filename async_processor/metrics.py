@@ -203,18 +203,23 @@ class Metrics:
         tenant churn does not grow the registry; a queue found again starts at 0."""
         self._bound = {k: v for k, v in self._bound.items() if k[1] != queue_name}
         for family in vars(self).values():
-            if not isinstance(family, MetricWrapperBase):
-                continue
-            names = list(family._labelnames)
-            if "queue_name" not in names:
-                continue
-            at = names.index("queue_name")
-            for values in [v for v in list(family._metrics) if v[at] == queue_name]:
-                family.remove(*values)
+            # Only families that have such a series: remove_by_labels refuses a family
+            # without a queue_name label (public API only: a prometheus-client upgrade
+            # must not break this quietly).
+            if isinstance(family, MetricWrapperBase) and _has_queue(family, queue_name):
+                family.remove_by_labels({"queue_name": queue_name})
 
     def pool(self, pool: str) -> QueueMetrics:
         """Pool-level series (pool gates): empty queue labels, as the reference does."""
         return self.queue("", "", pool)
+
+
+def _has_queue(family: MetricWrapperBase, queue_name: str) -> bool:
+    return any(
+        sample.labels.get("queue_name") == queue_name
+        for metric in family.collect()
+        for sample in metric.samples
+    )
 
 
 @dataclass(frozen=True, slots=True)

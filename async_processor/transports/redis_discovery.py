@@ -14,8 +14,8 @@ cluster mode when its result list is in another slot, ``over_cap`` past
 upkeep scripts cover many queues per call, so one such key failed them for every
 queue). A set is read with SSCAN and never more than ``2 × max_queues`` members per
 refresh, so an enormous set costs a bounded read; a prefix scan walks every primary's
-keyspace (SCAN ... TYPE zset), skipping the daemon's keys under the prefix without
-counting them.
+keyspace (SCAN ... TYPE zset) a bounded part per refresh (``redis_scan``), skipping the
+daemon's keys under the prefix without counting them.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from async_processor.transports.redis_keys import (
     redis_errors,
 )
 from async_processor.transports.redis_keyspace import KeySpace
+from async_processor.transports.redis_scan import PrefixScan
 from async_processor.transports.redis_settings import cluster_problem
 
 if TYPE_CHECKING:
@@ -49,7 +50,11 @@ log = structlog.get_logger(__name__)
 
 MAX_NAME_BYTES = 512
 REFUSALS = ("daemon_key", "bad_name", "cross_slot", "over_cap", "wrong_type")
-SCAN_COUNT = 500
+SCAN_COUNT = 500  # SSCAN of the set: its members per round trip
+# A prefix scan's keys visited per SCAN, and SCANs per refresh (docs/transports.md has the
+# measured cost; a refresh visits at most COUNT x CALLS keys of each primary's keyspace).
+PREFIX_SCAN_COUNT = 2000
+PREFIX_SCAN_CALLS = 10
 LOGGED_REFUSALS = 1000  # distinct refused names logged per process (then only counted)
 # Shapes of the keys the daemon and the client derive from a queue name.
 _DERIVED = re.compile(
@@ -117,23 +122,30 @@ class QueueLister:
         self._result_list = result_list  # the transport's; the template's may say <queue>
         self._metrics = metrics
         self._logged: set[str] = set()
+        self.scan = PrefixScan(
+            redis,
+            _glob_escape(discovery.key_prefix) + "*",
+            count=PREFIX_SCAN_COUNT,
+            calls=PREFIX_SCAN_CALLS,
+            limit=2 * discovery.max_queues,
+            keep=self._outside_daemon_keys,
+        )
         if metrics is not None:
             for reason in REFUSALS:
                 metrics.discovery_refused_total.labels(reason)
 
-    async def names(self) -> list[str]:
-        """The queues to poll: at most ``max_queues``, each checked."""
+    async def names(self, *, whole: bool = False) -> list[str]:
+        """The queues to poll: at most ``max_queues``, each checked. A prefix scan walks
+        part of the keyspace per call (``PrefixScan``), or with ``whole`` to a cycle's end."""
         cap = self._config.max_queues
         accepted: dict[str, None] = {}
         examined = 0
         with redis_errors("queue discovery"):
-            async for raw in self._members():
+            async for raw in self._members(whole):
                 name = _text(raw)
                 if name in self._static:  # configured: polled already
                     continue
                 reason = self.refusal(name) if name is not None else "bad_name"
-                if self._config.key_prefix and reason == "daemon_key":
-                    continue  # a queue's in-flight or retry set: neither counted nor examined
                 examined += 1
                 if reason is None and name not in accepted:
                     if len(accepted) == cap:
@@ -164,11 +176,19 @@ class QueueLister:
                 self._refuse(name, "wrong_type")
         return kept
 
-    def _members(self) -> AsyncIterator[bytes]:
+    async def _members(self, whole: bool) -> AsyncIterator[bytes]:
         if self._config.set_key:
-            return self._redis.sscan_iter(self._config.set_key, count=SCAN_COUNT)
-        match = _glob_escape(self._config.key_prefix) + "*"
-        return self._redis.scan_iter(match=match, count=SCAN_COUNT, _type="zset")
+            async for raw in self._redis.sscan_iter(self._config.set_key, count=SCAN_COUNT):
+                yield raw
+            return
+        for raw in await (self.scan.cycle() if whole else self.scan.step()):
+            yield raw
+
+    def _outside_daemon_keys(self, raw: bytes) -> bool:
+        """A prefix scan keeps no daemon key (a queue's in-flight or retry set under the
+        prefix): neither counted nor examined, nor held between refreshes."""
+        name = _text(raw)
+        return name is None or self.refusal(name) != "daemon_key"
 
     def refusal(self, name: str) -> str | None:
         """Why ``name`` may not be polled as a tenant queue (None: it may)."""
@@ -288,7 +308,8 @@ class QueueCatalog:
         ``REMOVED_QUEUES_KEY`` (``removed``, its members: draining claims or retries)."""
         served = [("configured", q) for q in self.static]
         if self._lister is not None:
-            served += [("discovered", self._spec(n)) for n in await self._lister.names()]
+            names = await self._lister.names(whole=True)  # a scan's whole cycle
+            served += [("discovered", self._spec(n)) for n in names]
         known = {q.name for _, q in served}
         removed_names = sorted(n for n in filter(None, map(_text, removed)) if n not in known)
         return [*served, *(("removed", self._spec(n)) for n in removed_names)]

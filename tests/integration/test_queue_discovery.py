@@ -18,11 +18,12 @@ from async_processor.config import AppConfig, PoolConfig, SortedSetConfig
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
 from async_processor.transports import redis_keys
-from async_processor.transports.base import Deferral, TransportContext
+from async_processor.transports.base import Deferral, QueueSpec, TransportContext
+from async_processor.transports.redis_discovery import PREFIX_SCAN_CALLS, PREFIX_SCAN_COUNT
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.inprocess import running, runtime_config
 from tests.fixtures.redis_modes import RedisClusterNodes
-from tests.fixtures.servers import free_port
+from tests.fixtures.servers import RedisServer, free_port
 from tests.fixtures.simulator import SimulatorProcess
 
 pytestmark = pytest.mark.anyio
@@ -79,6 +80,19 @@ async def results(r: Redis, unique: str, count: int, timeout: float = 20) -> lis
             if popped:
                 ids.append(Result.decode(popped[1]).id)
     return ids
+
+
+async def discover_a_whole_cycle(transport: SortedSetTransport) -> list[QueueSpec]:
+    """Refresh until the prefix scan has walked a whole cycle (the shared server may hold
+    more keys than one refresh visits)."""
+    lister = transport._catalog._lister
+    assert lister is not None and transport.config.queue_discovery is not None
+    assert transport.config.queue_discovery.key_prefix  # a set is read whole at once
+    with anyio.fail_after(60):
+        while True:
+            specs = await transport.discover()
+            if lister.scan.cycles:
+                return specs
 
 
 async def test_queues_in_a_set_are_polled_and_followed_without_a_restart(
@@ -197,7 +211,7 @@ async def test_a_prefix_scan_finds_the_sorted_sets_under_the_prefix(
     config = transport_config(redis_url, unique, key_prefix=prefix)
     transport = SortedSetTransport(config, TransportContext(metrics=metrics))
     try:
-        specs = await transport.discover()
+        specs = await discover_a_whole_cycle(transport)
     finally:
         await transport.aclose()
     assert sorted(s.name for s in specs) == [f"{prefix}a", f"{prefix}b"]
@@ -300,7 +314,7 @@ async def test_a_prefix_scan_reaches_every_master_of_a_cluster(
         )
         transport = SortedSetTransport(config, TransportContext())
         try:
-            found = sorted(s.name for s in await transport.discover())
+            found = sorted(s.name for s in await discover_a_whole_cycle(transport))
             await transport.move_due()  # per-queue retry sets, one call per slot
             await transport.expire_due()
         finally:
@@ -326,7 +340,7 @@ async def test_a_prefix_scan_finds_every_queue_under_the_cap_beside_many_daemon_
     config = transport_config(redis_url, unique, key_prefix=prefix, max_queues=2)
     transport = SortedSetTransport(config, TransportContext(metrics=metrics))
     try:
-        specs = await transport.discover()
+        specs = await discover_a_whole_cycle(transport)
     finally:
         await transport.aclose()
     assert sorted(s.name for s in specs) == [f"{prefix}a", f"{prefix}b"]
@@ -359,3 +373,43 @@ async def test_retries_left_in_the_shared_retry_set_still_go_home_with_discovery
         await transport.aclose()
     assert await r.zcard(f"{unique}:retry-set") == 0
     assert await r.zrange(queue, 0, -1) == [member]
+
+
+async def test_a_prefix_scan_costs_a_bounded_number_of_round_trips_per_refresh(
+    private_redis: RedisServer, unique: str
+) -> None:
+    """Beside 60,000 unrelated keys a refresh makes at most PREFIX_SCAN_CALLS SCANs (a
+    whole walk made 120 per refresh); a queue created is found within a cycle, and one
+    deleted is gone within two."""
+    r = Redis.from_url(private_redis.url)
+    prefix = f"{unique}:t:"
+    for start in range(0, 60_000, 5_000):
+        await r.mset({f"unrelated:{n}": 1 for n in range(start, start + 5_000)})
+    await r.zadd(f"{prefix}a", {"m": 1})
+    config = transport_config(private_redis.url, unique, key_prefix=prefix)
+    transport = SortedSetTransport(config, TransportContext())
+    try:
+        per_refresh = await _scans_per_refresh(r, transport, refreshes=3)
+        assert max(per_refresh) <= PREFIX_SCAN_CALLS
+        cycle = 60_000 // (PREFIX_SCAN_COUNT * PREFIX_SCAN_CALLS) + 1  # refreshes
+        assert [s.name for s in await discover_a_whole_cycle(transport)] == [f"{prefix}a"]
+        await r.zadd(f"{prefix}b", {"m": 1})
+        await r.delete(f"{prefix}a")
+        found: list[list[str]] = []
+        for _ in range(2 * cycle + 1):
+            found.append(sorted(s.name for s in await transport.discover()))
+        assert f"{prefix}b" in found[cycle - 1]  # found within a cycle
+        assert found[-1] == [f"{prefix}b"]  # and a gone within two
+    finally:
+        await transport.aclose()
+        await r.aclose()
+
+
+async def _scans_per_refresh(r: Redis, transport: SortedSetTransport, refreshes: int) -> list[int]:
+    counts = []
+    for _ in range(refreshes):
+        before = (await r.info("commandstats")).get("cmdstat_scan", {}).get("calls", 0)
+        await transport.discover()
+        after = (await r.info("commandstats"))["cmdstat_scan"]["calls"]
+        counts.append(after - before)
+    return counts
