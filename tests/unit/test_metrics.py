@@ -40,3 +40,21 @@ def test_failed_requests_keep_the_reference_labels() -> None:
         f for f in metrics.registry.collect() if f.name == "llm_d_async_async_failed_requests"
     ]
     assert set(family.samples[0].labels) == {"queue_id", "queue_name", "pool_name"}
+
+
+def test_loop_gauges_export_their_count_and_start_again_at_zero_when_forgotten() -> None:
+    """queue_depth and inflight are plain counts (no lock per change), read when scraped."""
+    metrics = Metrics(CollectorRegistry())
+    queue = metrics.queue("q", "q", "default")
+    labels = {"queue_id": "q", "queue_name": "q", "pool_name": "default"}
+    sample = metrics.registry.get_sample_value
+    queue.inflight.inc()
+    queue.inflight.inc()
+    queue.queue_depth.inc()
+    queue.inflight.dec()
+    assert sample("llm_d_async_async_inflight_requests", labels) == 1
+    assert sample("llm_d_async_async_queue_depth", labels) == 1
+    metrics.forget_queue("q")
+    assert sample("llm_d_async_async_inflight_requests", labels) is None
+    metrics.queue("q", "q", "default").inflight.inc()
+    assert sample("llm_d_async_async_inflight_requests", labels) == 1
