@@ -290,3 +290,18 @@ def test_max_bytes_counts_bytes_not_characters() -> None:
 )  # fmt: skip
 def test_id_from_prefix_reads_the_structure(prefix: bytes, expected: str | None) -> None:
     assert id_from_prefix(prefix) == expected
+
+
+def test_routing_strings_present_are_kept_absent_ones_empty_and_wrong_types_refused() -> None:
+    # Only the routing strings a message carries are checked (issue 13): each present one
+    # still is, and each absent one still reads as "".
+    internal = {"queue_id": "q", "transport_correlation_id": "t", "last_status": 503,
+                "last_body": "busy"}  # fmt: skip
+    routing = Routing.from_obj(internal)
+    assert (routing.queue_id, routing.transport_correlation_id) == ("q", "t")
+    assert (routing.last_status, routing.last_body) == (503, "busy")
+    assert routing.request_token == routing.result_queue_name == routing.request_queue_name == ""
+    assert Routing.from_obj({"queue_id": None}).queue_id == ""
+    for field in ("queue_id", "transport_correlation_id", "last_body"):
+        with pytest.raises(ValueError, match=f"internal.{field} must be a UTF-8 string"):
+            Routing.from_obj({field: 7})
