@@ -19,7 +19,7 @@ from async_processor.messages import Result
 from async_processor.results import Op
 from async_processor.retry import Counter, Final
 from async_processor.transports.base import Completion, Deferral, Delivery, Transport, abandon
-from async_processor.work import PoolCapacity, Work, put
+from async_processor.work import PoolCapacity, Work, put, put_nowait
 
 if TYPE_CHECKING:
     from async_processor.worker import Outcome
@@ -73,14 +73,32 @@ class Settler:
         """A worker's outcome: counted and written, then the slot and the gate's permits
         given back, also when the write is cut short (the settle timeout)."""
         try:
-            if isinstance(outcome, Final):
-                _count(work, outcome)
-                await put(self._writer, Completion(work.delivery, outcome.result))
-            else:
-                await put(self._writer, Deferral(work.delivery, outcome.delay))
+            if not self.hand_over(work, outcome):
+                if isinstance(outcome, Final):
+                    _count(work, outcome)
+                await put(self._writer, _op(work, outcome))
         finally:
-            self.capacity.release()
-            await work.releases.release_all()
+            await self.give_back(work)
+
+    def hand_over(self, work: Work, outcome: Outcome) -> bool:
+        """``settle``'s write when the writer has room now: counted and queued without
+        waiting. False: nothing was done (the writer is full), ``settle`` it."""
+        if not put_nowait(self._writer, _op(work, outcome)):
+            return False
+        if isinstance(outcome, Final):
+            _count(work, outcome)
+        return True
+
+    async def give_back(self, work: Work) -> None:
+        """A worker's message is done with: its slot and the gate's permits back."""
+        self.capacity.release()
+        await work.releases.release_all()
+
+
+def _op(work: Work, outcome: Outcome) -> Op:
+    if isinstance(outcome, Final):
+        return Completion(work.delivery, outcome.result)
+    return Deferral(work.delivery, outcome.delay)
 
 
 def _count(work: Work, final: Final) -> None:

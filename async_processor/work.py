@@ -152,13 +152,19 @@ async def put(stream: ObjectSendStream[T], item: T) -> None:
     anyio's ``send`` always yields to the loop first (a checkpoint). Each message crosses
     three hand-offs, so on the hot path that was three extra loop iterations per message.
     """
-    if isinstance(stream, MemoryObjectSendStream):
-        try:
-            stream.send_nowait(item)
-            return
-        except anyio.WouldBlock:
-            pass
-    await stream.send(item)
+    if not put_nowait(stream, item):
+        await stream.send(item)
+
+
+def put_nowait(stream: ObjectSendStream[T], item: T) -> bool:
+    """Send if the buffer has room now (a memory stream); False, and nothing sent, if not."""
+    if not isinstance(stream, MemoryObjectSendStream):
+        return False
+    try:
+        stream.send_nowait(item)
+    except anyio.WouldBlock:
+        return False
+    return True
 
 
 async def take(stream: ObjectReceiveStream[T]) -> T:

@@ -125,3 +125,22 @@ async def test_a_worker_final_is_counted_once() -> None:
         assert isinstance(receive.receive_nowait(), Completion)
     labels = {"queue_id": "q", "queue_name": "q", "pool_name": "p"}
     assert metrics.registry.get_sample_value(SUCCESSFUL, labels) == 1
+
+
+async def test_a_hand_over_queues_and_counts_once_or_does_nothing_when_the_writer_is_full() -> None:
+    """The worker's fast path (no timer): taken at once when the writer has room, else
+    nothing is queued or counted and ``settle`` does it (counted once in all)."""
+    metrics = Metrics()
+    work = _work("h", metrics.queue("q", "q", "p"))
+    labels = {"queue_id": "q", "queue_name": "q", "pool_name": "p"}
+    final = Final(Result.http("h", 200, b""), Counter.SUCCESS)
+    send, receive = anyio.create_memory_object_stream[Op](1)
+    async with send, receive:
+        settler = _settler(await _taken(1), send)
+        send.send_nowait(Deferral(work.delivery, 0.0))  # the writer's buffer is full
+        assert not settler.hand_over(work, final)
+        assert metrics.registry.get_sample_value(SUCCESSFUL, labels) == 0
+        receive.receive_nowait()
+        assert settler.hand_over(work, final)
+        assert receive.receive_nowait() == Completion(work.delivery, final.result)
+    assert metrics.registry.get_sample_value(SUCCESSFUL, labels) == 1
