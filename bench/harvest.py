@@ -39,7 +39,7 @@ from bench.harvest_runs import SIM_URL, RunResult, Strategy, as_json, dumps, run
 TTFT_LIMIT = E2E_LIMIT = 1.3
 POOL = "sim-pool"
 SATURATION = epp.POOL_SATURATION.current  # what the simulator exports by default
-RECOMMENDED = "pool-headroom H=56"
+RECOMMENDED = "pool-headroom H=16"
 QUICK = ("fixed-64", "prometheus-saturation", RECOMMENDED)
 # The default run: the stock strategies and the recommendation, 3 cycles each,
 # within 15 min; every other row (the steps towards the recommendation) runs with --only.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.harvest import RECOMMENDED
 from bench.harvest_model import HEADROOMS
 from tests.fixtures.servers import require_binary
 
@@ -29,7 +30,7 @@ SUMMARY = re.compile(
 def test_the_harvest_bench_runs_end_to_end(tmp_path: Path) -> None:
     require_binary("redis-server")
     require_binary("prometheus")
-    only = "prometheus-saturation,pool-headroom H=56"  # a queue gate and a pool gate
+    only = f"prometheus-saturation,{RECOMMENDED}"  # a queue gate and a pool gate
     args = ["--duration", "3", "--cycles", "2", "--only", only, "--out", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, "-m", "bench.harvest", *args],
@@ -44,11 +45,12 @@ def test_the_harvest_bench_runs_end_to_end(tmp_path: Path) -> None:
     assert "harvested      = slot-seconds of batch requests" in done.stdout
     assert "| prometheus-saturation |" in done.stdout
     data = json.loads((tmp_path / "harvest.json").read_text())[0]
-    assert [r["name"] for r in data["rows"]] == ["prometheus-saturation", "pool-headroom H=56"]
+    assert [r["name"] for r in data["rows"]] == ["prometheus-saturation", RECOMMENDED]
     assert data["rows"][1]["completed"] > 0  # the pool gate read the run's simulator
     assert len(data["oracle"]) == 2 * len(HEADROOMS)  # with and without preemption
     assert all(run["interactive_requests"] > 0 for run in data["runs"])
     if importlib.util.find_spec("matplotlib") is not None:
         assert {p.name for p in tmp_path.glob("*.png")} == {
-            "harvest-A.png", "harvest-prometheus-saturation.png", "harvest-pool-headroom-H=56.png"
+            "harvest-A.png", "harvest-prometheus-saturation.png",
+            f"harvest-{RECOMMENDED.replace(' ', '-')}.png",
         }  # fmt: skip
