@@ -264,16 +264,23 @@ anyio.run(main)
 """
 
 
-async def test_a_consumer_killed_between_move_and_removal_loses_nothing(
-    redis_url: str, r: Redis, unique: str
-) -> None:
+async def killed_consumer(script: str, redis_url: str, r: Redis, unique: str) -> str:
+    """Three results r0..r2 on a list, then ``script`` run as consumer c1 until its
+    SIGKILL; returns the list."""
     results = f"{unique}-results"
     await r.lpush(results, *(Result.http(f"r{i}", 200, b"{}").encode() for i in range(3)))
     with anyio.fail_after(30):
         dead = await anyio.run_process(
-            [sys.executable, "-c", _DIES_BEFORE_REMOVAL, redis_url, results], check=False
+            [sys.executable, "-c", script, redis_url, results], check=False
         )
     assert dead.returncode == -9
+    return results
+
+
+async def test_a_consumer_killed_between_move_and_removal_loses_nothing(
+    redis_url: str, r: Redis, unique: str
+) -> None:
+    results = await killed_consumer(_DIES_BEFORE_REMOVAL, redis_url, r, unique)
     assert await r.llen(f"{{{results}}}:processing:c1") == 1  # moved, never removed
     async with SortedSetClient(redis_url, f"{unique}-q", results, consumer="c1") as client:
         got = await client.drain_results(4, timeout=0.5)
@@ -304,13 +311,7 @@ async def test_a_consumer_killed_while_handling_a_drained_batch_gets_it_again(
 ) -> None:
     """drain_results is at-least-once: before, it removed its results before returning
     them, so a consumer killed while handling them lost them."""
-    results = f"{unique}-results"
-    await r.lpush(results, *(Result.http(f"r{i}", 200, b"{}").encode() for i in range(3)))
-    with anyio.fail_after(30):
-        dead = await anyio.run_process(
-            [sys.executable, "-c", _DIES_HANDLING_A_BATCH, redis_url, results], check=False
-        )
-    assert dead.returncode == -9
+    results = await killed_consumer(_DIES_HANDLING_A_BATCH, redis_url, r, unique)
     async with SortedSetClient(redis_url, f"{unique}-q", results, consumer="c1") as client:
         again = await client.drain_results(1, timeout=0.5)  # a crash's leftovers come first
         rest = await client.drain_results(5, timeout=0.5)
