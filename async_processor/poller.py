@@ -87,6 +87,11 @@ class Poller:
     async def _poll(self, index: int) -> None:
         """One of the queue's concurrent fetch loops; only the first waits on an idle queue."""
         while True:
+            # A cycle may wait only inside its shielded claim (free slots, room in the lane
+            # and a fresh cancel reading cost no trip through the loop), so a stop's
+            # cancellation would never reach it: at a stop, with the workers handing every
+            # message back, it claimed them again forever (the soak's hang at exit).
+            await anyio.lowlevel.checkpoint_if_cancelled()
             if index and self._idle:
                 await anyio.sleep(self.queue.poll_interval)
                 continue
