@@ -38,7 +38,7 @@ from async_processor.errors import TransportError
 from async_processor.messages import ID_PREFIX_BYTES
 from async_processor.transports.base import Delivery, QueueSpec
 from async_processor.transports.redis_claims import Claim, ClaimBook
-from async_processor.transports.redis_keys import redis_errors
+from async_processor.transports.redis_keys import redis_errors, transport_error
 from async_processor.transports.redis_keyspace import KeySpace
 
 FETCH_POLL_STEP = 0.1  # seconds between probes of the idle queues (a new message's wait)
@@ -186,8 +186,16 @@ class Fetcher:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for script_keys, args in calls:
                         await self.scripts["claim"](keys=script_keys, args=args, client=pipe)
-                    replies = await pipe.execute()
+                    # Each slot group's call stands alone: one failing (a cluster node that
+                    # lost its scripts, or is out of memory) must not discard the others'
+                    # replies, whose claims are made in Redis and, unrecorded, would wait
+                    # out a whole lease in nobody's hands.
+                    replies = await pipe.execute(raise_on_error=False)
         for group, reply in zip(groups, replies, strict=True):
+            if isinstance(reply, Exception):
+                for ask in group:
+                    ask.error = transport_error("claim", reply)
+                continue
             for ask, answer in zip(group, reply, strict=True):
                 self._deliveries(ask, answer)
         kept = set(await self.check_markers([d for a in asks for d in a.deliveries]))

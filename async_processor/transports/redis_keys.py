@@ -274,7 +274,7 @@ def redis_errors(action: str) -> Iterator[None]:
     try:
         yield
     except (RedisError, RedisClusterException, OSError) as exc:  # the cluster client's own
-        raise TransportError(f"redis {action} failed: {type(exc).__name__}: {exc}") from exc
+        raise transport_error(action, exc) from exc
     except (AttributeError, TypeError) as exc:
         # redis-py 8.1 lets these escape when a connection is closed under a write (its
         # writer gone; redis/redis-py#4287), e.g. the cluster client dropping connections
@@ -282,6 +282,12 @@ def redis_errors(action: str) -> Iterator[None]:
         if not _raised_in_redis_connection(exc):
             raise
         raise TransportError(f"redis {action} failed: connection closed: {exc}") from exc
+
+
+def transport_error(action: str, exc: BaseException) -> TransportError:
+    """``exc`` (a Redis or socket failure) as the ``TransportError`` callers retry; also
+    for one command's error in a pipeline run with ``raise_on_error=False``."""
+    return TransportError(f"redis {action} failed: {type(exc).__name__}: {exc}")
 
 
 def _raised_in_redis_connection(exc: BaseException) -> bool:
