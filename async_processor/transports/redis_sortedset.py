@@ -110,8 +110,9 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
                 ctx.metrics.results_trimmed_total.labels(result_list)
 
     def _gather(self) -> None:
-        """Rounds wait for other queues' claims only when there are other queues."""
-        polled = len(self._catalog.names())
+        """Rounds wait for other queues' claims only when there are other queues polled (a
+        removed queue draining its claims is in upkeep, but no fetch of its joins a round)."""
+        polled = len(self._catalog.static) + len(self._catalog.discovered)
         self._fetcher.gather = self.config.claim_gather_ms / 1000 if polled > 1 else 0.0
 
     def _routed_own(self) -> keys.OwnKeys:

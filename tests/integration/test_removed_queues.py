@@ -179,3 +179,25 @@ async def test_a_queue_named_by_an_older_daemon_is_kept_through_its_grace(
         await r.srem(REMOVED_QUEUES_KEY, queue)
         await r.zrem(EMPTY_SINCE_KEY, queue)
         await transport.aclose()
+
+
+async def test_claim_rounds_wait_only_while_more_than_one_queue_is_polled(
+    redis_url: str, unique: str, r: Redis
+) -> None:
+    """``claim_gather_ms`` delays each claim of a lone queue for nothing: a removed queue
+    still draining (in upkeep for its grace) is not polled, so it does not count."""
+    listed = f"{unique}:tenants"
+    await r.sadd(listed, f"{unique}-a", f"{unique}-b")
+    config = transport_config(redis_url, unique, set_key=listed)
+    transport = SortedSetTransport(config, TransportContext())
+    try:
+        assert len(await transport.discover()) == 2
+        assert transport._fetcher.gather == config.claim_gather_ms / 1000 > 0
+        await r.srem(listed, f"{unique}-b")
+        assert len(await transport.discover()) == 1
+        assert f"{unique}-b" in [q.name for q in transport.queues]  # draining: its grace
+        assert transport._fetcher.gather == 0
+    finally:
+        await transport.aclose()
+        await r.srem(REMOVED_QUEUES_KEY, f"{unique}-b")
+        await r.zrem(EMPTY_SINCE_KEY, f"{unique}-b")
