@@ -191,6 +191,9 @@ async def _upkeep(processor: Processor) -> None:
     await transport.settle_removed()
     await transport.health()
     assert await transport.backlog(transport.queues[0]) == 0
+    # The idle probe takes a failure for "look": a missing permission would only show as
+    # every idle queue claimed each step, so it is asked here directly.
+    assert await transport._fetcher._ready([transport.queues[0].name]) == set()
 
 
 async def _refused_elsewhere(url: str) -> None:
