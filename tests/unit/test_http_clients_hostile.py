@@ -32,7 +32,8 @@ pytestmark = pytest.mark.anyio
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 # (bytes written, then): "keep" reads the next request, "close" hangs up at once,
 # "idle-close" hangs up a moment later, "garbage" writes a forged answer a moment later,
-# "early" answers as soon as the head is in and only drains the body after.
+# "early" answers as soon as the head is in and only drains the body after; "early-keep"
+# answers as soon as the head is in, then reads the body and the next request on.
 Reply = tuple[bytes, str]
 FORGED = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged"
 
@@ -46,13 +47,15 @@ class Raw:
     serving: set[tuple[asyncio.Task[None], asyncio.StreamWriter]] = field(default_factory=set)
 
 
-async def _one_request(reader: asyncio.StreamReader, raw: Raw) -> Reply:
+async def _one_request(reader: asyncio.StreamReader, raw: Raw) -> tuple[Reply, int]:
+    """The reply, and the length of the body left unread (an early answer's)."""
     head = await reader.readuntil(b"\r\n\r\n")
     reply = raw.replies(len(raw.requests) + 1)
     declared = re.search(rb"(?im)^content-length: *(\d+)", head)
-    length = int(declared.group(1)) if declared and reply[1] != "early" else 0
-    raw.requests.append(head + await reader.readexactly(length))
-    return reply
+    length = int(declared.group(1)) if declared else 0
+    early = reply[1].startswith("early")
+    raw.requests.append(head + await reader.readexactly(0 if early else length))
+    return reply, length if early else 0
 
 
 async def _serve(raw: Raw, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -62,10 +65,12 @@ async def _serve(raw: Raw, reader: asyncio.StreamReader, writer: asyncio.StreamW
     raw.serving.add((task, writer))
     try:
         while True:
-            data, then = await _one_request(reader, raw)
+            (data, then), unread = await _one_request(reader, raw)
             writer.write(data)
             await writer.drain()
-            if then != "keep":
+            if then == "early-keep":
+                await reader.readexactly(unread)
+            elif then != "keep":
                 break
         while then == "early" and await reader.read(1 << 20):  # the body nobody waited for
             pass
@@ -215,16 +220,21 @@ async def test_bytes_past_the_answer_are_never_taken_for_the_next_one(
 
 
 async def test_an_answer_before_the_end_of_the_body_ends_the_connection(
-    client: HttpClient,
+    client_name: str, client: HttpClient
 ) -> None:
     """The rest of the body is still on its way: on the same connection the gateway would
-    read it as the next request."""
+    read it as the next request. pyreqwest (hyper) keeps no such connection either, but
+    its own way: it sends the rest of the body behind the answer and reuses the connection
+    once the body is out (sound framing: the gateway reads the rest as body). Whether the
+    next request finds it free then hangs on timing, so it gets a gateway that reads the
+    body and serves on, and must be answered on whichever connection it takes."""
     big = b"x" * (64 * 10**6)  # more than loopback's socket buffers hold
-    async with raw_gateway(first_then_ok((OK, "early"))) as raw:
+    reusing = client_name == "pyreqwest"
+    async with raw_gateway(first_then_ok((OK, "early-keep" if reusing else "early"))) as raw:
         first = await client.post(raw.url, big, {}, timeout=10, limit=4096)
         assert (await _post(client, raw.url)).body == b"ok"
     assert first.body == b"ok"
-    assert raw.connections == 2
+    assert raw.connections in ((1, 2) if reusing else (2,))
 
 
 async def test_an_idle_connection_the_gateway_closed_is_not_used(client: HttpClient) -> None:
