@@ -24,13 +24,17 @@ Origin = tuple[str, str, int]  # scheme, host, port: the pool's key
 _RETRY_AFTER = b"retry-after"
 _DROPPED = DROPPED_REASON_HEADER.lower().encode()
 LARGE_BODY = 1 << 16  # from here the body is written apart from the head
+# Bytes of an answer's head held unparsed at most (llhttp sets no bound: httptools gathers
+# each field whole). A gateway's head is well under 8 KiB; aiohttp and hyper refuse long ones.
+HEAD_LIMIT = 1 << 16
 
 
 class Connection(asyncio.BufferedProtocol):
     # Slots, not a dict: one of these is held per request in flight (issue 13's memory).
     __slots__ = (
-        "answered", "buffer", "chunks", "dropped", "framed", "idle_since", "keep_alive",
-        "limit", "origin", "parser", "retry_after", "size", "status", "transport", "waiter",
+        "answered", "buffer", "chunks", "dropped", "framed", "head", "idle_since",
+        "keep_alive", "limit", "origin", "parser", "retry_after", "size", "status",
+        "transport", "waiter",
     )  # fmt: skip
 
     def __init__(self, origin: Origin, buffer: memoryview) -> None:
@@ -47,6 +51,7 @@ class Connection(asyncio.BufferedProtocol):
         self.status = 0
         self.chunks: list[bytes] = []
         self.size = 0
+        self.head = 0  # bytes read while the head was not complete
         self.retry_after: str | None = None
         self.dropped = ""
         self.framed = False  # a length or chunking was declared (else: read to EOF)
@@ -124,6 +129,11 @@ class Connection(asyncio.BufferedProtocol):
             self._fail(NoAnswer("the gateway switched protocols"))
         except HttpParserError as exc:
             self._fail(NoAnswer(f"malformed answer from the gateway: {exc}"))
+            return
+        if not self.status:  # all of it went to the head (or to an interim answer)
+            self.head += nbytes
+            if self.head > HEAD_LIMIT:
+                self._fail(NoAnswer(f"the gateway's answer head is over {HEAD_LIMIT} bytes"))
 
     def eof_received(self) -> bool:
         return False  # close our side too

@@ -173,6 +173,24 @@ async def test_an_answer_over_the_limit_is_refused_before_it_ends(
             await _post(client, raw.url)
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * (1 << 20),
+        b"HTTP/1.1 200 OK\r\n" + b"X-Many: a\r\n" * (1 << 17),
+    ],
+    ids=["one-header", "many-headers"],
+)
+async def test_an_endless_head_is_refused_before_it_ends(client: HttpClient, reply: bytes) -> None:
+    """The gateway never ends the head: a client that kept reading it would hold it all
+    (the limit on the body says nothing of it) and time out instead of refusing it."""
+    async with raw_gateway(first_then_ok((reply, "keep"))) as raw:
+        with pytest.raises(NoAnswer) as caught:
+            await _post(client, raw.url)
+        assert (await _post(client, raw.url)).body == b"ok"  # on a connection of its own
+    assert not isinstance(caught.value, AttemptTimeout)
+
+
 async def test_an_answer_delimited_by_the_close_is_whole(client: HttpClient) -> None:
     reply = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end"
     async with raw_gateway(first_then_ok((reply, "close"))) as raw:
