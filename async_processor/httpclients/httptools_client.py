@@ -17,12 +17,13 @@ gateway may have started the work (RFC 9112 §9.3.1).
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
 import ssl
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import anyio
 
@@ -42,6 +43,7 @@ RECEIVE_BUFFER = 1 << 16
 TARGETS_KEPT = 1024  # parsed URLs remembered; a daemon posts to a handful
 _PATH_SAFE = "!$%&'()*+,/:;=?@[]~"  # with letters, digits and "_.-": left as they are
 _HOST = re.compile(r"(?:^|\n)host:", re.IGNORECASE)
+_AUTHORIZATION = re.compile(r"(?:^|\n)authorization:", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,7 @@ class Target:
     origin: Origin
     request_line: str  # "POST /path?query HTTP/1.1\r\n"
     host_line: str  # "Host: host[:port]\r\n"
+    auth_line: str  # "Authorization: Basic ...\r\n" from the URL's user:password, or ""
 
 
 class HttptoolsClient:
@@ -99,6 +102,7 @@ class HttptoolsClient:
             (parts.scheme, parts.hostname, port),
             f"POST {path} HTTP/1.1\r\n",
             f"Host: {parts.netloc.rpartition('@')[2]}\r\n",
+            _basic_auth(parts.username, parts.password),
         )
         if len(self._targets) >= TARGETS_KEPT:
             self._targets.clear()
@@ -144,8 +148,20 @@ def _head(target: Target, headers: Mapping[str, str], length: int) -> bytes:
     """The request's head, refusing header fields that could break out of their line."""
     fields = header_lines(headers)
     host = "" if _HOST.search(fields) else target.host_line
-    head = f"{target.request_line}{host}Content-Length: {length}\r\n{fields}\r\n"
+    auth = target.auth_line
+    if auth and _AUTHORIZATION.search(fields):  # the message's own wins, as its Host does
+        auth = ""
+    head = f"{target.request_line}{host}{auth}Content-Length: {length}\r\n{fields}\r\n"
     try:
         return head.encode()
     except UnicodeEncodeError as exc:
         raise Unsendable(f"a header cannot be encoded: {exc}") from None
+
+
+def _basic_auth(user: str | None, password: str | None) -> str:
+    """A URL's ``user:password@`` as Basic credentials, as aiohttp and pyreqwest send them
+    (a gateway URL written for them keeps working on the default client)."""
+    if user is None:
+        return ""
+    pair = f"{unquote(user)}:{unquote(password or '')}".encode()
+    return f"Authorization: Basic {base64.b64encode(pair).decode()}\r\n"

@@ -205,6 +205,15 @@ async def test_interim_answers_are_skipped(client: HttpClient) -> None:
     assert (answer.status, answer.body) == (200, b"ok")
 
 
+async def test_credentials_in_the_url_are_sent_as_basic_auth(client: HttpClient) -> None:
+    """A gateway URL with ``user:password@`` (percent-encoded), the host only in Host."""
+    async with raw_gateway(lambda n: (OK, "keep")) as raw:
+        await _post(client, raw.url.replace("http://", "http://us%20er:p%40ss@"))
+    head = raw.requests[0].lower()
+    assert b"\r\nauthorization: basic dxmgzxi6cebzcw==\r\n" in head  # "us er:p@ss"
+    assert re.search(rb"\r\nhost: 127\.0\.0\.1:\d+\r\n", head)
+
+
 async def test_a_kept_alive_connection_carries_the_next_request(client: HttpClient) -> None:
     async with raw_gateway(lambda n: (OK, "keep")) as raw:
         for _ in range(3):
