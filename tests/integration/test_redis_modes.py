@@ -35,12 +35,12 @@ from async_processor.gates.base import (
     Releases,
     build_gate,
 )
-from async_processor.messages import Envelope, Request
+from async_processor.messages import Envelope, Request, Result
 from async_processor.metrics import Metrics
 from async_processor.processor import Processor
 from async_processor.producer_cli import main as producer_main
 from async_processor.transports import redis_keyspace
-from async_processor.transports.base import TransportContext
+from async_processor.transports.base import Completion, Delivery, QueueSpec, TransportContext
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_keyspace import KeySpace
 from async_processor.transports.redis_settings import RedisConnection
@@ -410,3 +410,61 @@ async def test_cluster_pipelines_load_their_scripts_on_every_primary(
     monkeypatch.setattr(redis_keyspace, "RELOAD_EVERY", 0.0)
     assert await extend_in_a_pipeline() == [b"no-such-claim"]
     await client.aclose()
+
+
+async def test_the_docs_tenant_acl_user_serves_discovered_queues(
+    private_redis: RedisServer, unique: str
+) -> None:
+    """The doc's discovery user runs every new path of discovered queues: the set read, a
+    claim round of two queues, the idle probe, a result on a per-queue list and its
+    retention (EXPIRE), upkeep, and a queue's removal (its grace bookkeeping)."""
+    set_acl_user(private_redis.url, acl_lines(SECURITY_DOC)["async-processor-tenants"], "pw")
+    url = f"redis://async-processor-tenants:pw@127.0.0.1:{private_redis.port}/0"
+    served, removed = f"tenant-{unique}-a", f"tenant-{unique}-b"
+    admin = aioredis.Redis.from_url(private_redis.url)
+    await admin.sadd("tenants", served, removed)
+    deadline = time.time() + 600
+    envelope = {"id": "t-1", "deadline": int(deadline), "payload": {}}
+    await admin.zadd(served, {json.dumps(envelope): deadline})
+    config = SortedSetConfig.model_validate(
+        {
+            "url": url,
+            "result_queue_name": "result-list",
+            "retry_queue_name": "retry-sortedset",
+            "result_ttl_seconds": 3600,
+            "queue_discovery": {
+                "set_key": "tenants",
+                "template": {
+                    "igw_base_url": "http://gw.test",
+                    "result_queue_name": "{<queue>}:results",
+                },
+            },
+        }
+    )
+    transport = SortedSetTransport(config, TransportContext())
+    try:
+        specs = await transport.discover()
+        got: dict[str, list[Delivery]] = {}
+
+        async def fetch(spec: QueueSpec) -> None:
+            got[spec.name] = await transport.fetch(spec, 2, 0)
+
+        async with anyio.create_task_group() as tg:  # one round: both queues' claims
+            for spec in specs:
+                tg.start_soon(fetch, spec)
+        [delivery] = got[served]
+        await transport.heartbeat()
+        transport.decode(delivery)
+        await transport.complete([Completion(delivery, Result.http("t-1", 200, b"{}"))])
+        assert await transport._fetcher._ready([served, removed]) == set()
+        await transport.retain()
+        await admin.srem("tenants", removed)
+        assert [q.name for q in await transport.discover()] == [served]
+        await transport.reap()
+        await transport.move_due()
+    finally:
+        await transport.aclose()
+    assert await admin.llen(f"{{{served}}}:results") == 1
+    assert await admin.ttl(f"{{{served}}}:results") > 3600  # retention's expiry, renewed
+    assert await admin.zscore("async-processor:removed-queues:empty-since", removed)
+    await admin.aclose()
