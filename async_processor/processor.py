@@ -11,7 +11,10 @@ and handed back at once. A second signal hands back at once.
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import signal
+import threading
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -54,6 +57,10 @@ from async_processor.worker import Aborter, Worker
 log = structlog.get_logger(__name__)
 
 WRITER_FLUSH_TIMEOUT = 30.0
+# The last resort of a stop, this long after its first signal past the drain timeout:
+# the stop's own bound (docs/operations.md: ~40 s with Redis hung) and room to spare.
+HARD_STOP_GRACE = 60.0
+HARD_STOP_EXIT = 124  # as timeout(1): the process was stopped, not drained
 # The most a pool prefetches: a round trip's worth of freed workers even at thousands of
 # requests in flight (at 10,000 workers a quarter was 2,500 messages held, ~25 MB, for
 # nothing: bench.in_flight).
@@ -396,9 +403,37 @@ async def run(config: AppConfig) -> None:
 
 
 async def _watch_signals(processor: Processor) -> None:
+    hard_stop: threading.Timer | None = None
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        count = 0
-        async for signum in signals:
-            count += 1
-            log.info("signal_received", signal=signal.Signals(signum).name, count=count)
-            processor.request_stop(force=count > 1)
+        try:
+            count = 0
+            async for signum in signals:
+                count += 1
+                log.info("signal_received", signal=signal.Signals(signum).name, count=count)
+                if hard_stop is None:
+                    drain = processor.config.runtime.drain_timeout
+                    hard_stop = hard_stop_after(drain + HARD_STOP_GRACE)
+                processor.request_stop(force=count > 1)
+        finally:
+            if hard_stop is not None:  # stopped in time
+                hard_stop.cancel()
+
+
+def hard_stop_after(seconds: float) -> threading.Timer:
+    """Exit the process in ``seconds`` unless the timer is cancelled first.
+
+    Every stage's stop is bounded, but one that is not (a loop that never saw its
+    cancellation hung the soak at exit) must not keep the process up for good. A thread,
+    so it fires even with the event loop stuck. Nothing is lost: what the process still
+    holds is leased, and comes back when the lease lapses (docs/architecture.md G1).
+    """
+    timer = threading.Timer(seconds, _hard_stop, args=(seconds,))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _hard_stop(seconds: float) -> None:
+    log.error("hard_stop", after_seconds=seconds, exit_code=HARD_STOP_EXIT)
+    faulthandler.dump_traceback(all_threads=True)  # where it hung, for the bug report
+    os._exit(HARD_STOP_EXIT)

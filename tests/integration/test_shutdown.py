@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -19,7 +21,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from async_processor import processor as processor_module
-from async_processor.processor import Processor
+from async_processor.processor import HARD_STOP_EXIT, Processor
 from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.fixtures.servers import RedisServer
 from tests.fixtures.simulator import SimulatorProcess
@@ -120,3 +122,18 @@ async def test_stop_ends_in_bounded_time_when_redis_stops_answering_and_loses_no
     async with running(sortedset_config(url, simulator.url, unique, transport_extra=lease)):
         results = await client.drain_results(40, 30)
     assert sorted(r.id for r in results) == sorted(f"s{i}" for i in range(40))
+
+
+def test_a_stop_that_hangs_anyway_exits_at_the_hard_stop_with_the_stacks() -> None:
+    """The last resort (armed at the first signal): a process whose event loop is stuck
+    still exits, with 124, and leaves every thread's stack for the bug report."""
+    stuck = (
+        "import time; from async_processor.processor import hard_stop_after; "
+        "hard_stop_after(0.2); time.sleep(60)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", stuck], capture_output=True, timeout=30, check=False
+    )
+    assert done.returncode == HARD_STOP_EXIT
+    assert b"hard_stop" in done.stdout
+    assert b"in <module>" in done.stderr  # faulthandler's dump: where the main thread hung
