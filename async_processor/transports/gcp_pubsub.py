@@ -161,6 +161,9 @@ class GcpPubSubTransport:
                 log.info("held_messages_nacked", count=len(deliveries), why=why)
             except TransportError as exc:
                 log.warning("nack_failed", count=len(deliveries), why=why, error=str(exc))
+        # Extended no more, nacked or not: a failed (or timed out) nack leaves them to their
+        # ack deadline. Held on, nobody would ever take them: they are no longer read ahead.
+        self._leases.forget(deliveries)
 
     def decode(self, delivery: Delivery) -> Envelope:
         """The bare request, attributes merged into metadata (attributes win), routing filled."""

@@ -421,6 +421,34 @@ async def test_an_abandoned_message_is_no_longer_extended_and_comes_back(
         await t.aclose()
 
 
+@pytest.mark.slow
+async def test_a_hand_back_whose_nack_fails_is_not_held_for_ever(
+    admin: PubSubAdmin, names: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-ahead handed back (or a cancelled fetch's messages) while the nack fails: no
+    longer extended either, so the ack deadline lapses and they come back, rather than
+    being leased on for ever by a process that will never hand them to a worker."""
+    t = transport_for(names)
+    await admin.publish(names["requests"], [request("handed-back")])
+    try:
+        [delivery] = await fetch_n(t, 1)
+
+        async def unavailable(*args: object) -> None:
+            raise TransportError("modify_ack_deadline: unavailable")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(t, "_modify", unavailable)
+            await t._nack_quietly([delivery], "read_ahead_idle")
+        assert len(t._leases) == 0
+        async with anyio.create_task_group() as tg:
+            await tg.start(t.run)  # extends whatever is still held
+            [again] = await admin.pull_until(names["sub"], 1, timeout=15.0)
+            tg.cancel_scope.cancel()
+        assert json.loads(again.message.data)["id"] == "handed-back"
+    finally:
+        await t.aclose()
+
+
 def test_newest_point_of_cloud_monitoring_answer() -> None:
     body = {
         "timeSeries": [
