@@ -11,6 +11,8 @@ left workers idle. So each subscription keeps about rate x the p95 pull round tr
 messages pulled and leased ahead (at most ``READ_AHEAD_MAX``): a fetch takes from them at
 once and the refill pulls run behind it. They are handed back (nacked, redelivered at
 once) when no fetch came for ``READ_AHEAD_IDLE`` (a closed gate, a drain) and on close.
+Not under a dead-letter policy: there a hand-back spends a delivery attempt, and
+``max_delivery_attempts`` of them would dead-letter a message nobody processed.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class ReadAhead:
     taken_sum: int = 0  # of ``taken``'s counts
     last_fetch: float = -math.inf
     short: anyio.Event = field(default_factory=anyio.Event)  # set when below target
+    # Redeliveries count towards a dead-letter policy (or may: unknown): every hand-back
+    # would spend one of each message's delivery attempts, so nothing is read ahead.
+    counted: bool = False
 
     def measured(self, rtt: float) -> None:
         self.rtts.append(rtt)
@@ -66,6 +71,8 @@ class ReadAhead:
 
     def target(self, now: float) -> int:
         """Messages to hold ahead: the fetch rate x the p95 pull round trip, bounded."""
+        if self.counted:
+            return 0
         while self.taken and self.taken[0][0] < now - RATE_WINDOW:
             self.taken_sum -= self.taken.popleft()[1]
         return min(READ_AHEAD_MAX, int(self.taken_sum / RATE_WINDOW * self.p95))
@@ -180,12 +187,15 @@ class Puller:
                     subscription=subscription, timeout=RPC_TIMEOUT, retry=None
                 )
             deadline = int(found.ack_deadline_seconds) or MIN_ACK_DEADLINE
+            counted = bool(found.dead_letter_policy.dead_letter_topic)
         except TransportError as exc:
             # roles/pubsub.subscriber may pull but not describe: assume the minimum, so the
-            # first lease extension comes in time whatever the real deadline is.
+            # first lease extension comes in time whatever the real deadline is, and a
+            # dead-letter policy (no read-ahead, as before it existed).
             if not isinstance(exc.__cause__, gexc.PermissionDenied):
                 raise
-            deadline = MIN_ACK_DEADLINE
+            deadline, counted = MIN_ACK_DEADLINE, True
+        self.ahead(subscription).counted = counted
         self._ack_deadlines[subscription] = deadline
         return deadline
 

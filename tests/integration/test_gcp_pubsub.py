@@ -367,6 +367,39 @@ async def test_dead_letter_policy_after_max_delivery_attempts(
         await t.aclose()
 
 
+async def test_no_read_ahead_where_redeliveries_are_counted(
+    admin: PubSubAdmin, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a dead-letter policy every hand-back of a read-ahead (a gate closed for a
+    while, a drain) would spend one of each message's delivery attempts, and after
+    ``max_delivery_attempts`` Pub/Sub dead-letters it unprocessed, with no result: so
+    such a subscription is only pulled for what a fetch asks."""
+    monkeypatch.setattr(gcp_pull, "READ_AHEAD_IDLE", 0.5)
+    names = {"sub": f"{unique}-sub", "results": f"{unique}-res"}
+    await admin.create_topic(names["results"])
+    await admin.create_subscription(
+        names["sub"], f"{unique}-req", dead_letter_topic=f"{unique}-dlq", max_delivery_attempts=5
+    )
+    t = transport_for(names)
+    await admin.publish(f"{unique}-req", [request(f"m{i}") for i in range(40)])
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(t.run)
+            ahead = t._puller.ahead(t._subscriptions[names["sub"]])
+            for _ in range(gcp_pull.RTT_SAMPLES):
+                ahead.measured(5.0)  # a slow Pub/Sub: the most would be held ahead
+            taken = await fetch_n(t, 4)
+            for _ in range(10):
+                taken += await t.fetch(t.queues[0], 1, 1.0)  # keeps the rate up
+                await anyio.sleep(0.05)
+            assert (len(ahead.ready), ahead.pending) == (0, 0)
+            assert len(t._leases) == len(taken)
+            tg.cancel_scope.cancel()
+        assert {t.decode(d).routing.retry_count for d in taken} == {0}
+    finally:
+        await t.aclose()
+
+
 async def test_backlog_unknown_on_emulator(admin: PubSubAdmin, names: dict[str, str]) -> None:
     t = transport_for(names)
     try:
