@@ -67,7 +67,8 @@ definitions:
                    harvest at a ratio <= 1.0, above the highest the best harvest of all)
   shed share     = batch 429s / (batch completed + batch 429s)
   best           = the highest oracle ratio among rows within the goal's limits: TTFT and
-                   e2e p99 <= 1.3x and shed share < 0.01 (else best=none)"""
+                   e2e p99 <= 1.3x and shed share < 0.01 (else best=none); spaces in its
+                   name become _ in the summary line"""
 
 
 def strategies(s: Scenario) -> list[Strategy]:
@@ -213,7 +214,8 @@ def summary(rows: list[Row]) -> str:
                 f"ttft_p99_ratio={n:.2f} e2e_p99_ratio={n:.2f} shed_share={n:.3f}")  # fmt: skip
     b = max(fit, key=lambda r: r.oracle_ratio)
     p = b.point
-    return (f"harvest: best={p.name} harvest_ratio={p.harvest_ratio:.2f} "
+    name = p.name.replace(" ", "_")  # one token, so the line splits on spaces
+    return (f"harvest: best={name} harvest_ratio={p.harvest_ratio:.2f} "
             f"oracle_ratio={b.oracle_ratio:.2f} ttft_p99_ratio={p.ttft_ratio:.2f} "
             f"e2e_p99_ratio={p.e2e_ratio:.2f} shed_share={b.shed_share:.3f}")  # fmt: skip
 
