@@ -111,6 +111,11 @@ class Metrics:
             ("queue_name", "reason"),
             registry=r,
         )
+        self.idle_probe_errors_total = Counter(
+            PREFIX + "idle_probe_errors",
+            "redis-sortedset idle-queue probes that failed (those queues were claimed instead).",
+            registry=r,
+        )
         self.tokens_total = Counter(
             PREFIX + "tokens",
             "Tokens in gateway answers' usage, by tenant (metadata attribute) and kind.",

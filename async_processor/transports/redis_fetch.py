@@ -19,6 +19,9 @@ pickup latency is unchanged: at most one step plus a round trip), one ``ready.lu
 per slot group answers for every idle queue this process polls. Before, each empty queue
 cost a claim every 100 ms per replica (200 idle queues: 0.25-0.33 cores, ~2,000 round
 trips a second).
+A failed probe counts as "ready" (the claims then meet what is wrong and report it), but it
+is counted (``idle_probe_errors_total``) and logged at most every ``PROBE_WARN_SECONDS``:
+a probe that keeps failing quietly brings back a claim per idle queue every step.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
+import structlog
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
@@ -41,11 +45,17 @@ from async_processor.transports.redis_claims import Claim, ClaimBook
 from async_processor.transports.redis_keys import redis_errors, transport_error
 from async_processor.transports.redis_keyspace import KeySpace
 
+if TYPE_CHECKING:
+    from async_processor.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
 FETCH_POLL_STEP = 0.1  # seconds between probes of the idle queues (a new message's wait)
 # The longest a claim is shielded from cancellation: a Redis that never answers must not
 # hold a shutdown or a removed queue's poller (a claim cut here comes back by its lease).
 CLAIM_SHIELD_SECONDS = 5.0
 GATHER_FULL = 10  # messages asked for that send a round before its gather time is up
+PROBE_WARN_SECONDS = 60.0  # at most one idle_probe_failed warning per this many seconds
 
 
 @dataclass(eq=False)
@@ -90,11 +100,14 @@ class Fetcher:
     lease: float
     max_bytes: int
     gather: float = 0.0  # seconds a round waits for more fetches to join
+    metrics: Metrics | None = None
     _fetches: itertools.count[int] = field(default_factory=itertools.count)
     _round: _Round | None = None
     _empty: set[str] = field(default_factory=set)  # queues whose last claim found nothing
     _waiting: Counter[str] = field(default_factory=Counter)  # idle queues on the probe
     _probe: _Probe | None = None
+    _probe_failures: int = 0  # since the last idle_probe_failed warning
+    _probe_warned_at: float = -math.inf
 
     async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
         """Claim up to ``limit`` earliest-deadline members; an empty queue is claimed again
@@ -272,11 +285,26 @@ class Fetcher:
         try:
             with anyio.move_on_after(CLAIM_SHIELD_SECONDS, shield=True):
                 probe.ready = await self._ready(names)
-        except TransportError:
-            pass
+        except TransportError as exc:
+            self._probe_failed(exc, len(names))
         finally:
             probe.done.set()
         return probe.ready
+
+    def _probe_failed(self, exc: TransportError, queues: int) -> None:
+        """Count a failed probe and warn, rate-limited: every step of a Redis that refuses
+        the probe (an ACL without the script, a lost connection) fails it again."""
+        if self.metrics is not None:
+            self.metrics.idle_probe_errors_total.inc()
+        self._probe_failures += 1
+        now = anyio.current_time()
+        if now - self._probe_warned_at < PROBE_WARN_SECONDS:
+            return
+        log.warning(
+            "idle_probe_failed", error=str(exc), queues=queues, failures=self._probe_failures
+        )
+        self._probe_warned_at = now
+        self._probe_failures = 0
 
     async def _ready(self, names: list[str]) -> set[str]:
         groups = self.keys.slot_groups(names)

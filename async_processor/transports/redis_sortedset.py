@@ -92,6 +92,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
             owner=uuid.uuid4().hex,
             lease=config.lease_seconds,
             max_bytes=ctx.max_message_bytes,
+            metrics=ctx.metrics,
         )
         self._own = transport_own_keys(config, ctx.gate_params)
         lister = queue_lister(config, self._redis, self._keys, self._own, ctx.metrics)

@@ -14,10 +14,12 @@ from typing import Any
 import anyio
 import pytest
 from redis.asyncio import Redis, RedisCluster
+from structlog.testing import capture_logs
 
 from async_processor.config import SortedSetConfig
 from async_processor.errors import TransportError
 from async_processor.messages import Result
+from async_processor.metrics import Metrics
 from async_processor.transports import redis_keys
 from async_processor.transports.base import Completion, Delivery, TransportContext
 from async_processor.transports.redis_fetch import Fetcher
@@ -65,8 +67,10 @@ def config_for(url: str, mode: str, names: list[str], **extra: Any) -> SortedSet
 
 
 @asynccontextmanager
-async def opened(config: SortedSetConfig) -> AsyncIterator[SortedSetTransport]:
-    transport = SortedSetTransport(config, TransportContext())
+async def opened(
+    config: SortedSetConfig, ctx: TransportContext | None = None
+) -> AsyncIterator[SortedSetTransport]:
+    transport = SortedSetTransport(config, ctx or TransportContext())
     try:
         yield transport
     finally:
@@ -222,6 +226,33 @@ async def test_an_idle_queue_is_probed_not_claimed_and_wakes_for_a_new_message(
                     await anyio.sleep(0.02)
     assert [ids_of_raw(d) for d in got] == ["late"]
     assert rounds == [1, 1]
+
+
+async def test_a_failing_probe_is_counted_and_warned_rate_limited(
+    redis_url: str, unique: str
+) -> None:
+    """A Redis refusing the probe (here an ACL losing EVALSHA) is seen, not swallowed: each
+    failure counted, one warning per PROBE_WARN_SECONDS, no payload or password in it."""
+    admin = Redis.from_url(redis_url)
+    await admin.execute_command("ACL", "SETUSER", unique, "on", f">{unique}pw", "~*", "+@all")
+    host_port = redis_url.split("//", 1)[1]
+    config = config_for(f"redis://{unique}:{unique}pw@{host_port}", "standalone", [unique])
+    metrics = Metrics()
+    try:
+        async with opened(config, TransportContext(metrics=metrics)) as transport:
+            assert await transport.fetch(transport.queues[0], 1, 0) == []  # now idle
+            await admin.execute_command("ACL", "SETUSER", unique, "-evalsha", "-eval")
+            with capture_logs() as logs:
+                for _ in range(3):
+                    with pytest.raises(TransportError, match="no permissions"):  # the claim
+                        await transport.fetch(transport.queues[0], 1, 1.0)
+    finally:
+        await admin.execute_command("ACL", "DELUSER", unique)
+        await admin.aclose()
+    assert metrics.registry.get_sample_value("llm_d_async_async_idle_probe_errors_total") == 3
+    [warned] = [x for x in logs if x["event"] == "idle_probe_failed"]
+    assert warned["log_level"] == "warning" and "no permissions" in warned["error"]
+    assert warned["queues"] == 1 and f"{unique}pw" not in str(warned)
 
 
 async def test_a_removed_idle_queue_is_forgotten_by_the_probe(redis_url: str, unique: str) -> None:
