@@ -47,6 +47,7 @@ from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.health import serve_metrics
 from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
+from async_processor.processor import HARD_STOP_GRACE
 from tests.fixtures.servers import free_port, require_binary, require_module, stop_process
 from tests.fixtures.simulator import SimulatorProcess
 
@@ -261,7 +262,7 @@ def test_deployment_args_env_mounts_and_probes() -> None:
     assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"metrics": 9090, "health": 8081}
-    assert pod["terminationGracePeriodSeconds"] == 190
+    assert pod["terminationGracePeriodSeconds"] == 250
     assert pod["affinity"]["podAntiAffinity"]
     assert pod["serviceAccountName"] == objects["ServiceAccount"]["metadata"]["name"]
     # The metrics Service would otherwise inject ASYNC_PROCESSOR_METRICS_PORT=tcp://...
@@ -315,9 +316,12 @@ def test_container_runs_non_root_with_a_read_only_root_filesystem() -> None:
 
 
 @pytest.mark.parametrize("drain", ["2m", "90s", "1m30s", "1.5m", "1h30m", "0", "500ms", "2m0.5s"])
-def test_grace_period_is_the_drain_timeout_plus_ten_seconds(drain: str) -> None:
+def test_grace_period_covers_the_longest_stop(drain: str) -> None:
+    """Kubernetes' SIGKILL must not come before the daemon's own hard stop (drain timeout
+    + HARD_STOP_GRACE, which the writer's 30 s flush with Redis hung ends within)."""
     pod = render(with_ap(drainTimeout=drain))["Deployment"]["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] == math.ceil(parse_duration(drain)) + 10
+    hard_stop = math.ceil(parse_duration(drain) + HARD_STOP_GRACE)
+    assert pod["terminationGracePeriodSeconds"] == hard_stop + 10
 
 
 def test_config_checksum_follows_the_config_files_only() -> None:

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from async_processor.config import SortedSetConfig, load_config
+from async_processor.processor import HARD_STOP_GRACE
 from tests.fixtures.servers import require_module
 
 helm = require_module("helm_python", "helm-python-sdk (a dev dependency) parses the YAML")
@@ -122,7 +123,8 @@ def test_daemon_args_and_transport_config_load(tmp_path: Path) -> None:
     assert urlsplit(url).hostname == redis["metadata"]["name"]
     assert urlsplit(url).port == redis["spec"]["ports"][0]["port"]
     pod = pod_spec(objects[("Deployment", "async-processor")])
-    assert pod["terminationGracePeriodSeconds"] == config.runtime.drain_timeout + 10
+    grace = config.runtime.drain_timeout + HARD_STOP_GRACE + 10  # the hard stop, then exit
+    assert pod["terminationGracePeriodSeconds"] == grace
     # Service links would add ASYNC_PROCESSOR_METRICS_PORT=tcp://... from the metrics Service.
     assert pod["enableServiceLinks"] is False
 
