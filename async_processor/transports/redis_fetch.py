@@ -192,28 +192,57 @@ class Fetcher:
         """One ``claim.lua`` call per slot group, in one round trip; then the markers."""
         groups = self._groups(asks)
         calls = [self._call(group) for group in groups]
-        with redis_errors("claim"):
-            if len(calls) == 1:  # alone, not in a pipeline: that would ask SCRIPT EXISTS first
+        if len(calls) == 1:  # alone, not in a pipeline: that would ask SCRIPT EXISTS first
+            with redis_errors("claim"):
                 replies = [await self.scripts["claim"](keys=calls[0][0], args=calls[0][1])]
-            else:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for script_keys, args in calls:
-                        await self.scripts["claim"](keys=script_keys, args=args, client=pipe)
-                    # Each slot group's call stands alone: one failing (a cluster node that
-                    # lost its scripts, or is out of memory) must not discard the others'
-                    # replies, whose claims are made in Redis and, unrecorded, would wait
-                    # out a whole lease in nobody's hands.
-                    replies = await pipe.execute(raise_on_error=False)
+        else:
+            try:
+                replies = await self._pipelined(calls)
+            except TransportError:
+                # The whole pipeline failed (in cluster mode: one master unreachable, its
+                # connection dropped mid-send), yet the other masters may have claimed.
+                # Each call again, on its own: claim.lua answers a prefix it has seen with
+                # the batch claimed under it, so those claims are recorded, not left to
+                # wait out a lease in nobody's hands.
+                replies = await self._one_by_one(calls)
         for group, reply in zip(groups, replies, strict=True):
             if isinstance(reply, Exception):
+                failed = reply if isinstance(reply, TransportError) else None
                 for ask in group:
-                    ask.error = transport_error("claim", reply)
+                    ask.error = failed or transport_error("claim", reply)
                 continue
             for ask, answer in zip(group, reply, strict=True):
                 self._deliveries(ask, answer)
         kept = set(await self.check_markers([d for a in asks for d in a.deliveries]))
         for ask in asks:
             ask.deliveries = [d for d in ask.deliveries if d in kept]
+
+    async def _pipelined(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        with redis_errors("claim"):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for script_keys, args in calls:
+                    await self.scripts["claim"](keys=script_keys, args=args, client=pipe)
+                # Each slot group's call stands alone: one failing (a cluster node that
+                # lost its scripts, or is out of memory) must not discard the others'
+                # replies, whose claims are made in Redis and, unrecorded, would wait
+                # out a whole lease in nobody's hands.
+                return list(await pipe.execute(raise_on_error=False))
+
+    async def _one_by_one(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """Each call sent alone, all at once: a reply, or the call's own error."""
+        replies: list[Any] = [None] * len(calls)
+
+        async def send(index: int, script_keys: list[str], args: list[Any]) -> None:
+            try:
+                with redis_errors("claim"):
+                    replies[index] = await self.scripts["claim"](keys=script_keys, args=args)
+            except TransportError as exc:
+                replies[index] = exc
+
+        async with anyio.create_task_group() as tg:
+            for index, (script_keys, args) in enumerate(calls):
+                tg.start_soon(send, index, script_keys, args)
+        return replies
 
     def _groups(self, asks: Sequence[_Ask]) -> list[list[_Ask]]:
         """The round's asks per slot group (one claim.lua call each)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -343,3 +344,54 @@ async def test_a_node_failing_its_claim_fails_only_its_queues_in_a_cluster_round
     assert isinstance(outcome[bad], TransportError)
     assert "NoScript" in str(outcome[bad])
     assert [ids_of_raw(d) for d in outcome[good]] == ["good/m"]
+
+
+async def test_a_master_lost_mid_round_keeps_what_the_other_masters_claimed(
+    tmp_path: Path, unique: str
+) -> None:
+    """A master killed under a round: its connection fails at the send, and the cluster
+    pipeline raises as a whole. The claim another master made in that round is still
+    delivered (claimed once, not left to wait out its lease in nobody's hands)."""
+    cluster = RedisClusterNodes(dir=tmp_path).start()  # its own: a master is killed
+    r = RedisCluster.from_url(cluster.url)
+    try:
+        await r.initialize()
+        names = names_of(unique, 40)
+        first = f"127.0.0.1:{cluster.ports[0]}"  # the client's startup node stays up
+        bad = next(n for n in names if r.get_node_from_key(n).name != first)
+        bad_node = r.get_node_from_key(bad)
+        good = next(n for n in names if r.get_node_from_key(n).name != bad_node.name)
+        config = config_for(cluster.url, "cluster", [bad, good], claim_gather_ms=200)
+        async with opened(config) as transport:
+            await both_fetched(transport)  # both empty: scripts loaded, connections open
+            cluster.procs[cluster.ports.index(int(bad_node.port))].kill()
+            cluster.procs[cluster.ports.index(int(bad_node.port))].wait()
+            await both_fetched(transport)  # its pooled connection found dead, dropped
+            deadline = future()
+            await r.zadd(good, {member("good/m", deadline): deadline})
+            outcome = await both_fetched(transport)  # reconnecting to it fails the send
+            assert isinstance(outcome[bad], TransportError)
+            assert not isinstance(outcome[good], TransportError), outcome[good]
+            assert [ids_of_raw(d) for d in outcome[good]] == ["good/m"]
+            assert await r.zcard(transport._keys.inflight(good)) == 1  # claimed once
+            assert await r.zcard(good) == 0
+    finally:
+        await r.aclose()
+        cluster.stop()
+
+
+async def both_fetched(transport: SortedSetTransport) -> dict[str, Any]:
+    """The first two queues fetched in one round: their deliveries, or the error."""
+    outcome: dict[str, Any] = {}
+
+    async def fetch(index: int) -> None:
+        queue = transport.queues[index]
+        try:
+            outcome[queue.name] = await transport.fetch(queue, 5, 0)
+        except TransportError as exc:
+            outcome[queue.name] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fetch, 0)
+        tg.start_soon(fetch, 1)
+    return outcome
