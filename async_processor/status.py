@@ -37,8 +37,7 @@ from async_processor.errors import TransportError
 from async_processor.transports.base import QueueSpec
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_discovery import (
-    QueueCatalog,
-    queue_lister,
+    queue_catalog,
     transport_own_keys,
 )
 from async_processor.transports.redis_keys import (
@@ -180,8 +179,7 @@ async def served_queues(
             removed = cast("set[bytes]", await client.smembers(REMOVED_QUEUES_KEY))
     keyspace = _keyspace(config)
     own = transport_own_keys(config, pool_gate_params)
-    lister = queue_lister(config, client, keyspace, own, None)
-    return await QueueCatalog(config, keyspace, lister).survey(removed)
+    return await queue_catalog(config, client, keyspace, own, None).survey(removed)
 
 
 def _keyspace(config: SortedSetConfig | RedisPubSubConfig) -> KeySpace:

@@ -15,7 +15,8 @@ upkeep scripts cover many queues per call, so one such key failed them for every
 queue). A set is read with SSCAN and never more than ``2 × max_queues`` members per
 refresh, so an enormous set costs a bounded read; a prefix scan walks every primary's
 keyspace (SCAN ... TYPE zset) a bounded part per refresh (``redis_scan``), skipping the
-daemon's keys under the prefix without counting them.
+daemon's keys under the prefix without counting them. The checks (``redis_names``) also
+hold the names restored from ``REMOVED_QUEUES_KEY``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import structlog
 from redis.asyncio import Redis
 
 from async_processor.config import SortedSetConfig
@@ -33,35 +33,23 @@ from async_processor.config.transports import QueueDiscovery
 from async_processor.transports.base import QueueSpec
 from async_processor.transports.redis_keys import (
     EMPTY_SINCE_KEY,
-    OWN_PREFIXES,
     REMOVED_QUEUES_KEY,
     OwnKeys,
     own_keys,
     redis_errors,
 )
 from async_processor.transports.redis_keyspace import KeySpace
+from async_processor.transports.redis_names import NameRules, text
 from async_processor.transports.redis_scan import PrefixScan
-from async_processor.transports.redis_settings import cluster_problem
 
 if TYPE_CHECKING:
     from async_processor.metrics import Metrics
 
-log = structlog.get_logger(__name__)
-
-MAX_NAME_BYTES = 512
-REFUSALS = ("daemon_key", "bad_name", "cross_slot", "over_cap", "wrong_type")
 SCAN_COUNT = 500  # SSCAN of the set: its members per round trip
 # A prefix scan's keys visited per SCAN, and SCANs per refresh (docs/transports.md has the
 # measured cost; a refresh visits at most COUNT x CALLS keys of each primary's keyspace).
 PREFIX_SCAN_COUNT = 2000
 PREFIX_SCAN_CALLS = 10
-LOGGED_REFUSALS = 1000  # distinct refused names logged per process (then only counted)
-# Shapes of the keys the daemon and the client derive from a queue name.
-_DERIVED = re.compile(
-    r"(:inflight|:inflight:meta|:dead-letter|:retry|:pushed|:marks)$|:live:|:seq:"
-    r"|(^|\}:)(" + "|".join(re.escape(p) for p in OWN_PREFIXES) + ")"
-)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def transport_own_keys(
@@ -100,6 +88,31 @@ def queue_lister(
     )
 
 
+def queue_catalog(
+    config: SortedSetConfig,
+    redis: Redis,
+    keyspace: KeySpace,
+    own: OwnKeys,
+    metrics: Metrics | None,
+) -> QueueCatalog:
+    """The catalog of ``config``, with its lister; without discovery, the same name rules
+    for the removed queues an earlier run left."""
+    lister = queue_lister(config, redis, keyspace, own, metrics)
+    if lister is not None:
+        return QueueCatalog(config, keyspace, lister, lister.rules)
+    static = [q.name for q in config.queue_specs()]
+    rules = NameRules(
+        None,
+        # No slot check: it holds the queue against the discovery template's result
+        # list, gone with discovery (upkeep touches only the queue's own keys).
+        cluster=False,
+        own=keyspace.own_keys(own, static),
+        result_list=config.result_queue_name,
+        metrics=metrics,
+    )
+    return QueueCatalog(config, keyspace, None, rules)
+
+
 class QueueLister:
     """Reads the discovery source; ``names`` returns what may be polled, in source order."""
 
@@ -116,12 +129,10 @@ class QueueLister:
     ) -> None:
         self._redis = redis
         self._config = discovery
-        self._cluster = cluster
-        self._own = own
         self._static = static
-        self._result_list = result_list  # the transport's; the template's may say <queue>
-        self._metrics = metrics
-        self._logged: set[str] = set()
+        self.rules = NameRules(
+            discovery, cluster=cluster, own=own, result_list=result_list, metrics=metrics
+        )
         self.scan = PrefixScan(
             redis,
             _glob_escape(discovery.key_prefix) + "*",
@@ -130,9 +141,6 @@ class QueueLister:
             limit=2 * discovery.max_queues,
             keep=self._outside_daemon_keys,
         )
-        if metrics is not None:
-            for reason in REFUSALS:
-                metrics.discovery_refused_total.labels(reason)
 
     async def names(self, *, whole: bool = False) -> list[str]:
         """The queues to poll: at most ``max_queues``, each checked. A prefix scan walks
@@ -142,39 +150,24 @@ class QueueLister:
         examined = 0
         with redis_errors("queue discovery"):
             async for raw in self._members(whole):
-                name = _text(raw)
+                name = text(raw)
                 if name in self._static:  # configured: polled already
                     continue
-                reason = self.refusal(name) if name is not None else "bad_name"
+                reason = self.rules.refusal(name) if name is not None else "bad_name"
                 examined += 1
                 if reason is None and name not in accepted:
                     if len(accepted) == cap:
-                        self._refuse(name or "", "over_cap")
+                        self.rules.refuse(name or "", "over_cap")
                         break
                     accepted[name or ""] = None
                 elif reason is not None:
-                    self._refuse(name or repr(raw), reason)
+                    self.rules.refuse(name or repr(raw), reason)
                 if examined >= 2 * cap:  # a set of refused names cannot make us read it all
-                    self._refuse("", "over_cap")
+                    self.rules.refuse("", "over_cap")
                     break
-            return await self._sorted_sets(list(accepted))
-
-    async def _sorted_sets(self, names: list[str]) -> list[str]:
-        """``names`` without the keys that exist and are not sorted sets (a set may name
-        any key; a prefix scan reads sorted sets only)."""
-        if not self._config.set_key or not names:
-            return names
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.type(name)
-            types = await pipe.execute()
-        kept = []
-        for name, kind in zip(names, types, strict=True):
-            if _text(kind) in ("zset", "none"):
-                kept.append(name)
-            else:
-                self._refuse(name, "wrong_type")
-        return kept
+            if not self._config.set_key:  # a prefix scan reads sorted sets only
+                return list(accepted)
+            return await self.rules.sorted_sets(self._redis, list(accepted))
 
     async def _members(self, whole: bool) -> AsyncIterator[bytes]:
         if self._config.set_key:
@@ -187,37 +180,8 @@ class QueueLister:
     def _outside_daemon_keys(self, raw: bytes) -> bool:
         """A prefix scan keeps no daemon key (a queue's in-flight or retry set under the
         prefix): neither counted nor examined, nor held between refreshes."""
-        name = _text(raw)
-        return name is None or self.refusal(name) != "daemon_key"
-
-    def refusal(self, name: str) -> str | None:
-        """Why ``name`` may not be polled as a tenant queue (None: it may)."""
-        if not name or len(name.encode()) > MAX_NAME_BYTES or _CONTROL.search(name):
-            return "bad_name"
-        results = self._config.template.result_list(name) or self._result_list
-        if name in (results, self._result_list, self._config.set_key) or _DERIVED.search(name):
-            return "daemon_key"
-        if self._own.rejection(name) == "reserved_key":
-            return "daemon_key"
-        if self._cluster and cluster_problem(name, results):
-            return "cross_slot"
-        return None
-
-    def _refuse(self, name: str, reason: str) -> None:
-        if self._metrics is not None:
-            self._metrics.discovery_refused_total.labels(reason).inc()
-        if name not in self._logged and len(self._logged) < LOGGED_REFUSALS:
-            self._logged.add(name)
-            log.warning("queue_refused", queue=name[:MAX_NAME_BYTES], reason=reason)
-
-
-def _text(raw: bytes | str) -> str | None:
-    if isinstance(raw, str):
-        return raw
-    try:
-        return raw.decode()
-    except UnicodeDecodeError:
-        return None
+        name = text(raw)
+        return name is None or self.rules.refusal(name) != "daemon_key"
 
 
 async def _redis_now(redis: Redis) -> float:
@@ -228,7 +192,7 @@ async def _redis_now(redis: Redis) -> float:
 async def _removed_names(redis: Redis) -> list[str]:
     with redis_errors("queue discovery"):
         raws = [raw async for raw in redis.sscan_iter(REMOVED_QUEUES_KEY, count=SCAN_COUNT)]
-    return list(filter(None, map(_text, raws)))
+    return list(filter(None, map(text, raws)))
 
 
 def _glob_escape(prefix: str) -> str:
@@ -243,12 +207,17 @@ class QueueCatalog:
     killed or restarted meanwhile, with discovery or without, takes its upkeep over."""
 
     def __init__(
-        self, config: SortedSetConfig, keyspace: KeySpace, lister: QueueLister | None
+        self,
+        config: SortedSetConfig,
+        keyspace: KeySpace,
+        lister: QueueLister | None,
+        rules: NameRules,
     ) -> None:
         self._config = config
         self._keys = keyspace
         self._removed_keys = replace(keyspace, queue_retry=True)  # a discovered queue's own
         self._lister = lister
+        self._rules = rules
         self.static: list[QueueSpec] = config.queue_specs()
         self.discovered: dict[str, QueueSpec] = {}
         self._lingering: dict[str, QueueSpec] = {}
@@ -292,14 +261,23 @@ class QueueCatalog:
 
     async def restore(self, redis: Redis) -> None:
         """Once: the removed queues an earlier run left holding claims or retries join
-        upkeep (a listed or configured one is served as such)."""
+        upkeep (a listed or configured one is served as such), if they pass the checks a
+        discovered name passes: the set is read back from Redis, so it is untrusted."""
         if self._restored:
             return
         served = {q.name for q in self.static} | set(self.discovered)
-        for name in await _removed_names(redis):
-            if name not in served:
-                self._lingering.setdefault(name, self._spec(name))
+        names = [n for n in await _removed_names(redis) if n not in served and self._allowed(n)]
+        with redis_errors("queue discovery"):
+            names = await self._rules.sorted_sets(redis, names)
+        for name in names:
+            self._lingering.setdefault(name, self._spec(name))
         self._restored = True
+
+    def _allowed(self, name: str) -> bool:
+        reason = self._rules.refusal(name)
+        if reason is not None:
+            self._rules.refuse(name, reason)
+        return reason is None
 
     async def survey(self, removed: Iterable[bytes]) -> list[tuple[str, QueueSpec]]:
         """What a daemon of this config serves now, read-only (``status``, ``dead-letters``):
@@ -311,7 +289,8 @@ class QueueCatalog:
             names = await self._lister.names(whole=True)  # a scan's whole cycle
             served += [("discovered", self._spec(n)) for n in names]
         known = {q.name for _, q in served}
-        removed_names = sorted(n for n in filter(None, map(_text, removed)) if n not in known)
+        listed = filter(None, map(text, removed))
+        removed_names = sorted(n for n in listed if n not in known and self._allowed(n))
         return [*served, *(("removed", self._spec(n)) for n in removed_names)]
 
     def _spec(self, name: str) -> QueueSpec:

@@ -52,8 +52,7 @@ from async_processor.transports.redis_claims import (
 )
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_discovery import (
-    QueueCatalog,
-    queue_lister,
+    queue_catalog,
     transport_own_keys,
 )
 from async_processor.transports.redis_fetch import Fetcher
@@ -95,8 +94,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
             metrics=ctx.metrics,
         )
         self._own = transport_own_keys(config, ctx.gate_params)
-        lister = queue_lister(config, self._redis, self._keys, self._own, ctx.metrics)
-        self._catalog = QueueCatalog(config, self._keys, lister)
+        self._catalog = queue_catalog(config, self._redis, self._keys, self._own, ctx.metrics)
         self.queues: Sequence[QueueSpec] = self._catalog.upkeep
         self._gather()
         self._routing = ResultRouting(config, self._keys, self._routed_own(), ctx.metrics)

@@ -4,6 +4,7 @@ and moves the retry home, then forgets the queue (real redis-server)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import anyio
@@ -11,6 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from async_processor.config import SortedSetConfig
+from async_processor.metrics import Metrics
 from async_processor.transports.base import Deferral, TransportContext
 from async_processor.transports.redis_keys import EMPTY_SINCE_KEY, REMOVED_QUEUES_KEY
 from async_processor.transports.redis_sortedset import SortedSetTransport
@@ -57,13 +59,15 @@ async def removed_while_draining(redis_url: str, unique: str, r: Redis) -> str:
     return queue
 
 
-def restarted(redis_url: str, unique: str, discovery: bool) -> SortedSetTransport:
+def restarted(
+    redis_url: str, unique: str, discovery: bool, ctx: TransportContext | None = None
+) -> SortedSetTransport:
     config = transport_config(redis_url, unique, set_key=f"{unique}:tenants")
     if not discovery:  # turned off: the daemon serves a configured queue only
         other = {"queues": [{"queue_name": f"{unique}-static", "igw_base_url": GW}]}
         queues = SortedSetConfig.model_validate(other).queues
         config = config.model_copy(update={"queue_discovery": None, "queues": queues})
-    return SortedSetTransport(config, TransportContext())
+    return SortedSetTransport(config, ctx or TransportContext())
 
 
 @pytest.mark.parametrize("discovery", [True, False], ids=["discovery", "no-discovery"])
@@ -201,3 +205,38 @@ async def test_claim_rounds_wait_only_while_more_than_one_queue_is_polled(
         await transport.aclose()
         await r.srem(REMOVED_QUEUES_KEY, f"{unique}-b")
         await r.zrem(EMPTY_SINCE_KEY, f"{unique}-b")
+
+
+@pytest.mark.parametrize("discovery", [True, False], ids=["discovery", "no-discovery"])
+async def test_hostile_names_in_the_removed_set_are_refused_as_discovered_ones_are(
+    redis_url: str, unique: str, r: Redis, discovery: bool
+) -> None:
+    """The removed-queue set is read back from Redis: a name written into it is checked
+    as a listed one is (a daemon key, a bad name, a key that is no sorted set), counted,
+    and not served; a removed queue's name still is."""
+    results_list, not_a_queue = f"{unique}:results", f"{unique}-list"
+    await r.lpush(results_list, "a result")
+    await r.lpush(not_a_queue, "x")
+    hostile = {
+        results_list: "daemon_key",
+        f"{unique}-a:inflight": "daemon_key",
+        f"{unique}\nbad": "bad_name",
+        not_a_queue: "wrong_type",
+    }
+    legit = f"{unique}-gone"
+    await r.sadd(REMOVED_QUEUES_KEY, legit, *hostile)
+    metrics = Metrics()
+    transport = restarted(redis_url, unique, discovery, TransportContext(metrics=metrics))
+    try:
+        await transport.settle_removed()
+        served = {q.name for q in transport.queues}
+    finally:
+        await transport.aclose()
+        await r.srem(REMOVED_QUEUES_KEY, legit, *hostile)
+        await r.delete(results_list, not_a_queue)
+    assert legit in served
+    assert not served & set(hostile)
+    refused = Counter(hostile.values())
+    for reason, count in refused.items():
+        sample = "llm_d_async_async_queue_discovery_refused_total"
+        assert metrics.registry.get_sample_value(sample, {"reason": reason}) == count
