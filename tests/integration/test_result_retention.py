@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 import pytest
+from redis.asyncio import Redis
 
 from async_processor.client import SortedSetClient
 from async_processor.config import SortedSetConfig
@@ -192,3 +193,30 @@ async def test_each_discovered_queues_own_result_list_is_retained_and_expires_on
 
 
 SERIES = "llm_d_async_async_results_trimmed_total"
+
+
+async def test_a_ttl_turned_to_0_removes_the_expiry_its_rounds_left(
+    client: SortedSetClient, redis_url: str, unique: str
+) -> None:
+    """Why a round without a TTL removes a result list's expiry (PERSIST) rather than
+    leaving the list alone: the rounds of an earlier TTL (this daemon before a restart, or
+    a replica still on the old config mid-rollout) set one, and left there it would delete
+    the whole list, with every result written after the change, when it ran out."""
+    results, r = f"{unique}:results", Redis.from_url(redis_url)
+    before = SortedSetTransport(config(redis_url, unique, ttl=60), TransportContext())
+    try:
+        await answer(before, client, ["a"])
+        await before.retain()
+    finally:
+        await before.aclose()
+    assert 60 < await r.ttl(results) <= 60 + RETAIN_GRACE
+    after = SortedSetTransport(config(redis_url, unique, ttl=0), TransportContext())
+    try:
+        await answer(after, client, ["b"])
+        await after.retain()
+    finally:
+        await after.aclose()
+    ttl = await r.ttl(results)
+    await r.aclose()
+    assert ttl == -1  # kept: 0 means never trimmed
+    assert [res.id for res in await client.drain_results(5, 1)] == ["a", "b"]
