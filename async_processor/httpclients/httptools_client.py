@@ -5,7 +5,9 @@ It does what the seam needs and nothing else: a POST with headers and a body, ke
 connections pooled per origin, TLS and mTLS from ``TLSConfig``, no redirects, no
 compression, no proxies, no cookies. Why it is the default: the daemon spends about a third
 less CPU per message on it than on aiohttp (README, Benchmarks, has the figures). Host
-names are resolved at each new connection (aiohttp caches them for 10 s).
+names are resolved at each new connection (aiohttp caches them for 10 s). No cap on open
+connections: one is opened only when no idle one to its origin is free, so an origin
+has at most as many as the calls in flight at once, which the workers bound.
 
 Retry semantics of a pooled connection: one the gateway closed while it was idle is
 dropped before anything is written on it, and the request goes out on another (it was

@@ -176,6 +176,36 @@ async def test_a_cancelled_call_hangs_up_on_the_gateway(
             await hung_up.wait()
 
 
+async def test_connections_to_a_gateway_never_outnumber_the_calls_in_flight(
+    client: HttpClient,
+) -> None:
+    """No client needs a cap of its own on open connections (httptools sets none): a
+    connection is opened only when no idle one is free, so a gateway sees at most as many
+    as the calls in flight at once, which the workers bound."""
+    accepted = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                await asyncio.sleep(0.05)  # the wave's calls are all in flight at once
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+    async with server:
+        for _ in range(4):  # waves of 8 calls at once
+            async with anyio.create_task_group() as tg:
+                for _ in range(8):
+                    tg.start_soon(_post, client, url)
+    assert 0 < accepted <= 8
+
+
 @pytest.fixture(scope="module")
 def server_tls(certs: Certs) -> Iterator[tuple[ssl.SSLContext, ssl.SSLContext]]:
     """(TLS, mTLS) server contexts: the second requires a client certificate."""
