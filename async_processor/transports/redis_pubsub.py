@@ -83,7 +83,9 @@ class RedisPubSubTransport:
         self._redis = client if client is not None else connect(config.redis_connection())
         self._publish_result = self._redis.register_script(keys.lua_source("pubsub_publish_result"))
         self._defer = self._redis.register_script(keys.lua_source("pubsub_defer"))
-        self._pop_due = self._redis.register_script(keys.lua_source("pubsub_pop_due"))
+        self._pop_due = self._redis.register_script(
+            keys.lua_source("lib") + keys.lua_source("pubsub_pop_due")
+        )
         self._by_name = {q.name: q for q in self.queues}
         self._buffers: dict[str, _Buffer] = {}
         for queue in self.queues:

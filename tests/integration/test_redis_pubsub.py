@@ -188,6 +188,22 @@ async def test_deferred_message_comes_back_after_its_delay(redis_url: str, uniqu
         await publisher.aclose()
 
 
+async def test_a_retry_cjson_cannot_read_still_comes_back(redis_url: str, unique: str) -> None:
+    # A lone surrogate escape is JSON the daemon accepts (the payload passes through as is),
+    # but Redis's cjson refuses the whole member: the pop never matched it to its channel,
+    # so it stayed in the retry set for ever, with no result.
+    async with running(transport_for(redis_url, unique)) as t:
+        publisher = Redis.from_url(redis_url)
+        await publisher.publish(f"{unique}-in", request("surrogate", payload={"p": "\ud800"}))
+        [delivery] = await fetch_n(t, 1)
+        t.decode(delivery)
+        await t.defer([Deferral(delivery, 0.01)])
+        [back] = await fetch_n(t, 1)
+        assert t.decode(back).id == "surrogate"
+        assert b'{"p": "\\ud800"}' in back.raw  # the payload's bytes are unchanged
+        await publisher.aclose()
+
+
 async def test_buffered_messages_are_handed_back_on_close(redis_url: str, unique: str) -> None:
     publisher = Redis.from_url(redis_url)
     async with running(transport_for(redis_url, unique)) as t:

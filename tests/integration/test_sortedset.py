@@ -694,6 +694,29 @@ async def test_a_retry_goes_back_to_the_queue_it_was_claimed_from(make_config, r
     ]
 
 
+async def test_a_retry_cjson_cannot_read_still_goes_back_to_its_own_queue(
+    make_config, r, unique
+) -> None:
+    # JSON (and the daemon) accept a lone surrogate escape; Redis's cjson refuses the whole
+    # member, so move_due.lua read no origin and no deadline: the retry went to the first
+    # queue (another pool and gateway), scored "now".
+    first, second = f"{unique}-a", f"{unique}-b"
+    config = make_config(queues=[{"queue_name": n, "igw_base_url": GW} for n in (first, second)])
+    deadline = future()
+    raw = b'{"id":"%s-u","deadline":%d,"payload":{"p":"\\ud800"}}' % (unique.encode(), deadline)
+    await r.zadd(second, {raw: deadline})
+    async with opened(config) as transport:
+        [delivery] = await transport.fetch(transport.queues[1], 1, 0)
+        transport.decode(delivery)
+        await transport.defer([Deferral(delivery, 0.01)])
+        await anyio.sleep(0.05)
+        await transport.move_due()
+    assert await r.zcard(first) == 0
+    [(back, score)] = await r.zrange(second, 0, -1, withscores=True)
+    assert b'"p":"\\ud800"' in back  # the payload's bytes are unchanged
+    assert score == deadline
+
+
 async def test_a_batch_survives_a_wrong_typed_in_flight_key(make_config, r) -> None:
     # claim.lua popped the members and then failed on ZADD: Redis does not roll a script
     # back, so every fetch destroyed a batch. Now the types are checked before any write.

@@ -34,8 +34,14 @@ local function usable_as(key, kind)
 end
 
 -- A member's envelope as a table, or nil for bytes that are not a JSON object.
+-- cjson refuses a lone surrogate escape ("\ud800"), which JSON and the daemon accept (a
+-- payload passes through verbatim): read again with every surrogate escape as "?", since
+-- only the routing and the deadline are read here, never the payload.
 local function envelope_of(member)
   local ok, msg = pcall(cjson.decode, member)
+  if not ok then
+    ok, msg = pcall(cjson.decode, (string.gsub(member, '\\u[dD][89a-fA-F]%x%x', '\\u003f')))
+  end
   if ok and type(msg) == 'table' then
     return msg
   end

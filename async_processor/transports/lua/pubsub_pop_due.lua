@@ -1,3 +1,4 @@
+-- Prepended with lua/lib.lua (envelope_of).
 -- Pop due retries of our channels, at most ``room`` per channel (what our buffers can take);
 -- others' retries are left for the replicas that subscribe to their channel.
 -- KEYS[1] retry set, KEYS[2] this pop's record (named by a pop id unique per process and
@@ -18,8 +19,8 @@ end
 local out = {}
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 for _, member in ipairs(due) do
-  local ok, msg = pcall(cjson.decode, member)
-  if ok and type(msg) == 'table' and type(msg['internal']) == 'table' then
+  local msg = envelope_of(member)
+  if msg and type(msg['internal']) == 'table' then
     local name = msg['internal']['request_queue_name']
     if type(name) == 'string' and (room[name] or 0) > 0 then
       room[name] = room[name] - 1
