@@ -220,12 +220,17 @@ class Result:
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Result:
-        obj = json.loads(raw)
-        if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
-            raise ValueError("result has no string id")
+        """ValueError (or TypeError) for anything that is not a result, however odd."""
+        try:
+            obj = json.loads(raw)
+            if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+                raise ValueError("result has no string id")
+            status_code = int(obj.get("status_code", 0) or 0)
+        except (RecursionError, OverflowError) as exc:  # deep nesting; int(1e999)
+            raise ValueError(str(exc)) from exc
         return cls(
             id=obj["id"],
-            status_code=int(obj.get("status_code", 0) or 0),
+            status_code=status_code,
             payload=str(obj.get("payload", "")),
             error_code=str(obj.get("error_code", "")),
             error_message=str(obj.get("error_message", "")),

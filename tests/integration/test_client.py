@@ -339,11 +339,21 @@ async def test_after_a_failed_removal_the_next_read_returns_that_result_first(
     assert await r.keys(f"*{unique}*processing*") == []
 
 
+@pytest.mark.parametrize(
+    "entry",
+    [
+        b"not json \xff",
+        # These raised out of the read (OverflowError, RecursionError): the entry stayed
+        # first in the processing list, so a consumer resuming by name crashed again.
+        b'{"id": "x", "status_code": 1e999}',
+        b"[" * 100_000,
+    ],
+)
 async def test_an_undecodable_result_is_returned_raw_not_dropped(
-    client: SortedSetClient, r: Redis, unique: str
+    client: SortedSetClient, r: Redis, unique: str, entry: bytes
 ) -> None:
-    await r.lpush(f"{unique}-results", b"not json \xff", Result.http("ok", 200, b"{}").encode())
+    await r.lpush(f"{unique}-results", entry, Result.http("ok", 200, b"{}").encode())
     first, second = await client.drain_results(2, timeout=2)
     assert isinstance(first, UndecodableResult)
-    assert first.raw == b"not json \xff" and first.error.startswith("not a result:")
+    assert first.raw == entry and first.error.startswith("not a result:")
     assert second.id == "ok" and not isinstance(second, UndecodableResult)
