@@ -54,6 +54,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisClusterException, RedisError
 
 from async_processor.errors import TransportError
+from async_processor.gates.base import CLASSIFICATION_LABEL
 from async_processor.messages import Envelope, decode_envelope
 from async_processor.transports.base import Delivery
 
@@ -122,12 +123,15 @@ def decode_delivery(delivery: Delivery, max_bytes: int) -> Envelope:
     Queue labels win over the message's; the queue id fills in when the message has
     none. ``request_queue_name`` is always the queue it was claimed from: the message's
     own value is informational only, so a retry can only ever go back to that queue.
+    A ``classification`` label is a gate's verdict, never the message's: the queue gate
+    stamps it again at every fetch (else the message would choose its own lane).
     """
     envelope = decode_envelope(delivery.raw, max_bytes=max_bytes)
     routing = envelope.routing
     queue = delivery.queue
     routing.request_queue_name = queue.name
     routing.queue_id = routing.queue_id or queue.id
+    routing.labels.pop(CLASSIFICATION_LABEL, None)
     routing.labels = {**routing.labels, **queue.labels}
     delivery.envelope = envelope
     return envelope

@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from redis.asyncio import Redis
 
+from async_processor.client import SortedSetClient
 from async_processor.config import MergePolicyConfig
 from async_processor.health import listening
-from async_processor.messages import Result
+from async_processor.messages import Envelope, Request, Result, Routing
 from tests.fixtures.inprocess import running, sortedset_config, submit
 
 pytestmark = pytest.mark.anyio
@@ -127,6 +129,30 @@ async def test_headers_the_merge_policy_is_configured_to_stamp_are_refused_too(
     assert results["fine"].status_code == 200
     assert list(gateway.headers) == ["fine"]
     assert gateway.headers["fine"]["x-my-priority"] != "0"
+
+
+async def test_a_message_cannot_give_itself_a_gates_classification(
+    redis_url: str, unique: str, gateway: Gateway
+) -> None:
+    # "classification" is a redis-quota verdict. A producer's own
+    # internal.labels.classification = "reserved" stood when no quota gate judged the
+    # message (none configured, or no quota attribute in its metadata): it jumped into the
+    # reserved lanes, ahead of all overflow work, with x-gateway-priority 0, and would WAIT
+    # under tier-priority-admission where its peers are refused.
+    config = sortedset_config(redis_url, gateway.url, unique)
+    config = config.model_copy(update={"merge_policy": MergePolicyConfig(type="tier-priority")})
+    deadline = int(time.time() + 60)
+    request = Request(id="forged", deadline=deadline, payload=b"{}", headers={"x-test-id": "f"})
+    labels = {"classification": "reserved", "tier": "interactive"}
+    forged = Envelope(request, Routing(labels=labels), kind="redis").encode()
+    async with running(config), SortedSetClient(redis_url, unique, f"{unique}:results") as client:
+        admin = Redis.from_url(redis_url)
+        await admin.zadd(unique, {forged: deadline})
+        await admin.aclose()
+        [result] = await client.drain_results(1, 20)
+    assert result.status_code == 200
+    # The message's own tier stands (the queue sets none): overflow-interactive.
+    assert gateway.headers["f"]["x-gateway-priority"] == "3"
 
 
 async def test_a_redirect_is_the_result_and_never_followed(
