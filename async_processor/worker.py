@@ -262,7 +262,8 @@ class Worker:
         return _failure(final.result.id, ErrorCode.INFERENCE_ERROR, text, Counter.FAILED)
 
     def _feedback(self, envelope: Envelope, attempt: Attempt, latency: float) -> None:
-        """Gates that learn from outcomes (adaptive-concurrency) get every attempt."""
+        """Gates that learn from outcomes (adaptive-concurrency, pool-headroom) get every
+        attempt."""
         if self.observer is not None:
             self.observer.observe(envelope, attempt.status or None, latency, attempt.dropped_reason)
 

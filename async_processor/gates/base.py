@@ -127,7 +127,8 @@ class WaitsForChange(Protocol):
 
 @runtime_checkable
 class Observes(Protocol):
-    """Optional: a pool gate that learns from dispatch outcomes (adaptive-concurrency).
+    """Optional: a pool gate that learns from dispatch outcomes (adaptive-concurrency,
+    pool-headroom).
 
     The dispatcher calls ``observe`` after each HTTP attempt of a message the gate
     admitted: ``status`` None means no response; ``latency`` in seconds;

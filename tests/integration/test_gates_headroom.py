@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import aiohttp
 import anyio
 import pytest
 from prometheus_client import CollectorRegistry
 
 from async_processor.errors import ConfigError
-from async_processor.gates.base import Action, GateContext, GateOwner, Releases, build_gate
+from async_processor.gates.base import (
+    Action,
+    GateContext,
+    GateOwner,
+    Observes,
+    Releases,
+    build_gate,
+)
 from async_processor.gates.headroom import PoolHeadroomGate
 from async_processor.messages import Envelope, Request
 from async_processor.metrics import Metrics
+from tests.fixtures.servers import stop_process
+from tests.fixtures.simulator import SimulatorProcess, start_simulator
 from tests.integration.test_gates_scrape import Page, page
 
 __all__ = ["page"]  # a fixture used below
@@ -164,3 +174,63 @@ async def test_a_worker_parked_during_a_fetch_sizing_scrape_still_re_scrapes(
             tg.start_soon(park_until_admitted, g, "w", asked)  # parks while it runs
             await anyio.sleep(0.3)
             page.text, page.delay = pool_page((0, 0), (0, 0)), 0.0
+
+
+@pytest.fixture
+def pool_sim() -> Iterator[SimulatorProcess]:
+    """One pod of 4 slots whose router sheds batch requests while all 4 are busy."""
+    sim = start_simulator("--pods", "1", "--max-num-seqs", "4", "--inter-token-latency", "0.01")
+    yield sim
+    stop_process(sim.proc)
+
+
+async def completion(session: aiohttp.ClientSession, url: str, batch: bool) -> tuple[int, str]:
+    """One request of 2 s (200 tokens of 10 ms): its status and drop reason."""
+    headers = {"x-gateway-priority": "-1"} if batch else {}
+    body = {"model": "m", "prompt": "p", "max_tokens": 200}
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+        await r.read()
+        return r.status, r.headers.get("x-llm-d-request-dropped-reason", "")
+
+
+@pytest.mark.anyio
+async def test_a_shed_request_closes_the_gate_until_the_next_reading(
+    pool_sim: SimulatorProcess, ctx: GateContext
+) -> None:
+    params = {"url": pool_sim.url + "/metrics", "max_num_seqs": 4, "interval": "1s"}
+    g = build_gate("pool-headroom", params, ctx)
+    assert isinstance(g, PoolHeadroomGate)
+    assert await g.budget() == 1.0  # read: an idle pod, 4 free slots
+    async with aiohttp.ClientSession() as session, anyio.create_task_group() as tg:
+        for _ in range(4):  # interactive traffic takes every slot after the reading
+            tg.start_soon(completion, session, pool_sim.url, False)
+        await anyio.sleep(0.2)
+        releases = Releases()
+        assert (await g.apply(envelope("b1"), releases)).action is Action.CONTINUE
+        status, reason = await completion(session, pool_sim.url, True)
+        assert (status, reason) == (429, "pool-saturated")
+        heard(g, status, reason)
+        await releases.release_all()
+        # The reading still says 4 free and only 0 are ours: the next request would be shed.
+        assert (await g.apply(envelope("b2"), Releases())).action is Action.WAIT
+    await anyio.sleep(1.0)  # the interactive requests are done, the reading is stale
+    assert (await g.apply(envelope("b3"), Releases())).action is Action.CONTINUE
+
+
+def heard(g: PoolHeadroomGate, status: int, reason: str) -> None:
+    """What a worker does after each attempt: tell a gate that observes outcomes."""
+    if isinstance(g, Observes):
+        g.observe(envelope("b"), status, 0.001, reason)
+
+
+@pytest.mark.anyio
+async def test_a_reading_begun_before_a_shed_does_not_reopen_the_gate(
+    page: Page, ctx: GateContext
+) -> None:
+    page.text, page.delay = pool_page((0, 0)), 0.3  # 8 free, read slowly
+    g = gate(ctx, page, interval="1h")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(g.budget)  # the read is on its way
+        await anyio.sleep(0.1)
+        heard(g, 429, "pool-saturated")  # the pool shed one of ours meanwhile
+    assert (await g.apply(envelope("m"), Releases())).action is Action.WAIT
