@@ -140,6 +140,7 @@ def strategies(s: Scenario) -> list[Strategy]:
                  note="after: the adaptive gate also backs off when a batch request takes "
                       "longer than 2.6 s (2.06 s on an idle pod, 3.1 s on a full one)"),
         *(pool_headroom(h) for h in (0, 8, 16, 32, 48, 56)),
+        pool_headroom(16, "50ms"),
         pool_headroom(56, "500ms"),
     ]  # fmt: skip
 
