@@ -19,16 +19,21 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import anyio
+import structlog
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
 from redis.typing import EncodableT
 from redis.utils import HIREDIS_AVAILABLE
 
 from async_processor.transports.redis_settings import DEFAULT_URL, RedisConnection, host_port
+
+log = structlog.get_logger(__name__)
 
 CONNECT_TIMEOUT = 5.0
 # redis-py 8 caps a pool at 100 connections and fails the 101st caller ("Too many
@@ -100,6 +105,32 @@ def connect(
         # pipelines); the cluster tests run the transport and the client on a real cluster.
         return cast(Redis, RedisCluster.from_url(conn.url, **options))
     return Redis.from_url(conn.url or DEFAULT_URL, **options)
+
+
+async def warn_if_evicting(client: Redis) -> None:
+    """Log an error when Redis may evict keys at its ``maxmemory``: any policy but
+    ``noeviction`` (managed Redis often defaults to ``volatile-lru``) deletes keys with a
+    TTL (dedup markers: duplicate results; result lists under retention: every result in
+    them), ``allkeys-*`` also queues and in-flight sets, so messages vanish unanswered.
+    Asked once at start (``INFO memory``); not knowing (an ACL without INFO, Redis away)
+    is only a debug line."""
+    try:
+        with anyio.fail_after(CONNECT_TIMEOUT):
+            info = await client.info("memory")
+    except (RedisError, OSError, TimeoutError) as exc:
+        log.debug("eviction_policy_unknown", error=str(exc))
+        return
+    # A cluster client answers per node: {node: {field: value}}.
+    nodes = (
+        [info] if "maxmemory_policy" in info else [v for v in info.values() if isinstance(v, dict)]
+    )
+    evicting = sorted({str(n.get("maxmemory_policy")) for n in nodes} - {"noeviction"})
+    if evicting:
+        log.error(
+            "redis_may_evict",
+            maxmemory_policy=",".join(evicting),
+            advice="set maxmemory-policy noeviction: evicted keys are lost messages and results",
+        )
 
 
 class _SentinelMaster(Redis):

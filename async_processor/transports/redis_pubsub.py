@@ -49,7 +49,7 @@ from async_processor.transports.base import (
     QueueSpec,
     TransportContext,
 )
-from async_processor.transports.redis_conn import connect
+from async_processor.transports.redis_conn import connect, warn_if_evicting
 from async_processor.transports.redis_keys import redis_errors
 
 log = structlog.get_logger(__name__)
@@ -248,6 +248,7 @@ class RedisPubSubTransport:
             for queue in self.queues:
                 await tg.start(self._subscriber, queue)
             tg.start_soon(self._retry_mover)
+            tg.start_soon(warn_if_evicting, self._redis)
             task_status.started()
 
     async def _subscriber(

@@ -27,6 +27,7 @@ from async_processor.retry import expired, last_answer
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import Delivery, QueueSpec, TransportContext
 from async_processor.transports.redis_claims import ClaimBook
+from async_processor.transports.redis_conn import warn_if_evicting
 from async_processor.transports.redis_discovery import QueueCatalog
 from async_processor.transports.redis_keys import redis_errors
 from async_processor.transports.redis_keyspace import KeySpace
@@ -72,6 +73,7 @@ class SortedSetUpkeep:
             tg.start_soon(_every, "expire", EXPIRE_INTERVAL, self.expire_due)
             tg.start_soon(_every, "retain", RETAIN_INTERVAL, self.retain)
             tg.start_soon(_every, "removed", lease / 2, self.settle_removed)
+            tg.start_soon(warn_if_evicting, self._redis)
             task_status.started()
 
     async def _pipelined(

@@ -16,10 +16,12 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 from redis.asyncio import Redis
+from structlog.testing import capture_logs
 
 from async_processor.config import AppConfig
 from async_processor.transports import redis_keys
 from async_processor.transports.base import TransportContext
+from async_processor.transports.redis_conn import warn_if_evicting
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.inprocess import metric, running, sortedset_config, submit
 from tests.fixtures.servers import RedisServer
@@ -116,3 +118,25 @@ async def test_an_abandoned_claim_is_not_renewed(private_redis: RedisServer, adm
         assert await admin.zscore("q:inflight", claim) == expiry
     finally:
         await transport.aclose()
+
+
+async def test_a_redis_that_may_evict_keys_is_reported_at_start(
+    private_redis: RedisServer, admin: Redis
+) -> None:
+    # An evicting Redis (volatile-lru is a managed default) deletes dedup markers and
+    # retained result lists at its maxmemory, allkeys-* queues too: answers lost unseen.
+    await admin.config_set("maxmemory-policy", "volatile-lru")
+    config = leased_config(private_redis.url, "http://gw.test", "q").transport_config
+    transport = SortedSetTransport(config, TransportContext())  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            await tg.start(transport.run)
+            with anyio.fail_after(10):
+                while not any(e["event"] == "redis_may_evict" for e in logs):
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+        await transport.aclose()
+        await admin.config_set("maxmemory-policy", "noeviction")
+        await warn_if_evicting(admin)
+    warned = [e["maxmemory_policy"] for e in logs if e["event"] == "redis_may_evict"]
+    assert warned == ["volatile-lru"]  # and nothing once it is noeviction
