@@ -8,9 +8,10 @@ message stays leased on the broker meanwhile, so a crash loses nothing (docs/arc
 A batch that keeps failing while the broker answers is split, and an item that still
 fails is abandoned (G11): its lease is no longer renewed, so the broker hands
 the message out again (this replica or another finishes it), and a result is kept and
-retried with backoff (at most ``HELD_MAX`` of them) instead of thrown away. Failures with
-the broker up are what Redis refusing writes looks like (NOREPLICAS, READONLY, MISCONF,
-OOM): PING still answers.
+retried with backoff (at most ``HELD_MAX`` of them) instead of thrown away; after
+``HELD_ATTEMPTS`` writes only when a lease brings its message back (not on redis-pubsub).
+Failures with the broker up are what Redis refusing writes looks like (NOREPLICAS,
+READONLY, MISCONF, OOM): PING still answers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from async_processor.metrics import Metrics
-from async_processor.transports.base import Completion, Deferral, Transport, abandon
+from async_processor.transports.base import Abandons, Completion, Deferral, Transport, abandon
 
 log = structlog.get_logger(__name__)
 
@@ -162,7 +163,9 @@ class ResultWriter:
                 await self._transport.complete([completion])
             except Exception as exc:  # a crash here would stop every later write
                 log.warning("held_result_write_failed", attempt=attempts + 1, error=str(exc))
-                if attempts + 1 >= HELD_ATTEMPTS:
+                # Given up only where a lease brings the message back; without one
+                # (redis-pubsub) the held result is its only copy (HELD_MAX bounds them).
+                if attempts + 1 >= HELD_ATTEMPTS and isinstance(self._transport, Abandons):
                     self._drop_held("attempts")
                 else:
                     self._held[0] = (completion, attempts + 1)

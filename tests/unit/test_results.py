@@ -123,13 +123,13 @@ async def test_landed_results_are_measured_abandoned_ones_are_not() -> None:
     assert 29_000 <= sample(f"{latency}_sum", labels) <= 35_000
 
 
-class RefusingTransport(FlakyTransport):
-    """Refuses the first ``refusals`` writes while PING answers (NOREPLICAS, READONLY...)."""
+class RefusingWrites(FlakyTransport):
+    """Refuses the first ``refusals`` writes while PING answers (NOREPLICAS, READONLY...);
+    holds no leases (as redis-pubsub)."""
 
     def __init__(self, refusals: int) -> None:
         super().__init__()
         self.refusals = refusals
-        self.abandoned: list[tuple[str, str]] = []
 
     async def complete(self, items: Sequence[Completion]) -> None:
         if self.refusals > 0:
@@ -139,6 +139,14 @@ class RefusingTransport(FlakyTransport):
 
     async def health(self) -> None:
         return None
+
+
+class RefusingTransport(RefusingWrites):
+    """``RefusingWrites`` with leases that an abandon lets lapse."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__(refusals)
+        self.abandoned: list[tuple[str, str]] = []
 
     def abandon(self, delivery: Delivery, reason: str) -> None:
         self.abandoned.append((delivery.envelope.id, reason))  # type: ignore[union-attr]
@@ -172,6 +180,23 @@ async def test_held_results_are_bounded_oldest_dropped(monkeypatch: pytest.Monke
     await _run(transport, ["a", "b", "c"])
     assert [request_id for request_id, _ in transport.abandoned] == ["a", "b", "c"]
     assert transport.written == ["defer:later"]
+
+
+async def test_without_leases_a_held_result_is_kept_until_it_lands() -> None:
+    # redis-pubsub holds no lease: nothing brings a message back, its held result is its
+    # only copy. It was dropped after HELD_ATTEMPTS writes (a refusal of some 5 minutes).
+    transport = RefusingWrites(refusals=5 + results_mod.HELD_ATTEMPTS + 5)
+    writer = ResultWriter(transport)  # type: ignore[arg-type]
+    sender = writer.sender()
+    writer.close()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(writer.run)
+        async with sender:
+            await sender.send(Completion(_delivery("a"), Result.http("a", 200, b"")))
+            with anyio.fail_after(10):
+                while not transport.written:
+                    await anyio.sleep(0.01)
+    assert transport.written == ["a"]
 
 
 class SlowRoundTripTransport(FlakyTransport):
