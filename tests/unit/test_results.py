@@ -152,22 +152,28 @@ class RefusingTransport(RefusingWrites):
         self.abandoned.append((delivery.envelope.id, reason))  # type: ignore[union-attr]
 
 
-async def test_an_abandoned_result_stops_its_lease_and_is_written_later() -> None:
-    # Used to be logged and thrown away, while the claim stayed leased until the deadline.
-    transport = RefusingTransport(refusals=3 + 5 + 1 + 4)  # batch, item a, item b, held tries
+async def _written_while_open(transport: RefusingWrites, ids: list[str]) -> None:
+    """Send results for ``ids`` and wait until all are written, the writer still open (so
+    only the held retries can have written them)."""
     writer = ResultWriter(transport)  # type: ignore[arg-type]
     sender = writer.sender()
     writer.close()
     async with anyio.create_task_group() as tg:
         tg.start_soon(writer.run)
         async with sender:
-            for request_id in ("a", "b"):
+            for request_id in ids:
                 await sender.send(
                     Completion(_delivery(request_id), Result.http(request_id, 200, b""))
                 )
-            with anyio.fail_after(5):  # written by the held retries, the writer still open
-                while len(transport.written) < 2:
+            with anyio.fail_after(10):
+                while len(transport.written) < len(ids):
                     await anyio.sleep(0.01)
+
+
+async def test_an_abandoned_result_stops_its_lease_and_is_written_later() -> None:
+    # Used to be logged and thrown away, while the claim stayed leased until the deadline.
+    transport = RefusingTransport(refusals=3 + 5 + 1 + 4)  # batch, item a, item b, held tries
+    await _written_while_open(transport, ["a", "b"])
     assert transport.abandoned == [("a", "write_failed"), ("b", "write_failed")]
     assert sorted(transport.written) == ["a", "b"]
     assert transport.refusals == 0
@@ -186,16 +192,7 @@ async def test_without_leases_a_held_result_is_kept_until_it_lands() -> None:
     # redis-pubsub holds no lease: nothing brings a message back, its held result is its
     # only copy. It was dropped after HELD_ATTEMPTS writes (a refusal of some 5 minutes).
     transport = RefusingWrites(refusals=5 + results_mod.HELD_ATTEMPTS + 5)
-    writer = ResultWriter(transport)  # type: ignore[arg-type]
-    sender = writer.sender()
-    writer.close()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(writer.run)
-        async with sender:
-            await sender.send(Completion(_delivery("a"), Result.http("a", 200, b"")))
-            with anyio.fail_after(10):
-                while not transport.written:
-                    await anyio.sleep(0.01)
+    await _written_while_open(transport, ["a"])
     assert transport.written == ["a"]
 
 
