@@ -83,6 +83,9 @@ MAX_ACK_DEADLINE = 600  # Pub/Sub's maximum; longer deferrals come back after 60
 # The raw protobuf classes behind proto-plus: built and read without marshalling per field.
 RAW_ACK: Any = AcknowledgeRequest.pb()
 DEAD_LETTER_RETRY = 5.0  # an uncopied dead letter comes back after this, not in a hot loop
+# Last answers kept with the routing of deferred messages, in characters, at most: most
+# come back to another replica, so what is kept here waits to be evicted.
+CARRIED_BODY_CHARS = 16 * 1024 * 1024
 
 
 def resource_path(project: str, kind: str, name: str) -> str:
@@ -131,6 +134,7 @@ class GcpPubSubTransport:
         # Routing of messages this process deferred: Pub/Sub cannot carry it back, and its
         # delivery_attempt exists only with a dead-letter policy (best effort, per process).
         self._carried: OrderedDict[str, Routing] = OrderedDict()
+        self._carried_chars = 0  # of their last answers (CARRIED_BODY_CHARS)
 
     # ------------------------------------------------------------------ clients
 
@@ -170,7 +174,7 @@ class GcpPubSubTransport:
         request = decode_request(delivery.raw, max_bytes=self._ctx.max_message_bytes)
         request.metadata = {**request.metadata, **delivery.attributes}
         held = receipt(delivery)
-        carried = self._carried.pop(message_key(held), None)
+        carried = self._uncarry(message_key(held))
         routing = Routing(
             # delivery_attempt counts redeliveries only under a dead-letter policy; what this
             # process deferred it remembers itself.
@@ -243,9 +247,18 @@ class GcpPubSubTransport:
         envelope = delivery.envelope
         if envelope is None or not (envelope.routing.retry_count or envelope.routing.last_status):
             return
-        self._carried[message_key(receipt(delivery))] = envelope.routing
-        if len(self._carried) > DEDUP_MEMORY:
-            self._carried.popitem(last=False)
+        key = message_key(receipt(delivery))
+        self._uncarry(key)
+        self._carried[key] = envelope.routing
+        self._carried_chars += len(envelope.routing.last_body)
+        while len(self._carried) > DEDUP_MEMORY or self._carried_chars > CARRIED_BODY_CHARS:
+            self._uncarry(next(iter(self._carried)))  # the oldest
+
+    def _uncarry(self, key: str) -> Routing | None:
+        routing = self._carried.pop(key, None)
+        if routing is not None:
+            self._carried_chars -= len(routing.last_body)
+        return routing
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Copy an unusable message to ``<subscription>-dead-letter``, then ack it.

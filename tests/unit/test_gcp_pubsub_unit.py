@@ -11,14 +11,20 @@ from google.api_core import exceptions as gexc
 from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
 from google.pubsub_v1.types import PullResponse
 
+from async_processor import retry
 from async_processor.config import GcpPubSubConfig
 from async_processor.errors import TransportError
 from async_processor.messages import Result
-from async_processor.transports.base import Completion, Delivery, TransportContext
+from async_processor.retry import LAST_BODY_LIMIT
+from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
 from async_processor.transports.gcp_backlog import BacklogReader
 from async_processor.transports.gcp_leases import Receipt
 from async_processor.transports.gcp_publish import dead_letter_topic
-from async_processor.transports.gcp_pubsub import GcpPubSubTransport, resource_path
+from async_processor.transports.gcp_pubsub import (
+    CARRIED_BODY_CHARS,
+    GcpPubSubTransport,
+    resource_path,
+)
 from async_processor.transports.gcp_pull import RATE_WINDOW, READ_AHEAD_MAX, ReadAhead
 from tests.fixtures.servers import free_port
 
@@ -135,6 +141,39 @@ async def test_pull_works_without_permission_to_describe_the_subscription() -> N
 async def test_health_counts_permission_denied_probes_as_healthy() -> None:
     t = transport(Denied())
     await t.health()
+
+
+class Deferring(Denied):
+    """Takes every ack deadline change."""
+
+    async def modify_ack_deadline(self, **_: Any) -> None:
+        return None
+
+
+def deferred_delivery(t: GcpPubSubTransport, n: int) -> Delivery:
+    """Message ``m<n>`` as pulled (a new receipt each call), decoded."""
+    held = Receipt(f"ack-{n}", "projects/proj/subscriptions/sub", f"m{n}", 0, time.time(), 0)
+    delivery = Delivery(queue=t.queues[0], raw=b'{"id": "r", "deadline": 1900000000}', handle=held)
+    t.decode(delivery)
+    return delivery
+
+
+async def test_routing_remembered_for_deferred_messages_is_bounded_in_size() -> None:
+    # Each deferred message's routing is kept until it comes back to this process, with
+    # the gateway's last answer (up to 64 KiB): with replicas most come back elsewhere,
+    # so 65,536 such entries (4 GiB of 503 pages) stayed until evicted by count.
+    t = transport(Deferring())
+    answer = retry.Attempt(503, b"x" * LAST_BODY_LIMIT)
+    count = CARRIED_BODY_CHARS // LAST_BODY_LIMIT + 50
+    for n in range(count):
+        delivery = deferred_delivery(t, n)
+        routing = delivery.envelope.routing  # type: ignore[union-attr]
+        routing.retry_count = 1
+        retry.remember_answer(routing, answer)
+        await t.defer([Deferral(delivery, 600)])
+    assert sum(len(routing.last_body) for routing in t._carried.values()) <= CARRIED_BODY_CHARS
+    # The newest are kept: the oldest are the likeliest to have come back elsewhere.
+    assert deferred_delivery(t, count - 1).envelope.routing.last_status == 503  # type: ignore[union-attr]
 
 
 def test_full_paths_are_kept_and_short_ids_get_the_project() -> None:
