@@ -81,23 +81,34 @@ def request_from_line(line: str, *, deadline: int, default_endpoint: str = "") -
     return dict(obj)
 
 
-def _lines(path: str) -> Iterator[str]:
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of the non-blank lines."""
     with sys.stdin if path == "-" else open(path, encoding="utf-8") as handle:
-        for line in handle:
+        for number, line in enumerate(handle, 1):
             if line.strip():
-                yield line
+                yield number, line
+
+
+def _requests(args: argparse.Namespace, deadline: int) -> list[dict[str, Any]]:
+    """Every line's request, read before anything is submitted: a bad line is named
+    (``<file>:<line>: why``) and nothing is queued."""
+    requests = []
+    for number, line in _lines(args.file):
+        try:
+            requests.append(
+                request_from_line(line, deadline=deadline, default_endpoint=args.endpoint)
+            )
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+            raise ValueError(f"{args.file}:{number}: {exc}") from None
+    return requests
 
 
 async def _submit(args: argparse.Namespace) -> int:
-    deadline = int(time.time() + args.deadline_in)
-    lines = list(_lines(args.file))
-    progress = Progress("submitted", len(lines))
+    requests = _requests(args, int(time.time() + args.deadline_in))
+    progress = Progress("submitted", len(requests))
     async with SortedSetClient(_connection(args), args.queue, args.result_queue) as client:
-        for start in range(0, len(lines), CHUNK):
-            chunk = [
-                request_from_line(line, deadline=deadline, default_endpoint=args.endpoint)
-                for line in lines[start : start + CHUNK]
-            ]
+        for start in range(0, len(requests), CHUNK):
+            chunk = requests[start : start + CHUNK]
             await client.submit_many(chunk)
             progress.advance(len(chunk))
     progress.finish()

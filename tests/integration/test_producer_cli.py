@@ -59,6 +59,20 @@ def test_submit_jsonl_then_cancel(tmp_path: Path, redis_url: str, unique: str) -
     assert r.get("request-cancel:a") == env_a.routing.request_token.encode()
 
 
+def test_submit_names_a_bad_line_and_submits_nothing(
+    tmp_path: Path, redis_url: str, unique: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A line nested too deep raised RecursionError out of the command (a traceback); any
+    # bad line stopped the run after the chunks before it were queued, naming no line.
+    src = tmp_path / "in.jsonl"
+    good = json.dumps({"id": "a", "payload": {}})
+    src.write_text(f"{good}\n\n" + '{"id": "b", "payload": ' + "[" * 100_000 + "\n")
+    queue = f"{unique}:q"
+    assert main(["submit", str(src), "--redis-url", redis_url, "--queue", queue]) == 1
+    assert f"{src}:3: " in capsys.readouterr().err
+    assert redis.Redis.from_url(redis_url).zcard(queue) == 0
+
+
 def test_results_drains_to_jsonl(tmp_path: Path, redis_url: str, unique: str) -> None:
     r = redis.Redis.from_url(redis_url)
     results = f"{unique}:results"
