@@ -7,6 +7,7 @@ AsyncProcessorError
 │   └── PayloadUnavailable      a referenced payload could not be fetched
 ├── GateError                   a gate could not decide (its backend failed)
 ├── TransportError              the broker failed (retried with backoff by callers)
+│   └── PartialWrite            a batched write failed for some of its items only
 └── NoAnswer                    an HTTP client got no usable answer (``httpclients.base``)
 
 An HTTP attempt that fails does not leave dispatch as an exception: ``dispatch.send``
@@ -52,6 +53,16 @@ class GateError(AsyncProcessorError):
 
 class TransportError(AsyncProcessorError):
     """The broker failed; callers retry with backoff."""
+
+
+class PartialWrite(TransportError):
+    """A batched write landed except for the items at ``failed`` (indexes into the batch):
+    the caller retries those only, since the others are done (written again, they would
+    be taken for duplicates)."""
+
+    def __init__(self, message: str, failed: list[int]) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 class NoAnswer(AsyncProcessorError):

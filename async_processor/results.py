@@ -27,6 +27,7 @@ import structlog
 from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from async_processor.errors import PartialWrite
 from async_processor.metrics import Metrics
 from async_processor.transports.base import Abandons, Completion, Deferral, Transport, abandon
 
@@ -101,13 +102,24 @@ class ResultWriter:
 
         Then each item is written on its own, and one that still fails is left to its lease
         (the broker hands it out again later) instead of stalling every result behind it.
+        A write that lands all but some items (``PartialWrite``) is retried for those only.
         Returns the items written.
         """
-        if len(items) > 1 and await self._attempt(what, partial(write, items), SPLIT_AFTER):
+        pending = list(items)  # not written yet
+
+        async def write_pending() -> None:
+            try:
+                await write(list(pending))
+            except PartialWrite as exc:
+                pending[:] = [pending[i] for i in exc.failed]
+                raise
+
+        if len(items) > 1 and await self._attempt(what, write_pending, SPLIT_AFTER):
             return list(items)
-        landed = []
+        unwritten = {id(item) for item in pending}
+        landed = [item for item in items if id(item) not in unwritten]
         limit = ABANDON_AFTER
-        for item in items:
+        for item in pending:
             if await self._attempt(what, partial(write, [item]), limit):
                 landed.append(item)
                 limit = ABANDON_AFTER

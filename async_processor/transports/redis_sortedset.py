@@ -31,6 +31,7 @@ import structlog
 from redis.asyncio import Redis
 
 from async_processor.config import SortedSetConfig
+from async_processor.errors import PartialWrite, TransportError
 from async_processor.json_scan import id_from_prefix
 from async_processor.messages import Envelope, Result, too_large
 from async_processor.transports import redis_keys as keys
@@ -66,6 +67,7 @@ log = structlog.get_logger(__name__)
 
 ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed", "hand_back_timeout")
 ScriptCall = tuple[list[str], list[bytes | str | int]]  # one script's keys and arguments
+Written = tuple[int, int, int]  # a complete reply: (written, held, fell_back)
 
 
 class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
@@ -154,42 +156,60 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
 
     async def complete(self, items: Sequence[Completion]) -> None:
         """Per item, atomically: result + dedup marker + ack + cancellation cleanup (one
-        script per queue of the batch)."""
+        script per hash slot of the batch: one call outside cluster mode). An item whose
+        keys have the wrong type fails alone (``PartialWrite``) and stays held."""
         if not items:
             return
         with self._claims.acking(d for d, _ in items):
             replies = await self._write_results(items, queued=False)
         lost = []
-        for (delivery, _), (_, held, _) in zip(items, replies, strict=True):
+        for (delivery, _), reply in zip(items, replies, strict=True):
+            if isinstance(reply, TransportError):
+                continue  # still held: the writer tries it again, then leaves it to its lease
             self._claims.release(delivery)
-            if not held:
+            if not reply[1]:
                 lost.append(delivery)
         await self._drop_returned(lost)
+        failed = [i for i, reply in enumerate(replies) if isinstance(reply, TransportError)]
+        if failed:
+            raise PartialWrite(str(replies[failed[0]]), failed)
 
     async def _write_results(
         self, items: Sequence[tuple[Delivery, Result]], *, queued: bool
-    ) -> list[tuple[int, int, int]]:
-        """The complete script once per queue of the batch, all in one round trip: for
-        claims, or (``queued``) for members still waiting in their queue. Replies, in the
-        order of ``items``: (written, held, fell_back)."""
+    ) -> list[Written | TransportError]:
+        """The complete script once per hash slot of the batch (all queues together
+        outside cluster mode), all in one round trip: for claims, or (``queued``) for
+        members still waiting in their queue. Replies, in the order of ``items``:
+        (written, held, fell_back), or the error of an item whose keys have the wrong type
+        (nothing of it written)."""
         targets = [self._routing.target(delivery) for delivery, _ in items]
-        groups = by_queue([delivery for delivery, _ in items])
-        calls = [self._complete_call(items, targets, g, queued=queued) for g in groups.values()]
+        groups = self._slot_batches([delivery for delivery, _ in items])
+        calls = [self._complete_call(items, targets, g, queued=queued) for g in groups]
         with redis_errors("complete"):
             replies = await self._run_complete(calls)
         self._check_replicas(replies[len(groups) :])
-        scripts: list[tuple[int, int, int]] = [(0, 0, 0)] * len(items)
-        for group, group_replies in zip(groups.values(), replies[: len(groups)], strict=True):
+        scripts: list[Written | TransportError] = [(0, 0, 0)] * len(items)
+        for group, group_replies in zip(groups, replies[: len(groups)], strict=True):
             for index, reply in zip(group, group_replies, strict=True):
-                scripts[index] = (int(reply[0]), int(reply[1]), int(reply[2]))
-        for (delivery, result), target, (written, held, fell_back) in zip(
-            items, targets, scripts, strict=True
-        ):
+                scripts[index] = _written(reply)
+        for (delivery, result), target, reply in zip(items, targets, scripts, strict=True):
+            if isinstance(reply, TransportError):
+                continue
+            written, held, fell_back = reply
             if not written and (held or not queued):
                 self._duplicate(delivery, result)
             if fell_back:
                 self._routing.rejected(delivery, target, "wrong_type")
         return scripts
+
+    def _slot_batches(self, deliveries: Sequence[Delivery]) -> list[list[int]]:
+        """Indexes of ``deliveries`` per complete call: a queue's items together, the
+        queues of one hash slot (all of them outside cluster mode) in one call."""
+        per_queue = by_queue(deliveries)
+        return [
+            [index for name in names for index in per_queue[name]]
+            for names in self._keys.slot_groups(list(per_queue))
+        ]
 
     async def _run_complete(self, calls: list[ScriptCall]) -> list[Any]:
         """The complete scripts in one round trip: a single one sent alone (a pipeline of
@@ -215,7 +235,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         queued: bool,
     ) -> ScriptCall:
         """Keys and arguments of one complete script for the items at ``group`` (one
-        queue: one slot)."""
+        hash slot)."""
         script_keys: list[str] = []
         args: list[bytes | str | int] = [
             self.config.dedup_ttl_seconds,
@@ -343,6 +363,13 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+
+
+def _written(reply: Any) -> Written | TransportError:
+    """One item's complete reply: (written, held, fell_back), or its WRONGTYPE text."""
+    if isinstance(reply, bytes):
+        return TransportError(f"redis complete failed: {reply.decode(errors='replace')}")
+    return int(reply[0]), int(reply[1]), int(reply[2])
 
 
 def _defer_args(item: Deferral) -> list[bytes | float | str]:

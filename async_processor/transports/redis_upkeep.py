@@ -44,7 +44,7 @@ RETAIN_GRACE = 2 * int(RETAIN_INTERVAL)
 EXPIRE_CHUNK = 20  # members decoded per sweep round trip (each up to --max-message-bytes)
 UPKEEP_MAX_BACKOFF = 5.0
 
-WriteResults = Callable[..., Awaitable[list[tuple[int, int, int]]]]
+WriteResults = Callable[..., Awaitable[list[tuple[int, int, int] | TransportError]]]
 
 
 class SortedSetUpkeep:
@@ -231,7 +231,12 @@ class SortedSetUpkeep:
             skipped += len(raws) - len(items)
             if items:
                 replies = await self._write_results(items, queued=True)
-                answered += sum(held for _, held, _ in replies)
+                answered += sum(r[1] for r in replies if not isinstance(r, TransportError))
+                # A member whose keys have the wrong type stays queued: the sweep stops
+                # here (the next chunk would read it again) and tries again next round.
+                failure = next((r for r in replies if isinstance(r, TransportError)), None)
+                if failure is not None:
+                    raise failure
             if len(raws) < EXPIRE_CHUNK:
                 return answered
             with redis_errors("expire"):

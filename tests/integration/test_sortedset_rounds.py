@@ -33,26 +33,6 @@ QUEUES = 12
 PER_QUEUE = 15
 
 
-@pytest.fixture(params=["standalone", "cluster"])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-async def redis_for(
-    mode: str, redis_url: str, request: pytest.FixtureRequest
-) -> AsyncIterator[tuple[str, Redis | RedisCluster]]:
-    """(url, client) of a standalone Redis or of the session's 3-master cluster."""
-    if mode == "cluster":
-        cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
-        client: Redis | RedisCluster = RedisCluster.from_url(cluster.url)
-        yield cluster.url, client
-    else:
-        client = Redis.from_url(redis_url)
-        yield redis_url, client
-    await client.aclose()
-
-
 def names_of(unique: str, count: int = QUEUES) -> list[str]:
     return [f"{unique}-q{n}" for n in range(count)]
 

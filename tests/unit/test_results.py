@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from async_processor import results as results_mod
-from async_processor.errors import TransportError
+from async_processor.errors import PartialWrite, TransportError
 from async_processor.messages import Result, decode_envelope
 from async_processor.results import ResultWriter
 from async_processor.transports.base import Completion, Deferral, Delivery, QueueSpec
@@ -121,6 +121,31 @@ async def test_landed_results_are_measured_abandoned_ones_are_not() -> None:
     latency = "llm_d_async_async_submit_to_result_time_millis"
     assert sample(f"{latency}_count", labels) == 1.0  # only "ok" said when it was created
     assert 29_000 <= sample(f"{latency}_sum", labels) <= 35_000
+
+
+class PartialTransport(FlakyTransport):
+    """Writes every item but ``poison`` and says which failed (``PartialWrite``), as
+    redis-sortedset's batched complete does for an item whose keys have the wrong type."""
+
+    async def complete(self, items: Sequence[Completion]) -> None:
+        self.calls += 1
+        failed = [i for i, (_, r) in enumerate(items) if r.id == self.poison]
+        self.written += [r.id for _, r in items if r.id != self.poison]
+        if failed:
+            raise PartialWrite("WRONGTYPE", failed)
+
+    async def health(self) -> None:
+        return None
+
+    def abandon(self, delivery: Delivery, reason: str) -> None:
+        self.written.append(f"abandoned:{delivery.envelope.id}")  # type: ignore[union-attr]
+
+
+async def test_a_partial_write_retries_only_the_items_that_failed() -> None:
+    # Written again, the landed items would each be taken for a duplicate submission.
+    transport = PartialTransport(poison="bad")
+    await _run(transport, ["a", "bad", "c"])
+    assert transport.written == ["a", "c", "abandoned:bad", "defer:later"]
 
 
 class RefusingWrites(FlakyTransport):

@@ -78,9 +78,10 @@ async def test_a_batch_of_results_is_one_script_call(fake) -> None:
     assert await fake.zcard(redis_keys.inflight_key(Q)) == 0
 
 
-async def test_one_queues_batch_is_one_request_without_a_pipeline(fake, monkeypatch) -> None:
+async def test_a_batch_is_one_request_without_a_pipeline(fake, monkeypatch) -> None:
     # A pipeline of scripts first asks Redis which it has (SCRIPT EXISTS): a second round
-    # trip per result batch. A batch of one queue goes alone; two queues share a pipeline.
+    # trip per result batch. A batch goes alone as one script call, whatever its queues
+    # (it was one script per queue in a pipeline: with 200 tenant queues, one per result).
     transport = make(fake)
     await fake.zadd(Q, {envelope(f"p{i}", soon(), token=f"t{i}"): soon() for i in range(2)})
     await fake.zadd("queue-b", {envelope("pb", soon(), token="tb"): soon()})
@@ -105,11 +106,21 @@ async def test_one_queues_batch_is_one_request_without_a_pipeline(fake, monkeypa
     await fake.zadd("queue-b", {envelope("pc", soon(), token="tc"): soon()})
     both = await transport.fetch(transport.queues[0], 10, 0)
     both += await transport.fetch(transport.queues[1], 10, 0)
+    script = transport._scripts["complete"]
+    calls: list[int] = []
+
+    async def counted(**kwargs: object) -> object:
+        calls.append(len(kwargs["keys"]))  # type: ignore[arg-type]
+        return await script(**kwargs)  # type: ignore[arg-type]
+
+    transport._scripts["complete"] = counted  # type: ignore[assignment]
     await transport.complete(
         [Completion(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in both]
     )
-    assert len(pipelines) == 1
+    assert pipelines == []
+    assert calls == [20]  # both queues' items in one call
     assert await fake.llen("result-list") == 3
+    assert await fake.llen("qb") == 2
 
 
 async def test_claim_then_complete_acknowledges_and_writes_once(fake) -> None:

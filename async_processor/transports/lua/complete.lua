@@ -1,5 +1,6 @@
--- Write the terminal results of a batch of one queue's messages and acknowledge each
--- claim, in one call (one script run per batch instead of one per result).
+-- Write the terminal results of a batch of messages and acknowledge each claim, in one
+-- call: one script run per result batch (per hash slot in cluster mode), whatever the
+-- number of queues in it, instead of one per result or per queue.
 -- Per item i (0-based), KEYS[10i+1..10i+10]: dedup marker (request-done:<id>:<digest>),
 -- result list, in-flight zset, in-flight hash, request-active:<id>, request-cancel:<id>,
 -- fallback result list (the transport's default), <queue>:live:<id> (the client's
@@ -11,11 +12,15 @@
 -- it since it was read. Per item, ARGV[3i+3..3i+5]: claim id (or member), encoded
 -- result, request token.
 -- Returns, per item, {1 if the result was written (0 = already done), 1 if the claim was
--- still held, 1 if its result list was not a list and the result went to the fallback}.
--- Every type of every item is checked before the first write, so a failure changes nothing.
+-- still held, 1 if its result list was not a list and the result went to the fallback},
+-- or the WRONGTYPE text of an item one of whose keys has the wrong type: that item is
+-- left untouched and the others are written (one queue's stray key must not stop every
+-- tenant's results, as in claim.lua). Every item's types are checked before the first
+-- write, so the cached types stay valid and a failing item changes nothing.
 local items = #KEYS / 10
-local targets, pushed, fell_back = {}, {}, {}
-for i = 0, items - 1 do
+local targets, pushed, fell_back, failed = {}, {}, {}, {}
+
+local function check(i)
   local k = 10 * i
   -- The result list may come from the message (result_queue_name): a key of another type
   -- is not written to, the result goes to the configured list instead.
@@ -25,6 +30,13 @@ for i = 0, items - 1 do
   end
   expect_types(targets[i], 'list', KEYS[k + 1], 'string', KEYS[k + 3], 'zset',
     KEYS[k + 4], 'hash', KEYS[k + 5], 'string', KEYS[k + 6], 'string', KEYS[k + 8], 'string')
+end
+
+for i = 0, items - 1 do
+  local ok, err = pcall(check, i)
+  if not ok then
+    failed[i] = type(err) == 'table' and err.err or tostring(err)
+  end
 end
 
 local function complete_one(i)
@@ -62,6 +74,6 @@ end
 
 local replies = {}
 for i = 0, items - 1 do
-  replies[i + 1] = complete_one(i)
+  replies[i + 1] = failed[i] or complete_one(i)
 end
 return replies

@@ -1,0 +1,131 @@
+"""Result batches of many queues on real Redis, standalone and a 3-master cluster: one
+``complete.lua`` call per hash slot (one in all outside cluster mode), a queue whose key
+has the wrong type fails only its own items, and a batch whose reply was lost is sent
+again without a second result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from async_processor.errors import PartialWrite
+from async_processor.messages import Result
+from async_processor.results import ResultWriter
+from async_processor.transports.base import Completion, Delivery
+from async_processor.transports.redis_settings import slot
+from async_processor.transports.redis_sortedset import ScriptCall, SortedSetTransport
+from tests.integration.test_sortedset import future, member
+from tests.integration.test_sortedset_rounds import config_for, ids_of, names_of, opened
+
+pytestmark = pytest.mark.anyio
+PER_QUEUE = 3
+
+
+async def claimed(transport: SortedSetTransport, r: Any, names: list[str]) -> list[Delivery]:
+    """``PER_QUEUE`` messages put on each queue and claimed."""
+    deadline = future()
+    fetched: list[Delivery] = []
+    for name in names:
+        await r.zadd(name, {member(f"{name}/{i}", deadline, token=f"{i:032x}"): deadline
+                            for i in range(PER_QUEUE)})  # fmt: skip
+    for queue in transport.queues:
+        fetched += await transport.fetch(queue, PER_QUEUE, 0)
+    assert len(fetched) == PER_QUEUE * len(names)
+    return fetched
+
+
+def done(delivery: Delivery) -> Completion:
+    return Completion(delivery, Result.http(ids_of(delivery), 200, b"{}"))
+
+
+async def test_a_batch_of_many_queues_is_one_call_per_slot(
+    mode: str, redis_for: tuple[str, Any], unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, r = redis_for
+    names = names_of(unique, 8)
+    async with opened(config_for(url, mode, names)) as transport:
+        items = [done(d) for d in await claimed(transport, r, names)]
+        sent: list[int] = []
+        real = transport._run_complete
+
+        async def counted(calls: list[ScriptCall]) -> list[Any]:
+            sent.append(len(calls))
+            return await real(calls)
+
+        monkeypatch.setattr(transport, "_run_complete", counted)
+        await transport.complete(items)
+        for name in names:
+            assert await r.llen(f"{{{name}}}:r") == PER_QUEUE
+            assert await r.zcard(transport._keys.inflight(name)) == 0
+        assert not any(transport._claims.held.values())
+    # Standalone: one call; cluster: one per hash slot (8 queues rarely share one).
+    assert sent == [1 if mode == "standalone" else len({slot(n) for n in names})]
+
+
+async def test_a_stray_key_fails_only_its_own_queues_results(
+    mode: str, redis_for: tuple[str, Any], unique: str
+) -> None:
+    url, r = redis_for
+    names = names_of(unique, 3)
+    bad = names[1]
+    async with opened(config_for(url, mode, names)) as transport:
+        items = [done(d) for d in await claimed(transport, r, names)]
+        meta = transport._keys.inflight_meta(bad)
+        held = await r.hgetall(meta)
+        await r.delete(meta)
+        await r.set(meta, "not a hash")
+        with pytest.raises(PartialWrite, match="WRONGTYPE") as caught:
+            await transport.complete(items)
+        failed = [items[i] for i in caught.value.failed]
+        assert sorted(ids_of(d) for d, _ in failed) == [f"{bad}/{i}" for i in range(PER_QUEUE)]
+        for name in names:
+            written = 0 if name == bad else PER_QUEUE
+            assert await r.llen(f"{{{name}}}:r") == written
+            assert await r.zcard(transport._keys.inflight(name)) == PER_QUEUE - written
+        assert len(transport._claims.held[bad]) == PER_QUEUE  # still held: tried again
+        await r.delete(meta)
+        await r.hset(meta, mapping=held)
+        await transport.complete(failed)
+        assert await r.llen(f"{{{bad}}}:r") == PER_QUEUE
+        assert await r.zcard(transport._keys.inflight(bad)) == 0
+
+
+async def test_a_lost_reply_resent_does_not_complete_twice(
+    mode: str, redis_for: tuple[str, Any], unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scripts ran, the connection dropped before their reply: the writer sends the
+    # whole batch again, and each dedup marker stops a second result.
+    url, r = redis_for
+    names = names_of(unique, 4)
+    async with opened(config_for(url, mode, names)) as transport:
+        items = [done(d) for d in await claimed(transport, r, names)]
+        real = transport._run_complete
+        sent: list[int] = []
+
+        async def reply_lost(calls: list[ScriptCall]) -> list[Any]:
+            replies = await real(calls)
+            sent.append(len(calls))
+            if len(sent) == 1:
+                raise RedisConnectionError("connection lost before the reply")
+            return replies
+
+        monkeypatch.setattr(transport, "_run_complete", reply_lost)
+        writer = ResultWriter(transport)
+        sender = writer.sender()
+        writer.close()
+        async with sender:
+            for item in items:
+                await sender.send(item)
+        with anyio.fail_after(20):
+            await writer.run()
+        for name in names:
+            results = await r.lrange(f"{{{name}}}:r", 0, -1)
+            assert sorted(Result.decode(raw).id for raw in results) == [
+                f"{name}/{i}" for i in range(PER_QUEUE)
+            ]
+            assert await r.zcard(transport._keys.inflight(name)) == 0
+        assert not any(transport._claims.held.values())
+    assert len(sent) == 2  # sent once more, as a whole
