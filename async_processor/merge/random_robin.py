@@ -46,34 +46,45 @@ class _Offer:
 
 
 class _Offers:
-    """The ready set: offers waiting for the emitter, and how many readers are still open."""
+    """The ready set: offers waiting for the emitter, and how many readers are still open.
+    ``pick`` chooses among the ready offers (an index into the list); a policy with an
+    order of its own (weighted-fair: a heap) overrides ``_add``, ``_remove`` and ``__len__``."""
 
-    def __init__(self, readers: int) -> None:
+    def __init__(self, readers: int, pick: Callable[[list[_Offer]], int]) -> None:
         self.ready: list[_Offer] = []
         self.open_readers = readers
+        self._pick = pick
         self._wakeup = anyio.Event()
 
+    def __len__(self) -> int:
+        return len(self.ready)
+
     def put(self, offer: _Offer) -> None:
-        self.ready.append(offer)
+        self._add(offer)
         self._wakeup.set()
+
+    def _add(self, offer: _Offer) -> None:
+        self.ready.append(offer)
+
+    def _remove(self) -> _Offer:
+        index = self._pick(self.ready)
+        # Swap-remove: order in the ready list carries no meaning.
+        self.ready[index], self.ready[-1] = self.ready[-1], self.ready[index]
+        return self.ready.pop()
 
     def reader_done(self) -> None:
         self.open_readers -= 1
         self._wakeup.set()
 
-    async def take(self, pick: Callable[[list[_Offer]], int]) -> _Offer | None:
-        """The ready offer ``pick`` chooses (an index into the ready list); None once every
-        reader is done and none is left."""
-        while not self.ready:
+    async def take(self) -> _Offer | None:
+        """The next ready offer; None once every reader is done and none is left."""
+        while not len(self):
             if self.open_readers == 0:
                 return None
             # No await between the check and the new event: a put cannot slip through.
             self._wakeup = anyio.Event()
             await self._wakeup.wait()
-        index = pick(self.ready)
-        # Swap-remove: order in the ready list carries no meaning.
-        self.ready[index], self.ready[-1] = self.ready[-1], self.ready[index]
-        return self.ready.pop()
+        return self._remove()
 
 
 class RandomRobin:
@@ -96,7 +107,7 @@ class RandomRobin:
                     except anyio.EndOfStream:
                         return
                     await self._emit(work, sink)
-        offers = _Offers(len(sources) + (more is not None))
+        offers = self._offers(pool, len(sources) + (more is not None))
         async with sink, anyio.create_task_group() as tg:
             for source in sources:
                 tg.start_soon(self._read, source, offers)
@@ -106,9 +117,13 @@ class RandomRobin:
                     tg.start_soon(self._read, source, offers)
 
                 tg.start_soon(admit_sources, more, offers, start)
-            while (offer := await offers.take(self._pick)) is not None:
+            while (offer := await offers.take()) is not None:
                 offer.taken.set()
                 await self._emit(offer.work, sink)
+
+    def _offers(self, pool: str, readers: int) -> _Offers:
+        """The ready set of ``pool``'s run."""
+        return _Offers(readers, self._pick)
 
     def _pick(self, ready: list[_Offer]) -> int:
         """Uniformly random among the ready queues."""

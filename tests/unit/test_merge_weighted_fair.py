@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from types import SimpleNamespace
+from typing import Any
 
 import anyio
 import pytest
@@ -67,15 +68,22 @@ def test_weights_from_the_map_then_the_label_then_the_default() -> None:
     assert policy.weight(QueueSpec(id="d", name="d")) == 2
 
 
-def test_pools_keep_their_own_virtual_time() -> None:
-    # One policy object serves every pool: a busy pool must not reset another's shares.
-    def offer(name: str, pool: str) -> object:
-        spec = QueueSpec(id=name, name=name, pool=pool)
-        return SimpleNamespace(work=SimpleNamespace(delivery=SimpleNamespace(queue=spec)))
+def offer(name: str, pool: str) -> Any:
+    spec = QueueSpec(id=name, name=name, pool=pool)
+    return SimpleNamespace(work=SimpleNamespace(delivery=SimpleNamespace(queue=spec)))
 
+
+async def test_pools_keep_their_own_virtual_time() -> None:
+    # One policy object serves every pool: a busy pool must not reset another's shares.
     policy = WeightedFair(WeightedFairParams())
-    pool_a = [offer("a1", "A"), offer("a2", "A")]
-    assert policy._pick(pool_a) == 0  # type: ignore[arg-type]
+    pool_a, pool_b = policy._offers("A", 1), policy._offers("B", 1)
+    a1, a2 = offer("a1", "A"), offer("a2", "A")
+    pool_a.put(a1)
+    pool_a.put(a2)
+    assert await pool_a.take() is a1
     for _ in range(10):
-        policy._pick([offer("b", "B")])  # type: ignore[list-item]
-    assert policy._pick(pool_a) == 1  # type: ignore[arg-type]  # a2's turn, not a1 again
+        pool_b.put(offer("b", "B"))
+        await pool_b.take()
+    pool_a.put(a1)  # served once: behind a2
+    assert await pool_a.take() is a2  # a2's turn, not a1 again
+    assert policy.finish(a2.work.delivery.queue) == 1.0  # A's time, not B's (10)
