@@ -115,10 +115,24 @@ class PoolCapacity:
     def _wake(self) -> None:
         if self.free > 0 and self._waiters and not self._woken:
             self._woken += 1
-            # min() keeps the first of equals: arrival order among the same count.
-            turn = min(self._waiters, key=lambda t: self._waiters[t]())
+            turn = self._next_turn()
             del self._waiters[turn]
             turn.set()
+
+    def _next_turn(self) -> anyio.Event:
+        """The waiter with the fewest waiting messages, the first of equals (arrival
+        order). The pass ends at the first with none, as none can have fewer: with 200
+        backlogged queues most waiters hold one message in the merge, and a full pass per
+        freed slot was 6 % of a daemon's CPU (bench.tenants)."""
+        best, fewest = None, 0
+        for turn, waiting in self._waiters.items():
+            count = waiting()
+            if count <= 0:
+                return turn
+            if best is None or count < fewest:
+                best, fewest = turn, count
+        assert best is not None  # only called with waiters
+        return best
 
 
 class ShedPause:
