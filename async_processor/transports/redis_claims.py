@@ -45,6 +45,7 @@ class Claim:
     digest: str = ""
     cancelled: bool | None = None
     read_at: float = -math.inf
+    cancel_key: str = ""  # its cancel marker's key, once asked (redis_markers.py)
 
 
 def claim_of(delivery: Delivery) -> Claim:

@@ -52,7 +52,7 @@ class MarkerChecks:
         tokened = [d for d in deliveries if self._decodes(d) and token_of(d)]
         if not tokened:
             return deliveries
-        groups = [[tokened[i] for i in group] for group in by_queue(tokened).values()]
+        groups = self._slot_groups(tokened)
         try:
             with redis_errors("cancel check"):
                 values = await self._read_markers(
@@ -106,9 +106,21 @@ class MarkerChecks:
             return False
         return True
 
+    def _slot_groups(self, deliveries: list[Delivery]) -> list[list[Delivery]]:
+        """``deliveries`` in groups whose markers one MGET may read: all of them outside
+        cluster mode, else per queue (a queue's markers share its slot)."""
+        if not self._keys.cluster:
+            return [deliveries]
+        return [[deliveries[i] for i in group] for group in by_queue(deliveries).values()]
+
     def _cancel_key(self, delivery: Delivery) -> str:
-        request_id = delivery.envelope.id if delivery.envelope else ""
-        return self._keys.cancel(delivery.queue.name, request_id)
+        """Made once per claim: the cancel watch reads the marker of every held claim
+        several times a second (with 200 queues, 200 prefetched claims a replica)."""
+        claim = claim_of(delivery)
+        if not claim.cancel_key:
+            request_id = delivery.envelope.id if delivery.envelope else ""
+            claim.cancel_key = self._keys.cancel(delivery.queue.name, request_id)
+        return claim.cancel_key
 
     def _live_key(self, delivery: Delivery) -> str:
         request_id = delivery.envelope.id if delivery.envelope else ""
@@ -145,7 +157,7 @@ class MarkerChecks:
             for d in self._claims.all_held()
             if d not in wanted and token_of(d) and now - claim_of(d).read_at > REFRESH_AGE
         ]
-        groups = [[asked[i] for i in group] for group in by_queue(asked).values()]
+        groups = self._slot_groups(asked)
         with redis_errors("cancel check"):
             values = await self._read_markers([[*map(self._cancel_key, g)] for g in groups])
         for group, group_values in zip(groups, values, strict=True):
