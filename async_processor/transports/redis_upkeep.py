@@ -80,12 +80,23 @@ class SortedSetUpkeep:
         self, action: str, script: str, key_groups: Sequence[list[str]], args: list[Any]
     ) -> list[Any]:
         """One script call per key group (each one queue's slot), in one round trip."""
-        if not key_groups:
+        return await self._run_calls(action, script, [(keys, args) for keys in key_groups])
+
+    async def _run_calls(
+        self, action: str, script: str, calls: Sequence[tuple[list[str], list[Any]]]
+    ) -> list[Any]:
+        """Calls of one script in one round trip: a single call alone (a pipeline of
+        scripts first asks Redis whether it has them: a second round trip), several as a
+        pipeline."""
+        if not calls:
             return []
+        run = self._scripts[script]
         with redis_errors(action):
+            if len(calls) == 1:
+                return [await run(keys=calls[0][0], args=calls[0][1])]
             async with self._redis.pipeline(transaction=False) as pipe:
-                for script_keys in key_groups:
-                    await self._scripts[script](keys=script_keys, args=args, client=pipe)
+                for script_keys, args in calls:
+                    await run(keys=script_keys, args=args, client=pipe)
                 return list(await pipe.execute())
 
     async def _drain(self, action: str, script: str, key_groups: list[list[str]]) -> None:
@@ -100,15 +111,19 @@ class SortedSetUpkeep:
             log.info(f"{action}_moved", count=total)
 
     async def heartbeat(self) -> None:
-        """Extend every lease this process holds; forget claims that were taken back."""
-        for name in self._claims.held:
-            claim_ids = self._claims.renewable(name)
-            for start in range(0, len(claim_ids), CHUNK):
-                with redis_errors("heartbeat"):
-                    lost = await self._scripts["extend"](
-                        keys=[self._keys.inflight(name)],
-                        args=[self.config.lease_seconds, *claim_ids[start : start + CHUNK]],
-                    )
+        """Extend every lease this process holds, one call per slot group (at most
+        ``CHUNK`` claims a call), all in one round trip; forget claims taken back. A queue
+        whose in-flight key has the wrong type fails alone (its leases lapse)."""
+        held = {
+            name: ids for name in list(self._claims.held) if (ids := self._claims.renewable(name))
+        }
+        calls = _extend_calls(self._keys, held, self.config.lease_seconds)
+        replies = await self._run_calls("heartbeat", "extend", [(k, a) for k, a, _ in calls])
+        for (_, _, names), reply in zip(calls, replies, strict=True):
+            for name, lost in zip(names, reply, strict=True):
+                if isinstance(lost, bytes):
+                    log.warning("heartbeat_failed", queue=name, error=lost.decode(errors="replace"))
+                    continue
                 really_lost = self._claims.forget_lost(name, (c.decode() for c in lost))
                 if really_lost:
                     log.warning("leases_lost", queue=name, count=len(really_lost))
@@ -257,6 +272,27 @@ class SortedSetUpkeep:
         if envelope.request.deadline >= now:
             return None
         return delivery, expired(envelope.id, last_answer(envelope.routing)).result
+
+
+def _extend_calls(
+    keyspace: KeySpace, held: dict[str, list[str]], lease: float
+) -> list[tuple[list[str], list[Any], list[str]]]:
+    """The heartbeat's extend calls: (keys, args, queue per key) per slot group, at most
+    ``CHUNK`` claim ids a call (a queue with more is split over calls)."""
+    calls: list[tuple[list[str], list[Any], list[str]]] = []
+    for names in keyspace.slot_groups(list(held)):
+        parts = [(n, held[n][i : i + CHUNK]) for n in names for i in range(0, len(held[n]), CHUNK)]
+        count = CHUNK  # start a call at the first part
+        for name, ids in parts:
+            if count + len(ids) > CHUNK:
+                calls.append(([], [lease], []))
+                count = 0
+            script_keys, args, owners = calls[-1]
+            script_keys.append(keyspace.inflight(name))
+            args += [len(ids), *ids]
+            owners.append(name)
+            count += len(ids)
+    return calls
 
 
 async def _every(name: str, interval: float, step: Callable[[], Awaitable[None]]) -> None:

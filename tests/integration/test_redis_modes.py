@@ -396,10 +396,10 @@ async def test_cluster_pipelines_load_their_scripts_on_every_primary(
 
     async def extend_in_a_pipeline() -> Any:
         async with client.pipeline(transaction=False) as pipe:
-            await extend(keys=[inflight], args=[30, "no-such-claim"], client=pipe)
+            await extend(keys=[inflight], args=[30, 1, "no-such-claim"], client=pipe)
             return (await pipe.execute())[0]
 
-    assert await extend_in_a_pipeline() == [b"no-such-claim"]  # not held: reported lost
+    assert await extend_in_a_pipeline() == [[b"no-such-claim"]]  # not held: reported lost
     for port in redis_cluster.ports:
         node = aioredis.Redis(port=port)
         assert await node.script_exists(extend.sha) == [True]
@@ -408,7 +408,7 @@ async def test_cluster_pipelines_load_their_scripts_on_every_primary(
     with pytest.raises(NoScriptError):  # until the next reload, the callers retry
         await extend_in_a_pipeline()
     monkeypatch.setattr(redis_keyspace, "RELOAD_EVERY", 0.0)
-    assert await extend_in_a_pipeline() == [b"no-such-claim"]
+    assert await extend_in_a_pipeline() == [[b"no-such-claim"]]
     await client.aclose()
 
 

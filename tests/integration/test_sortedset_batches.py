@@ -1,7 +1,8 @@
-"""Result batches of many queues on real Redis, standalone and a 3-master cluster: one
-``complete.lua`` call per hash slot (one in all outside cluster mode), a queue whose key
-has the wrong type fails only its own items, and a batch whose reply was lost is sent
-again without a second result."""
+"""Scripts that cover many queues in one call, on real Redis, standalone and a 3-master
+cluster. Result batches: one ``complete.lua`` call per hash slot (one in all outside
+cluster mode), a queue whose key has the wrong type fails only its own items, and a batch
+whose reply was lost is sent again without a second result. The heartbeat: one
+``extend.lua`` call per hash slot, and a queue with a stray key fails alone."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
+from structlog.testing import capture_logs
 
 from async_processor.errors import PartialWrite
 from async_processor.messages import Result
@@ -129,3 +131,37 @@ async def test_a_lost_reply_resent_does_not_complete_twice(
             assert await r.zcard(transport._keys.inflight(name)) == 0
         assert not any(transport._claims.held.values())
     assert len(sent) == 2  # sent once more, as a whole
+
+
+async def test_the_heartbeat_is_one_call_per_slot_and_a_stray_key_fails_alone(
+    mode: str, redis_for: tuple[str, Any], unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It was one call per queue, in turn: 200 tenant queues, 200 round trips a beat, and
+    # a queue whose key had the wrong type stopped the beat for every queue after it.
+    url, r = redis_for
+    names = names_of(unique, 6)
+    bad = names[0]
+    async with opened(config_for(url, mode, names)) as transport:
+        fetched = await claimed(transport, r, names)
+        await r.delete(transport._keys.inflight(bad))
+        await r.set(transport._keys.inflight(bad), "not a sorted set")
+        expiries = {d: await r.zscore(transport._keys.inflight(d.queue.name), d.handle.id)
+                    for d in fetched if d.queue.name != bad}  # fmt: skip
+        sent: list[int] = []
+        real = transport._run_calls
+
+        async def counted(action: str, script: str, calls: list[Any]) -> list[Any]:
+            sent.append(len(calls))
+            return await real(action, script, calls)
+
+        monkeypatch.setattr(transport, "_run_calls", counted)
+        await anyio.sleep(0.01)  # the new expiries are later
+        with capture_logs() as logs:
+            await transport.heartbeat()
+        await r.delete(transport._keys.inflight(bad))
+        for delivery, before in expiries.items():
+            key = transport._keys.inflight(delivery.queue.name)
+            assert await r.zscore(key, delivery.handle.id) > before
+        assert len(transport._claims.held[bad]) == PER_QUEUE  # not taken for lost
+    assert [e["queue"] for e in logs if e["event"] == "heartbeat_failed"] == [bad]
+    assert sent == [1 if mode == "standalone" else len({slot(n) for n in names})]
