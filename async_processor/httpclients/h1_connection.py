@@ -41,7 +41,9 @@ class Connection(asyncio.BufferedProtocol):
         self.origin = origin
         self.buffer = buffer  # the client's receive buffer: read into, parsed, let go at once
         self.transport: asyncio.Transport | None = None
-        self.parser = HttpResponseParser(self)
+        # Made when an answer's first bytes arrive, let go when it is complete: a parser is
+        # ~0.85 KB and a request waits seconds before its answer starts (issue 13's memory).
+        self.parser: HttpResponseParser | None = None
         self.waiter: asyncio.Future[Answer] | None = None
         self.idle_since = 0.0
         self._reset(0)
@@ -66,7 +68,8 @@ class Connection(asyncio.BufferedProtocol):
         self, head: bytes, body: bytes | memoryview, deadline: float, limit: int,
         loop: asyncio.AbstractEventLoop,
     ) -> Answer:  # fmt: skip
-        """Send the request and return the answer, by ``deadline``."""
+        """Send the request and return the answer, by ``deadline``. ``head`` is not held
+        once written: it would be, by this frame, for as long as the answer takes."""
         assert self.transport is not None  # the pool hands out usable ones only
         waiter: asyncio.Future[Answer] = loop.create_future()
         self.waiter = waiter
@@ -77,6 +80,7 @@ class Connection(asyncio.BufferedProtocol):
         else:  # not copied behind the head
             self.transport.write(head)
             self.transport.write(body)
+        del head
         try:
             return await waiter
         except BaseException:  # cancelled or failed: the gateway must see the request end
@@ -123,6 +127,8 @@ class Connection(asyncio.BufferedProtocol):
             self.close()
             return
         self.answered = True
+        if self.parser is None:
+            self.parser = HttpResponseParser(self)
         try:
             self.parser.feed_data(self.buffer[:nbytes])
         except HttpParserUpgrade:
@@ -170,6 +176,7 @@ class Connection(asyncio.BufferedProtocol):
             self.framed = True
 
     def on_headers_complete(self) -> None:
+        assert self.parser is not None  # callbacks come from its feed_data
         self.status = self.parser.get_status_code()
 
     def on_body(self, body: bytes) -> None:
@@ -184,8 +191,10 @@ class Connection(asyncio.BufferedProtocol):
             self._reset(self.limit)
             self.answered = True
             return
-        if self._pending() and self.waiter is not None:
+        if self._pending() and self.waiter is not None and self.parser is not None:
             self.keep_alive = self.parser.should_keep_alive()
+            self.parser = None  # the next answer gets a fresh one (only bytes nobody asked
+            # for could follow this one's, and they close the connection)
             chunks = self.chunks
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             self.waiter.set_result(Answer(self.status, body, self.retry_after, self.dropped))

@@ -75,7 +75,9 @@ class HttptoolsClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.001, timeout)
         conn = self._take(target.origin) or await self._connect(target.origin, deadline)
-        answer = await conn.exchange(head, body, deadline, limit, loop)
+        exchange = conn.exchange(head, body, deadline, limit, loop)
+        del head  # the exchange lets it go once written, not when the answer comes
+        answer = await exchange
         if conn.reusable():
             self._give_back(conn, loop.time())
         else:
