@@ -3,8 +3,9 @@
 Input: messages that end in a poller (poison, expired, cancelled, refused, dropped) and
 the outcomes of workers. Output: ``Completion`` / ``Deferral`` ops on the result writer's
 stream, dead letters on the transport, and the pool slot (and, for a worker's message,
-the gate permits) given back (docs/architecture.md G12). One per poller or worker: each
-holds its own sender of the result writer, closed (``aclose``) when its owner ends.
+the gate permits) given back (docs/architecture.md G12). One per poller and one per pool's
+workers: each holds its own sender of the result writer, closed (``aclose``) when its owner
+ends (a pool's workers: when the last of its tasks has).
 """
 
 from __future__ import annotations

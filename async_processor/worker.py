@@ -9,7 +9,6 @@ slot and gate permits back). The HTTP side (building and sending the request) is
 from __future__ import annotations
 
 import time
-from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import anyio
@@ -84,13 +83,14 @@ class Aborter:
 
 @dataclass(slots=True, kw_only=True)
 class Worker:
-    """One of a pool's N workers: admit, transform, send, classify, settle. One at a time."""
+    """A pool's workers: admit, transform, send, classify, settle. Each of the pool's N
+    tasks (``run``) handles one message at a time; what they share lives here."""
 
     pool: str
     settings: DispatchSettings
     http: HttpClient
     transport: Transport
-    settler: Settler  # this worker's own: it closes the writer's sender when done
+    settler: Settler  # the pool's: its sender of the writer closes after the last task
     transforms: TransformChain
     stopping: anyio.Event
     aborter: Aborter
@@ -106,13 +106,14 @@ class Worker:
         self.observer = gate if isinstance(gate, Observes) else None
 
     async def run(self, stream: ObjectReceiveStream[Work]) -> None:
-        async with stream, aclosing(self.settler):
-            while True:
-                try:
-                    work = await take(stream)
-                except anyio.EndOfStream:
-                    return
-                await self.handle(work)
+        """One worker task: a message at a time until the stream ends. A pool's tasks share
+        this object and the stream; ``processor._serve`` closes both once they are done."""
+        while True:
+            try:
+                work = await take(stream)
+            except anyio.EndOfStream:
+                return
+            await self.handle(work)
 
     async def handle(self, work: Work) -> None:
         metrics = work.metrics
