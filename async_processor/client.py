@@ -156,7 +156,7 @@ class SortedSetClient:
         if self._keys.cluster and (problem := cluster_problem(target, results_to)):
             raise ValueError(problem)
         done: list[Submitted] = []
-        batch = [_as_request(r) for r in requests]
+        batch = [as_request(r) for r in requests]
         for start in range(0, len(batch), SUBMIT_CHUNK):
             chunk = batch[start : start + SUBMIT_CHUNK]
             with redis_errors("submit"):
@@ -372,8 +372,11 @@ def _decoded(raw: bytes) -> Result:
         return UndecodableResult(id="", payload=text, raw=raw, error=f"not a result: {exc}")
 
 
-def _as_request(request: dict[str, Any] | Request) -> Request:
-    """A validated ``Request``; a dict's payload is encoded once, then kept verbatim."""
+def as_request(request: dict[str, Any] | Request) -> Request:
+    """A validated ``Request``; a dict's payload is encoded once, then kept verbatim.
+
+    ``ValueError`` says why it would be refused (``submit`` checks every line with it
+    before queueing any)."""
     if isinstance(request, dict):
         text = json.dumps(request, ensure_ascii=False, separators=(",", ":"))
         try:

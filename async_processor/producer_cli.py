@@ -20,9 +20,10 @@ from typing import IO, Any
 import anyio
 
 from async_processor.cliargs import duration, parse, subcommand_parser
-from async_processor.client import SortedSetClient
+from async_processor.client import SortedSetClient, as_request
 from async_processor.config import redis_connection_file
 from async_processor.errors import ConfigError, TransportError
+from async_processor.messages import Request
 from async_processor.transports.redis_settings import RedisConnection
 
 CHUNK = 1000
@@ -89,15 +90,15 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
                 yield number, line
 
 
-def _requests(args: argparse.Namespace, deadline: int) -> list[dict[str, Any]]:
-    """Every line's request, read before anything is submitted: a bad line is named
-    (``<file>:<line>: why``) and nothing is queued."""
+def _requests(args: argparse.Namespace, deadline: int) -> list[Request]:
+    """Every line's request, read and validated (as the client validates) before anything
+    is submitted: a bad line, unreadable or invalid, is named (``<file>:<line>: why``) and
+    nothing is queued, not even the chunks before it."""
     requests = []
     for number, line in _lines(args.file):
         try:
-            requests.append(
-                request_from_line(line, deadline=deadline, default_endpoint=args.endpoint)
-            )
+            obj = request_from_line(line, deadline=deadline, default_endpoint=args.endpoint)
+            requests.append(as_request(obj))
         except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ValueError(f"{args.file}:{number}: {exc}") from None
     return requests

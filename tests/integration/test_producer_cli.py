@@ -11,7 +11,7 @@ import redis
 
 from async_processor.cli import main
 from async_processor.messages import Result, decode_envelope
-from async_processor.producer_cli import request_from_line
+from async_processor.producer_cli import CHUNK, request_from_line
 
 
 def test_openai_batch_line_becomes_a_request() -> None:
@@ -70,6 +70,29 @@ def test_submit_names_a_bad_line_and_submits_nothing(
     queue = f"{unique}:q"
     assert main(["submit", str(src), "--redis-url", redis_url, "--queue", queue]) == 1
     assert f"{src}:3: " in capsys.readouterr().err
+    assert redis.Redis.from_url(redis_url).zcard(queue) == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"payload": {}}, {"id": "x", "deadline": "soon"}, {"id": "x", "metadata": {"k": 1}}],
+    ids=["missing-id", "bad-deadline", "wrong-type"],
+)
+def test_submit_names_an_invalid_request_line_and_submits_nothing(
+    tmp_path: Path,
+    redis_url: str,
+    unique: str,
+    capsys: pytest.CaptureFixture[str],
+    bad: dict[str, object],
+) -> None:
+    # Valid JSON but an invalid request: the client refused it only when its chunk came
+    # up, after the chunks before it were queued, and the message named no line.
+    src = tmp_path / "in.jsonl"
+    good = [json.dumps({"id": f"g{i}", "payload": {}}) for i in range(CHUNK + 1)]
+    src.write_text("\n".join([*good, json.dumps(bad)]) + "\n")
+    queue = f"{unique}:q"
+    assert main(["submit", str(src), "--redis-url", redis_url, "--queue", queue]) == 1
+    assert f"{src}:{CHUNK + 2}: invalid request" in capsys.readouterr().err
     assert redis.Redis.from_url(redis_url).zcard(queue) == 0
 
 
