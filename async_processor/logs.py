@@ -12,6 +12,11 @@ parameters ``?password=***`` (also ``token``, ``*key*``, ``*sig*``, ...), wherev
 appears in text; ``payload`` / ``body`` fields are dropped unless
 ``ASYNC_PROCESSOR_LOG_PAYLOADS=1``. ``redact`` and ``mask_url`` are reused by
 ``check-config``, config errors and ``/readyz``.
+
+Message-derived fields (``request_id``, ``queue``, ``tenant``, ...) are untrusted and of
+any size: a line carries their first 128 characters and ``…(+N)`` for the N left out
+(any other text field: 4096), so a multi-MB id is not copied into every event. Only the
+log line is cut: results and Redis keys keep the full value.
 """
 
 from __future__ import annotations
@@ -53,6 +58,15 @@ _URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*:)(\S*)@")
 # a query parameter (after ? & or ;) and its value, also inside free text
 _QUERY_PARAM = re.compile(r"([?&;]([^=&;#\s?]+)=)([^&;#\s\"']*)")
 _MAX_DEPTH = 8
+# Fields that carry a message's own strings (ids, result queues named in its routing).
+_MESSAGE_FIELDS = frozenset(
+    ("request_id", "message_id", "id", "tenant", "queue", "result_queue", "result_list",
+     "endpoint", "channel", "key", "item")
+)  # fmt: skip
+MESSAGE_FIELD_CHARS = 128
+FIELD_CHARS = 4096
+# A traceback is cut nowhere: its last line is the one that matters.
+_UNCUT = frozenset(("exception", "stack"))
 
 
 def mask_url(text: str) -> str:
@@ -125,6 +139,22 @@ def _redactor(log_payloads: bool) -> Processor:
     return redact_secrets
 
 
+def shorten(text: str, limit: int) -> str:
+    """``text`` up to ``limit`` characters, then ``…(+N)`` for the N left out."""
+    extra = len(text) - limit
+    return text if extra <= 0 else f"{text[:limit]}…(+{extra})"
+
+
+def _cut_long_fields(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+    # After redaction: cutting first could split a URL before its password's "@" and so
+    # hide it from the masking.
+    for key, value in event_dict.items():
+        if isinstance(value, str) and key not in _UNCUT:
+            limit = MESSAGE_FIELD_CHARS if key in _MESSAGE_FIELDS else FIELD_CHARS
+            event_dict[key] = shorten(value, limit)
+    return event_dict
+
+
 def _renderer(fmt: str, stream: TextIO) -> Processor:
     if fmt == "auto":
         fmt = "console" if stream.isatty() else "json"
@@ -152,6 +182,7 @@ def configure_logging(
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
             _redactor(os.environ.get(PAYLOAD_ENV, "") == "1"),
+            _cut_long_fields,
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             _renderer(fmt, out),
         ],

@@ -7,6 +7,7 @@ queue and pool gates defer instead of hot-looping, pool Wait parks without spinn
 
 from __future__ import annotations
 
+import io
 import json
 import resource
 import time
@@ -29,6 +30,7 @@ from async_processor.gates.base import (
     Releases,
     Verdict,
 )
+from async_processor.logs import configure_logging
 from async_processor.messages import Envelope, Result
 from async_processor.processor import Processor
 from tests.fixtures.inprocess import metric, running, sortedset_config, submit
@@ -153,6 +155,24 @@ async def test_invalid_endpoint_and_header_are_invalid_request(
     assert results["bad-endpoint"].error_code == "INVALID_REQUEST"
     assert results["bad-header"].error_code == "INVALID_REQUEST"
     assert simulator.stats()["total"] == 0  # never sent
+
+
+async def test_a_huge_id_is_cut_in_log_lines_but_whole_in_its_result(
+    redis_url: str, unique: str, simulator: SimulatorProcess
+) -> None:
+    # Every event about the message carried its multi-MB id in full: one bad producer
+    # could multiply the log volume by the id's size.
+    huge = "i" * (3 * 1024 * 1024)
+    out = io.StringIO()
+    configure_logging("debug", "json", stream=out)
+    async with running(sortedset_config(redis_url, simulator.url, unique)):
+        client = await submit(redis_url, unique, _req(huge, endpoint="/v1/nowhere"))
+        results = await client.drain_results(1, 15)
+    assert [(r.id, r.status_code) for r in results] == [(huge, 404)]
+    lines = out.getvalue().splitlines()
+    failed = [json.loads(line) for line in lines if '"request_failed"' in line]
+    assert failed[0]["request_id"] == f"{huge[:128]}…(+{len(huge) - 128})"
+    assert max(map(len, lines)) < 8192
 
 
 class _ScriptedParams(GateParams):

@@ -157,3 +157,16 @@ def test_a_logger_used_before_capture_logs_is_still_captured(stream: io.StringIO
     with capture_logs() as captured:
         log.warning("second", detail="d")
     assert [e["event"] for e in captured] == ["second"]
+
+
+def test_long_fields_are_cut_after_their_secrets_are_masked(stream: io.StringIO) -> None:
+    configure_logging("info", "json", stream=stream)
+    # A password after the cut point must still be masked, not cut in half and shown.
+    error = "x" * 5000 + " redis://app:" + "p" * 10 + "@redis:6379"
+    structlog.get_logger("async_processor.test").warning(
+        "odd", request_id="r" * 200, tenant="t" * 100, error=error
+    )
+    (line,) = lines(stream)
+    assert line["request_id"] == "r" * 128 + "…(+72)"
+    assert line["tenant"] == "t" * 100
+    assert line["error"] == "x" * 4096 + f"…(+{len(error) - 4096 - 7})"
