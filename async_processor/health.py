@@ -6,18 +6,26 @@ receives the bound port once listening, and cancelling the task stops the server
 A port already taken is a ``ConfigError`` naming it (fail fast at startup).
 ``listening`` (an aiohttp app served for the length of a block) is shared with the
 inference simulator.
+
+Both ports are open to anything that can reach the pod, so a client gets
+``HEADER_TIMEOUT`` to send its request's headers (from connecting, or from the previous
+response) before the connection is closed: a half-sent request cannot hold one for
+aiohttp's default hour. A malformed request is one debug line, not an error traceback.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
@@ -28,6 +36,8 @@ from async_processor.logs import mask_url
 
 READINESS_TIMEOUT = 3.0
 SHUTDOWN_TIMEOUT = 5.0
+# Probes and scrapers send a request in milliseconds; an idle keep-alive reconnects.
+HEADER_TIMEOUT = 10.0
 
 Readiness = Callable[[], Awaitable[str | None]]
 log = structlog.get_logger(__name__)
@@ -109,11 +119,29 @@ def _authorized(request: web.Request, expected: bytes) -> bool:
     return hmac.compare_digest(given, expected)
 
 
+class _BadRequests(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server logger, where a client's unparsable request is one debug line.
+
+    aiohttp logs each one at error level with a traceback, so anyone who can reach the
+    port could fill the logs; an error in our own handlers keeps its traceback."""
+
+    def log(self, level: int, msg: object, *args: object, exc_info: Any = None, **kw: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            reason = (exc_info.message or "").partition("\n")[0]
+            super().log(logging.DEBUG, f"{msg}: %s %s", *args, exc_info.code, reason, **kw)
+        else:
+            super().log(level, msg, *args, exc_info=exc_info, **kw)
+
+
 async def _serve(
     app: web.Application, host: str, port: int, name: str, task_status: TaskStatus[int]
 ) -> None:
+    server_log = _BadRequests(logging.getLogger("aiohttp.server"))
     try:
-        async with listening(app, host, port, shutdown_timeout=SHUTDOWN_TIMEOUT) as bound:
+        async with listening(
+            app, host, port, shutdown_timeout=SHUTDOWN_TIMEOUT,
+            keepalive_timeout=HEADER_TIMEOUT, logger=server_log,
+        ) as bound:  # fmt: skip
             log.info("server_listening", server=name, host=host, port=bound)
             task_status.started(bound)
             await anyio.sleep_forever()
@@ -133,16 +161,18 @@ async def listening(
     backlog: int = 128,
     handler_cancellation: bool = False,
     shutdown_timeout: float = 60.0,
+    **handler: Any,
 ) -> AsyncIterator[int]:
     """``app`` served on ``host:port`` for the block; yields the bound port (``port=0``
     picks one). ``OSError`` when it cannot listen; the runner is cleaned up even when
-    the block is cancelled."""
+    the block is cancelled. ``handler``: more of aiohttp's request-handler options."""
     runner = web.AppRunner(
         app,
         access_log=None,
         handle_signals=False,
         handler_cancellation=handler_cancellation,
         shutdown_timeout=shutdown_timeout,
+        **handler,
     )
     await runner.setup()
     try:

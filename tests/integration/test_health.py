@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -192,3 +193,46 @@ async def test_cancel_stops_the_server() -> None:
         assert (await get(f"{base}/healthz"))[0] == 200
     with pytest.raises(aiohttp.ClientConnectionError):
         await get(f"{base}/healthz")
+
+
+async def _ready() -> None:
+    return None
+
+
+def _server(name: str) -> tuple[Callable[..., Coroutine[Any, Any, None]], str, int, object]:
+    if name == "health":
+        return health.serve_health, "127.0.0.1", 0, _ready
+    return health.serve_metrics, "127.0.0.1", 0, _registry()
+
+
+@pytest.mark.parametrize("name", ["health", "metrics"])
+async def test_a_half_sent_request_is_closed_after_the_header_timeout(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # aiohttp waited its keep-alive default (an hour) for the rest of the request line, so
+    # a few slow clients could hold the probe and scrape ports' connections indefinitely.
+    monkeypatch.setattr(health, "HEADER_TIMEOUT", 0.5)
+    async with running(*_server(name)) as base:
+        port = int(base.rsplit(":", 1)[1])
+        async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+            await stream.send(b"GET /healthz HT")
+            with anyio.fail_after(10), pytest.raises(anyio.EndOfStream):
+                await stream.receive()
+
+
+@pytest.mark.parametrize("name", ["health", "metrics"])
+async def test_a_malformed_request_is_one_debug_line_without_traceback(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # aiohttp logged every unparsable request at error level with its traceback.
+    caplog.set_level(logging.DEBUG, logger="aiohttp.server")
+    async with running(*_server(name)) as base:
+        port = int(base.rsplit(":", 1)[1])
+        for raw in (b"GET / HTTP/1.1\r\nBad Header\r\n\r\n", b"\x16\x03\x01 TLS\r\n\r\n"):
+            async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+                await stream.send(raw)
+                assert (await stream.receive()).startswith(b"HTTP/1.0 400 ")
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert [(r.levelno, r.exc_info, "\n" in r.getMessage()) for r in records] == [
+        (logging.DEBUG, None, False)
+    ] * 2
