@@ -27,7 +27,7 @@ from redis.asyncio.connection import AbstractConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.typing import EncodableT
 from redis.utils import HIREDIS_AVAILABLE
 
@@ -117,7 +117,7 @@ async def warn_if_evicting(client: Redis) -> None:
     try:
         with anyio.fail_after(CONNECT_TIMEOUT):
             info = await client.info("memory")
-    except (RedisError, OSError, TimeoutError) as exc:
+    except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:  # cluster: its own
         log.debug("eviction_policy_unknown", error=str(exc))
         return
     # A cluster client answers per node: {node: {field: value}}.

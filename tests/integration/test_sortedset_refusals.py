@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from structlog.testing import capture_logs
 
 from async_processor.config import AppConfig
@@ -24,7 +25,7 @@ from async_processor.transports.base import TransportContext
 from async_processor.transports.redis_conn import warn_if_evicting
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.inprocess import metric, running, sortedset_config, submit
-from tests.fixtures.servers import RedisServer
+from tests.fixtures.servers import RedisServer, free_port
 from tests.fixtures.simulator import SimulatorProcess
 
 pytestmark = pytest.mark.anyio
@@ -140,3 +141,14 @@ async def test_a_redis_that_may_evict_keys_is_reported_at_start(
         await warn_if_evicting(admin)
     warned = [e["maxmemory_policy"] for e in logs if e["event"] == "redis_may_evict"]
     assert warned == ["volatile-lru"]  # and nothing once it is noeviction
+
+
+async def test_the_eviction_check_survives_a_cluster_unreachable_at_start() -> None:
+    # The cluster client raises its own RedisClusterException (not a RedisError) when no
+    # node answers; escaping the transport's task group, it stopped the daemon at every
+    # start while the cluster was away, where the claims and upkeep wait for it.
+    client = RedisCluster.from_url(f"redis://127.0.0.1:{free_port()}")
+    with capture_logs() as logs:
+        await warn_if_evicting(client)
+    await client.aclose()
+    assert [e["event"] for e in logs] == ["eviction_policy_unknown"]
