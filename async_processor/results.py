@@ -9,7 +9,8 @@ A batch that keeps failing while the broker answers is split, and an item that s
 fails is abandoned (G11): its lease is no longer renewed, so the broker hands
 the message out again (this replica or another finishes it), and a result is kept and
 retried with backoff (at most ``HELD_MAX`` of them) instead of thrown away; after
-``HELD_ATTEMPTS`` writes only when a lease brings its message back (not on redis-pubsub).
+``HELD_ATTEMPTS`` writes only when a lease brings its message back. Without leases
+(redis-pubsub) a hand-back is kept too: it is the message's only copy.
 Failures with the broker up are what Redis refusing writes looks like (NOREPLICAS,
 READONLY, MISCONF, OOM): PING still answers.
 """
@@ -57,8 +58,8 @@ class ResultWriter:
         # A transport with slow round trips (Pub/Sub) may take larger batches than BATCH.
         self._batch: int = getattr(transport, "write_batch", BATCH)
         self._send, self._receive = anyio.create_memory_object_stream[Op](buffer)
-        # Abandoned results with their failed write count, oldest first; set while any.
-        self._held: deque[tuple[Completion, int]] = deque()
+        # Abandoned writes with their failed write count, oldest first; set while any.
+        self._held: deque[tuple[Op, int]] = deque()
         self._holding = anyio.Event()
 
     def sender(self) -> ObjectSendStream[Op]:
@@ -142,18 +143,18 @@ class ResultWriter:
     def _abandon(self, what: str, item: Op) -> None:
         log.error("result_write_abandoned", op=what, item=_describe(item))
         abandon(self._transport, item.delivery, "write_failed")
-        if isinstance(item, Deferral):  # a hand-back holds nothing worth keeping
-            return
+        if isinstance(item, Deferral) and isinstance(self._transport, Abandons):
+            return  # its lease brings the message back: the hand-back holds nothing more
         if len(self._held) >= HELD_MAX:
             self._drop_held("held_full")
         self._held.append((item, 0))
         self._holding.set()
 
     def _drop_held(self, why: str) -> None:
-        completion, attempts = self._held.popleft()
+        item, attempts = self._held.popleft()
         log.warning(
             "held_result_dropped",
-            item=_describe(completion),
+            item=_describe(item),
             reason=why,
             attempts=attempts,
         )
@@ -170,24 +171,30 @@ class ResultWriter:
     async def _write_held(self) -> bool:
         """One pass, oldest first, stopping at the first failure (which goes to the back)."""
         while self._held:
-            completion, attempts = self._held[0]
+            item, attempts = self._held[0]
             try:
-                await self._transport.complete([completion])
+                await self._write_one(item)
             except Exception as exc:  # a crash here would stop every later write
                 log.warning("held_result_write_failed", attempt=attempts + 1, error=str(exc))
                 # Given up only where a lease brings the message back; without one
-                # (redis-pubsub) the held result is its only copy (HELD_MAX bounds them).
+                # (redis-pubsub) the held write is its only copy (HELD_MAX bounds them).
                 if attempts + 1 >= HELD_ATTEMPTS and isinstance(self._transport, Abandons):
                     self._drop_held("attempts")
                 else:
-                    self._held[0] = (completion, attempts + 1)
+                    self._held[0] = (item, attempts + 1)
                     self._held.rotate(-1)
                 return False
             self._held.popleft()
-            self._observe([completion])
-            log.info("held_result_written", item=_describe(completion))
+            log.info("held_result_written", item=_describe(item))
         self._holding = anyio.Event()
         return True
+
+    async def _write_one(self, item: Op) -> None:
+        if isinstance(item, Deferral):
+            await self._transport.defer([item])
+        else:
+            await self._transport.complete([item])
+            self._observe([item])
 
     async def _attempt(self, what: str, call: Callable[[], Awaitable[None]], limit: int) -> bool:
         """Retry until it lands (True), or until ``limit`` failures with the broker up (False).

@@ -18,6 +18,7 @@ from async_processor.config import RedisPubSubConfig
 from async_processor.errors import TransportError
 from async_processor.messages import Envelope, Request, Result, Routing
 from async_processor.metrics import Metrics
+from async_processor.results import ResultWriter
 from async_processor.transports import build_transport
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
 from async_processor.transports.redis_pubsub import RedisPubSubTransport
@@ -320,3 +321,32 @@ async def test_a_refused_dead_letter_is_held_and_written_once_redis_accepts(
         [entry] = await r.lrange(key, 0, -1)
         assert json.loads(entry)["raw"] == "not json"
     await r.aclose()
+
+
+async def test_a_hand_back_redis_refuses_for_a_while_is_kept_and_written(
+    private_redis: RedisServer, unique: str
+) -> None:
+    # Pub/sub holds no lease: a hand-back (a retry) the writer gave up on after a few
+    # refused writes (some 2 s of NOREPLICAS/READONLY with PING answering) was its
+    # message's only copy, lost with no result; retries are documented as durable.
+    admin = Redis.from_url(private_redis.url)
+    async with running(transport_for(private_redis.url, unique)) as t:
+        await admin.publish(f"{unique}-in", envelope("again"))
+        [delivery] = await fetch_n(t, 1)
+        t.decode(delivery)
+        writer = ResultWriter(t)
+        sender = writer.sender()
+        writer.close()
+        await admin.config_set("min-replicas-to-write", 1)
+        with capture_logs() as logs:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(writer.run)
+                async with sender:
+                    await sender.send(Deferral(delivery, 0.01))
+                    with anyio.fail_after(10):
+                        while not any(e["event"] == "result_write_abandoned" for e in logs):
+                            await anyio.sleep(0.05)
+                    await admin.config_set("min-replicas-to-write", 0)
+                    [back] = await fetch_n(t, 1, timeout=10)  # written, then moved when due
+        assert t.decode(back).id == "again"
+    await admin.aclose()
