@@ -19,7 +19,6 @@ from typing import Self
 import redis.asyncio as aioredis
 import structlog
 from pydantic import Field, model_validator
-from redis.exceptions import RedisError
 
 from async_processor.errors import ConfigError
 from async_processor.gates.base import CONTINUE, GATES, REFUSE, Gate, GateContext, Releases, Verdict
@@ -27,6 +26,7 @@ from async_processor.gates.params import Float, Str
 from async_processor.gates.redis import RedisAddress, gate_lua, redis_client
 from async_processor.gates.shared import Throttle, owner_gauge
 from async_processor.messages import Envelope
+from async_processor.transports.redis_conn import REDIS_AWAY
 from async_processor.transports.redis_settings import slot
 
 log = structlog.get_logger(__name__)
@@ -102,7 +102,7 @@ class LeasedRateGate:
                 pipe.hgetall(self.params.control_key)
                 pipe.time()
                 raw, (secs, micros) = await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except REDIS_AWAY as exc:
             if self._warn.ready():
                 log.warning("leased_rate_unavailable", error=str(exc))
             self._publish(NO_LEASE)
@@ -120,7 +120,7 @@ class LeasedRateGate:
                 keys=[p.control_key, p.state_key],
                 args=[API_VERSION, self.pool_id, repr(p.burst_seconds)],
             )
-        except (RedisError, OSError) as exc:
+        except REDIS_AWAY as exc:
             if self._warn.ready():
                 log.warning("leased_rate_unavailable", error=str(exc))
             self._publish(NO_LEASE)

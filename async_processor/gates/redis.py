@@ -18,7 +18,6 @@ from typing import Annotated, Literal
 import redis.asyncio as aioredis
 import structlog
 from pydantic import AfterValidator, Field, model_validator
-from redis.exceptions import RedisError
 
 from async_processor.errors import GateError
 from async_processor.gates.base import (
@@ -34,7 +33,7 @@ from async_processor.gates.base import (
 from async_processor.gates.params import Duration, Int, Params, Str
 from async_processor.gates.shared import Throttle, shielded
 from async_processor.messages import Envelope
-from async_processor.transports.redis_conn import connect
+from async_processor.transports.redis_conn import REDIS_AWAY, connect
 from async_processor.transports.redis_keys import lua_source
 from async_processor.transports.redis_settings import Mode, RedisConnection, RedisConnectionFields
 
@@ -110,7 +109,7 @@ class RedisBudgetGate:
     async def budget(self) -> float:
         try:
             raw = await self._client.get(self._key)
-        except (RedisError, OSError) as exc:
+        except REDIS_AWAY as exc:
             if self._warn.ready():
                 log.warning("redis_gate_unavailable", key=self._key, error=str(exc))
             return 0.0
@@ -180,7 +179,7 @@ class RedisQuotaGate:
         key = self.key(value)
         try:
             reserved = bool(await self._acquire(keys=[key], args=self._acquire_args()))
-        except (RedisError, OSError) as exc:
+        except REDIS_AWAY as exc:
             raise GateError(f"redis-quota on {key!r}: {exc}") from exc
         classify(message, reserved=reserved)
         if not reserved and self.params.gating_mode == "blocking":

@@ -33,6 +33,12 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from async_processor.transports.redis_settings import DEFAULT_URL, RedisConnection, host_port
 
+# "Redis is away": what a call raises when its server cannot be reached or answer. The
+# cluster client raises its own RedisClusterException (not a RedisError) when no node
+# answers or a slot is uncovered; catching RedisError alone turned a cluster outage into
+# a crash or an error result where a standalone one waits. TimeoutError is an OSError.
+REDIS_AWAY: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
+
 log = structlog.get_logger(__name__)
 
 CONNECT_TIMEOUT = 5.0
@@ -117,7 +123,7 @@ async def warn_if_evicting(client: Redis) -> None:
     try:
         with anyio.fail_after(CONNECT_TIMEOUT):
             info = await client.info("memory")
-    except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:  # cluster: its own
+    except REDIS_AWAY as exc:
         log.debug("eviction_policy_unknown", error=str(exc))
         return
     # A cluster client answers per node: {node: {field: value}}.

@@ -51,12 +51,12 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisClusterException, RedisError
 
 from async_processor.errors import TransportError
 from async_processor.gates.base import CLASSIFICATION_LABEL
 from async_processor.messages import Envelope, decode_envelope
 from async_processor.transports.base import Delivery
+from async_processor.transports.redis_conn import REDIS_AWAY
 
 DEFAULT_REQUEST_QUEUE = "request-sortedset"
 DEFAULT_RESULT_LIST = "result-list"
@@ -277,7 +277,7 @@ def redis_errors(action: str) -> Iterator[None]:
     """Turn a Redis or socket failure into ``TransportError`` (retryable by callers)."""
     try:
         yield
-    except (RedisError, RedisClusterException, OSError) as exc:  # the cluster client's own
+    except REDIS_AWAY as exc:
         raise transport_error(action, exc) from exc
     except (AttributeError, TypeError) as exc:
         # redis-py 8.1 lets these escape when a connection is closed under a write (its

@@ -35,7 +35,6 @@ import structlog
 from anyio.abc import TaskStatus
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
-from redis.exceptions import RedisError
 
 from async_processor.config import RedisPubSubConfig
 from async_processor.errors import InvalidMessage, TransportError
@@ -49,7 +48,7 @@ from async_processor.transports.base import (
     QueueSpec,
     TransportContext,
 )
-from async_processor.transports.redis_conn import connect, warn_if_evicting
+from async_processor.transports.redis_conn import REDIS_AWAY, connect, warn_if_evicting
 from async_processor.transports.redis_keys import redis_errors
 
 log = structlog.get_logger(__name__)
@@ -268,7 +267,7 @@ class RedisPubSubTransport:
                         started = True
                     backoff = 0.05
                     await self._pump(pubsub, queue)
-            except (RedisError, OSError) as exc:
+            except REDIS_AWAY as exc:
                 log.warning("channel_subscription_lost", channel=queue.name, error=str(exc))
             finally:
                 self._subscribed[queue.name] = False
@@ -321,7 +320,7 @@ class RedisPubSubTransport:
         popped = [(flat[i].decode(), bytes(flat[i + 1])) for i in range(0, len(flat), 2)]
         await self._hand_over(popped)
         if popped:
-            with suppress(RedisError, OSError):  # else it expires
+            with suppress(*REDIS_AWAY):  # else it expires
                 await self._redis.delete(record)
         return len(popped)
 

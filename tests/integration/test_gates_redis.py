@@ -385,3 +385,27 @@ async def test_quota_keeps_working_across_a_redis_restart(
     client = aioredis.Redis(port=private_redis.port, decode_responses=True)
     assert await client.get(f"{unique}:userid:ivy") == "0"
     await client.aclose()
+
+
+# ------------------------------------------------------------------ cluster unreachable
+
+
+@pytest.mark.anyio
+async def test_redis_gates_treat_an_unreachable_cluster_as_a_standalone_outage(
+    gate_ctx: GateContext, unique: str
+) -> None:
+    # The cluster client raises its own RedisClusterException (not a RedisError) when no
+    # node answers. The gates let it out, and pool admission made every message a
+    # GATE_ERROR result, where a standalone outage refuses and the message comes back.
+    down = {"address": f"127.0.0.1:{free_port()}", "redis_mode": "cluster"}
+    budget = build_gate("redis", down, gate_ctx)
+    assert await budget.budget() == 0.0
+    assert await budget.apply(user_msg("a"), Releases()) == REFUSE
+    rate = build_gate(
+        "redis-leased-rate", {**down, "control_key": "{rate}:ctl", "pool_id": "pool-a"}, gate_ctx
+    )
+    assert await rate.budget() == 0.0
+    assert await rate.apply(user_msg("a"), Releases()) == REFUSE
+    limit = build_gate("redis-quota", {**down, "prefix": f"{unique}:", "limit": 1}, gate_ctx)
+    with pytest.raises(GateError, match="redis-quota"):  # as standalone (docs/gates.md)
+        await limit.apply(user_msg("gus"), Releases())
