@@ -247,11 +247,13 @@ class SortedSetUpkeep:
             if items:
                 replies = await self._write_results(items, queued=True)
                 answered += sum(r[1] for r in replies if not isinstance(r, TransportError))
-                # A member whose keys have the wrong type stays queued: the sweep stops
-                # here (the next chunk would read it again) and tries again next round.
+                # A member whose keys have the wrong type stays queued: this queue's sweep
+                # stops here (the next chunk would read it again) and tries again next
+                # round; the queues after it are still swept (raising stopped them all).
                 failure = next((r for r in replies if isinstance(r, TransportError)), None)
                 if failure is not None:
-                    raise failure
+                    log.warning("expire_failed", queue=queue.name, error=str(failure))
+                    return answered
             if len(raws) < EXPIRE_CHUNK:
                 return answered
             with redis_errors("expire"):

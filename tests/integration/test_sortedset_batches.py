@@ -2,10 +2,12 @@
 cluster. Result batches: one ``complete.lua`` call per hash slot (one in all outside
 cluster mode), a queue whose key has the wrong type fails only its own items, and a batch
 whose reply was lost is sent again without a second result. The heartbeat: one
-``extend.lua`` call per hash slot, and a queue with a stray key fails alone."""
+``extend.lua`` call per hash slot, and a queue with a stray key fails alone; so does it
+in the deadline sweep."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import anyio
@@ -14,12 +16,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from structlog.testing import capture_logs
 
 from async_processor.errors import PartialWrite
-from async_processor.messages import Result
+from async_processor.messages import ErrorCode, Result
 from async_processor.results import ResultWriter
 from async_processor.transports.base import Completion, Delivery
 from async_processor.transports.redis_settings import slot
 from async_processor.transports.redis_sortedset import ScriptCall, SortedSetTransport
-from tests.integration.test_sortedset import future, member
+from tests.integration.test_sortedset import future, member, results_of
 from tests.integration.test_sortedset_rounds import config_for, ids_of, names_of, opened
 
 pytestmark = pytest.mark.anyio
@@ -165,3 +167,26 @@ async def test_the_heartbeat_is_one_call_per_slot_and_a_stray_key_fails_alone(
         assert len(transport._claims.held[bad]) == PER_QUEUE  # not taken for lost
     assert [e["queue"] for e in logs if e["event"] == "heartbeat_failed"] == [bad]
     assert sent == [1 if mode == "standalone" else len({slot(n) for n in names})]
+
+
+async def test_a_stray_key_stops_only_its_own_queues_deadline_sweep(
+    mode: str, redis_for: tuple[str, Any], unique: str
+) -> None:
+    # The sweep raised at the first queue with a stray key, so the expired members of
+    # every queue after it were never answered while the key stayed.
+    url, r = redis_for
+    names = names_of(unique, 3)
+    bad = names[0]
+    past = int(time.time()) - 1
+    async with opened(config_for(url, mode, names)) as transport:
+        for name in names:
+            await r.zadd(name, {member(f"{name}/late", past): past})
+        await r.set(transport._keys.inflight_meta(bad), "not a hash")
+        with capture_logs() as logs:
+            await transport.expire_due()
+        assert await r.zcard(bad) == 1  # left queued: tried again next round
+        for name in names[1:]:
+            [result] = await results_of(r, f"{{{name}}}:r")
+            assert (result.id, result.error_code) == (f"{name}/late", ErrorCode.DEADLINE_EXCEEDED)
+            assert await r.zcard(name) == 0
+    assert [e["queue"] for e in logs if e["event"] == "expire_failed"] == [bad]
