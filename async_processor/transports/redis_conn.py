@@ -114,12 +114,12 @@ def connect(
 
 
 async def warn_if_evicting(client: Redis) -> None:
-    """Log an error when Redis may evict keys at its ``maxmemory``: any policy but
-    ``noeviction`` (managed Redis often defaults to ``volatile-lru``) deletes keys with a
-    TTL (dedup markers: duplicate results; result lists under retention: every result in
-    them), ``allkeys-*`` also queues and in-flight sets, so messages vanish unanswered.
-    Asked once at start (``INFO memory``); not knowing (an ACL without INFO, Redis away)
-    is only a debug line."""
+    """Log an error when Redis may evict keys at its ``maxmemory``: past a set limit (0 is
+    none), any policy but ``noeviction`` (managed Redis often defaults to ``volatile-lru``)
+    deletes keys with a TTL (dedup markers: duplicate results; result lists under
+    retention: every result in them), ``allkeys-*`` also queues and in-flight sets, so
+    messages vanish unanswered. Asked once at start (``INFO memory``); not knowing (an ACL
+    without INFO, Redis away) is only a debug line."""
     try:
         with anyio.fail_after(CONNECT_TIMEOUT):
             info = await client.info("memory")
@@ -130,13 +130,22 @@ async def warn_if_evicting(client: Redis) -> None:
     nodes = (
         [info] if "maxmemory_policy" in info else [v for v in info.values() if isinstance(v, dict)]
     )
-    evicting = sorted({str(n.get("maxmemory_policy")) for n in nodes} - {"noeviction"})
+    # maxmemory 0 is no limit: nothing is ever evicted, whatever the policy says.
+    limited = [n for n in nodes if _int(n.get("maxmemory")) > 0]
+    evicting = sorted({str(n.get("maxmemory_policy")) for n in limited} - {"noeviction"})
     if evicting:
         log.error(
             "redis_may_evict",
             maxmemory_policy=",".join(evicting),
             advice="set maxmemory-policy noeviction: evicted keys are lost messages and results",
         )
+
+
+def _int(value: object) -> int:
+    try:
+        return int(str(value))
+    except ValueError:  # absent or unreadable: assume a limit, so the policy is reported
+        return 1
 
 
 class _SentinelMaster(Redis):

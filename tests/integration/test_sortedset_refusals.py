@@ -127,6 +127,7 @@ async def test_a_redis_that_may_evict_keys_is_reported_at_start(
     # An evicting Redis (volatile-lru is a managed default) deletes dedup markers and
     # retained result lists at its maxmemory, allkeys-* queues too: answers lost unseen.
     await admin.config_set("maxmemory-policy", "volatile-lru")
+    await admin.config_set("maxmemory", "1gb")
     config = leased_config(private_redis.url, "http://gw.test", "q").transport_config
     transport = SortedSetTransport(config, TransportContext())  # type: ignore[arg-type]
     with capture_logs() as logs:
@@ -141,6 +142,20 @@ async def test_a_redis_that_may_evict_keys_is_reported_at_start(
         await warn_if_evicting(admin)
     warned = [e["maxmemory_policy"] for e in logs if e["event"] == "redis_may_evict"]
     assert warned == ["volatile-lru"]  # and nothing once it is noeviction
+
+
+async def test_an_evicting_policy_without_a_maxmemory_is_not_reported(admin: Redis) -> None:
+    # maxmemory 0 is no limit: Redis never evicts, whatever the policy (volatile-lru is
+    # a common default left in place); the error line there was a false alarm.
+    await admin.config_set("maxmemory-policy", "allkeys-lru")
+    await admin.config_set("maxmemory", "0")
+    with capture_logs() as logs:
+        await warn_if_evicting(admin)
+    await admin.config_set("maxmemory", "1gb")
+    with capture_logs() as limited:
+        await warn_if_evicting(admin)
+    assert [e["event"] for e in logs] == []
+    assert [e["maxmemory_policy"] for e in limited] == ["allkeys-lru"]
 
 
 async def test_the_eviction_check_survives_a_cluster_unreachable_at_start() -> None:
