@@ -16,7 +16,8 @@ queue). A set is read with SSCAN and never more than ``2 × max_queues`` members
 refresh, so an enormous set costs a bounded read; a prefix scan walks every primary's
 keyspace (SCAN ... TYPE zset) a bounded part per refresh (``redis_scan``), skipping the
 daemon's keys under the prefix without counting them. The checks (``redis_names``) also
-hold the names restored from ``REMOVED_QUEUES_KEY``.
+hold the names restored from ``REMOVED_QUEUES_KEY``, read with SSCAN, at most
+``2 × max_queues`` of them (anyone who can write to Redis can fill that set too).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import structlog
 from redis.asyncio import Redis
 
 from async_processor.config import SortedSetConfig
@@ -44,6 +46,8 @@ from async_processor.transports.redis_scan import PrefixScan
 
 if TYPE_CHECKING:
     from async_processor.metrics import Metrics
+
+log = structlog.get_logger(__name__)
 
 SCAN_COUNT = 500  # SSCAN of the set: its members per round trip
 # A prefix scan's keys visited per SCAN, and SCANs per refresh (docs/transports.md has the
@@ -189,10 +193,16 @@ async def _redis_now(redis: Redis) -> float:
     return float(seconds + micros / 1e6)
 
 
-async def _removed_names(redis: Redis) -> list[str]:
+async def _removed_names(redis: Redis, cap: int) -> tuple[list[str], int]:
+    """At most ``cap`` members of ``REMOVED_QUEUES_KEY``, and how many more it holds."""
+    raws: list[bytes] = []
     with redis_errors("queue discovery"):
-        raws = [raw async for raw in redis.sscan_iter(REMOVED_QUEUES_KEY, count=SCAN_COUNT)]
-    return list(filter(None, map(text, raws)))
+        async for raw in redis.sscan_iter(REMOVED_QUEUES_KEY, count=SCAN_COUNT):
+            raws.append(raw)
+            if len(raws) == cap:
+                break
+        left = int(await redis.scard(REMOVED_QUEUES_KEY)) - cap if len(raws) == cap else 0
+    return list(filter(None, map(text, raws))), max(0, left)
 
 
 def _glob_escape(prefix: str) -> str:
@@ -228,6 +238,10 @@ class QueueCatalog:
         # How long a removed queue stays named once empty: past the refresh of a replica
         # that lags one refresh behind, and one lease (docs/transports.md).
         self._grace = 2 * refresh + config.lease_seconds
+        # Restore reads at most this many removed names, as a refresh reads of its source
+        # (the set is untrusted: each name read costs a check and a TYPE).
+        cap = int(QueueDiscovery.model_fields["max_queues"].default)
+        self._restore_cap = 2 * (discovery.max_queues if discovery else cap)
         self._restored = False
 
     @property
@@ -266,7 +280,11 @@ class QueueCatalog:
         if self._restored:
             return
         served = {q.name for q in self.static} | set(self.discovered)
-        names = [n for n in await _removed_names(redis) if n not in served and self._allowed(n)]
+        listed, left = await _removed_names(redis, self._restore_cap)
+        if left:  # left for a later start, once drop_empty has forgotten the empty ones
+            self._rules.refuse("", "over_cap")
+            log.warning("removed_queues_over_cap", read=self._restore_cap, left=left)
+        names = [n for n in listed if n not in served and self._allowed(n)]
         with redis_errors("queue discovery"):
             names = await self._rules.sorted_sets(redis, names)
         for name in names:

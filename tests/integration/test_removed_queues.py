@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 from redis.asyncio import Redis
+from structlog.testing import capture_logs
 
 from async_processor.config import SortedSetConfig
 from async_processor.metrics import Metrics
@@ -17,6 +18,7 @@ from async_processor.transports.base import Deferral, TransportContext
 from async_processor.transports.redis_keys import EMPTY_SINCE_KEY, REMOVED_QUEUES_KEY
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from tests.fixtures.inprocess import running
+from tests.fixtures.servers import RedisServer
 from tests.fixtures.simulator import SimulatorProcess
 from tests.integration.test_queue_discovery import (
     GW,
@@ -240,3 +242,28 @@ async def test_hostile_names_in_the_removed_set_are_refused_as_discovered_ones_a
     for reason, count in refused.items():
         sample = "llm_d_async_async_queue_discovery_refused_total"
         assert metrics.registry.get_sample_value(sample, {"reason": reason}) == count
+
+
+async def test_an_oversized_removed_set_is_read_up_to_the_discovery_cap(
+    private_redis: RedisServer, unique: str
+) -> None:
+    """Anyone who can write to Redis can fill the removed-queue set: a start reads at most
+    2 × max_queues of it (SSCAN), one TYPE each, as a refresh reads its source, and
+    counts and logs the rest instead of checking a million names in one pipeline."""
+    r = Redis.from_url(private_redis.url)
+    await r.sadd(REMOVED_QUEUES_KEY, *(f"{unique}-gone-{i}" for i in range(25)))
+    metrics = Metrics()
+    config = transport_config(private_redis.url, unique, set_key=f"{unique}:tenants", max_queues=5)
+    transport = SortedSetTransport(config, TransportContext(metrics=metrics))
+    try:
+        with capture_logs() as logs:
+            await transport.settle_removed()
+        restored = [q.name for q in transport.queues]
+    finally:
+        await transport.aclose()
+        await r.aclose()
+    assert len(restored) == 10
+    sample = "llm_d_async_async_queue_discovery_refused_total"
+    assert metrics.registry.get_sample_value(sample, {"reason": "over_cap"}) == 1
+    [over] = [e for e in logs if e["event"] == "removed_queues_over_cap"]
+    assert (over["read"], over["left"]) == (10, 15)
