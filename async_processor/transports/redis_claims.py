@@ -46,6 +46,9 @@ class Claim:
     cancelled: bool | None = None
     read_at: float = -math.inf
     cancel_key: str = ""  # its cancel marker's key, once asked (redis_markers.py)
+    # Its result was sent and the reply lost: the write may have landed, so a marker
+    # found and the claim gone on the next send are most likely its own (not counted).
+    unsure: bool = False
 
 
 def claim_of(delivery: Delivery) -> Claim:

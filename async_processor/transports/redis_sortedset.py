@@ -161,7 +161,12 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         if not items:
             return
         with self._claims.acking(d for d, _ in items):
-            replies = await self._write_results(items, queued=False)
+            try:
+                replies = await self._write_results(items, queued=False)
+            except TransportError:
+                for delivery, _ in items:  # the scripts may have run: see Claim.unsure
+                    claim_of(delivery).unsure = True
+                raise
         lost = []
         for (delivery, _), reply in zip(items, replies, strict=True):
             if isinstance(reply, TransportError):
@@ -196,7 +201,8 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
             if isinstance(reply, TransportError):
                 continue
             written, held, fell_back = reply
-            if not written and (held or not queued):
+            # Not held, after a lost reply: our own write landed then (no duplicate).
+            if not written and (held or not (queued or claim_of(delivery).unsure)):
                 self._duplicate(delivery, result)
             if fell_back:
                 self._routing.rejected(delivery, target, "wrong_type")
@@ -286,7 +292,10 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         so no replica works on it again (the dedup marker already stops a second result)."""
         if not deliveries:
             return
-        log.warning("lease_expired_before_complete", count=len(deliveries))
+        # After a lost reply the claim is most likely gone by our own write: not warned,
+        # but removed all the same in case its lease had lapsed before that write.
+        if expired := sum(not claim_of(d).unsure for d in deliveries):
+            log.warning("lease_expired_before_complete", count=expired)
         with redis_errors("complete"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 for delivery in deliveries:

@@ -17,8 +17,9 @@ from structlog.testing import capture_logs
 
 from async_processor.errors import PartialWrite
 from async_processor.messages import ErrorCode, Result
+from async_processor.metrics import Metrics
 from async_processor.results import ResultWriter
-from async_processor.transports.base import Completion, Delivery
+from async_processor.transports.base import Completion, Delivery, TransportContext
 from async_processor.transports.redis_settings import slot
 from async_processor.transports.redis_sortedset import ScriptCall, SortedSetTransport
 from tests.integration.test_sortedset import future, member, results_of
@@ -39,6 +40,11 @@ async def claimed(transport: SortedSetTransport, r: Any, names: list[str]) -> li
         fetched += await transport.fetch(queue, PER_QUEUE, 0)
     assert len(fetched) == PER_QUEUE * len(names)
     return fetched
+
+
+def sample(ctx: TransportContext, name: str, labels: dict[str, str]) -> float | None:
+    assert ctx.metrics is not None
+    return ctx.metrics.registry.get_sample_value(name, labels)
 
 
 def done(delivery: Delivery) -> Completion:
@@ -101,10 +107,12 @@ async def test_a_lost_reply_resent_does_not_complete_twice(
     mode: str, redis_for: tuple[str, Any], unique: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The scripts ran, the connection dropped before their reply: the writer sends the
-    # whole batch again, and each dedup marker stops a second result.
+    # whole batch again, and each dedup marker stops a second result. Nor is it counted
+    # as a duplicate or a lapsed lease: the markers and the acks found are our own.
     url, r = redis_for
     names = names_of(unique, 4)
-    async with opened(config_for(url, mode, names)) as transport:
+    ctx = TransportContext(metrics=Metrics())
+    async with opened(config_for(url, mode, names), ctx) as transport:
         items = [done(d) for d in await claimed(transport, r, names)]
         real = transport._run_complete
         sent: list[int] = []
@@ -123,9 +131,13 @@ async def test_a_lost_reply_resent_does_not_complete_twice(
         async with sender:
             for item in items:
                 await sender.send(item)
-        with anyio.fail_after(20):
+        with anyio.fail_after(20), capture_logs() as logs:
             await writer.run()
+        events = {e["event"] for e in logs}
+        assert not events & {"duplicate_suppressed", "lease_expired_before_complete"}
         for name in names:
+            labels = {"queue_id": name, "queue_name": name, "pool_name": "default"}
+            assert not sample(ctx, "llm_d_async_async_duplicates_suppressed_total", labels)
             results = await r.lrange(f"{{{name}}}:r", 0, -1)
             assert sorted(Result.decode(raw).id for raw in results) == [
                 f"{name}/{i}" for i in range(PER_QUEUE)
