@@ -163,10 +163,21 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         with self._claims.acking(d for d, _ in items):
             try:
                 replies = await self._write_results(items, queued=False)
+                await self._drop_returned(self._settled(items, replies))
             except TransportError:
-                for delivery, _ in items:  # the scripts may have run: see Claim.unsure
+                # The scripts may have run (the reply lost, or the cleanup after them
+                # failed): the writer sends the batch again, see Claim.unsure.
+                for delivery, _ in items:
                     claim_of(delivery).unsure = True
                 raise
+        failed = [i for i, reply in enumerate(replies) if isinstance(reply, TransportError)]
+        if failed:
+            raise PartialWrite(str(replies[failed[0]]), failed)
+
+    def _settled(
+        self, items: Sequence[Completion], replies: Sequence[Written | TransportError]
+    ) -> list[Delivery]:
+        """Forget the claims written; returns those no longer held (lease lapsed)."""
         lost = []
         for (delivery, _), reply in zip(items, replies, strict=True):
             if isinstance(reply, TransportError):
@@ -174,10 +185,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
             self._claims.release(delivery)
             if not reply[1]:
                 lost.append(delivery)
-        await self._drop_returned(lost)
-        failed = [i for i, reply in enumerate(replies) if isinstance(reply, TransportError)]
-        if failed:
-            raise PartialWrite(str(replies[failed[0]]), failed)
+        return lost
 
     async def _write_results(
         self, items: Sequence[tuple[Delivery, Result]], *, queued: bool

@@ -15,7 +15,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from structlog.testing import capture_logs
 
-from async_processor.errors import PartialWrite
+from async_processor.errors import PartialWrite, TransportError
 from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
 from async_processor.results import ResultWriter
@@ -103,6 +103,19 @@ async def test_a_stray_key_fails_only_its_own_queues_results(
         assert await r.zcard(transport._keys.inflight(bad)) == 0
 
 
+async def written(transport: SortedSetTransport, items: list[Completion]) -> list[Any]:
+    """``items`` written by a result writer (retries included); the log events."""
+    writer = ResultWriter(transport)
+    sender = writer.sender()
+    writer.close()
+    async with sender:
+        for item in items:
+            await sender.send(item)
+    with anyio.fail_after(20), capture_logs() as logs:
+        await writer.run()
+    return logs
+
+
 async def test_a_lost_reply_resent_does_not_complete_twice(
     mode: str, redis_for: tuple[str, Any], unique: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -125,14 +138,7 @@ async def test_a_lost_reply_resent_does_not_complete_twice(
             return replies
 
         monkeypatch.setattr(transport, "_run_complete", reply_lost)
-        writer = ResultWriter(transport)
-        sender = writer.sender()
-        writer.close()
-        async with sender:
-            for item in items:
-                await sender.send(item)
-        with anyio.fail_after(20), capture_logs() as logs:
-            await writer.run()
+        logs = await written(transport, items)
         events = {e["event"] for e in logs}
         assert not events & {"duplicate_suppressed", "lease_expired_before_complete"}
         for name in names:
@@ -145,6 +151,38 @@ async def test_a_lost_reply_resent_does_not_complete_twice(
             assert await r.zcard(transport._keys.inflight(name)) == 0
         assert not any(transport._claims.held.values())
     assert len(sent) == 2  # sent once more, as a whole
+
+
+async def test_a_batch_resent_after_the_returned_cleanup_failed_is_no_duplicate(
+    mode: str, redis_for: tuple[str, Any], unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One claim's lease had lapsed: after the scripts, its member is removed from the
+    # queue in a second round trip. That one failing sent the batch again, and every
+    # result, written the first time, was counted as a duplicate.
+    url, r = redis_for
+    names = names_of(unique, 2)
+    ctx = TransportContext(metrics=Metrics())
+    async with opened(config_for(url, mode, names), ctx) as transport:
+        fetched = await claimed(transport, r, names)
+        items = [done(d) for d in fetched]
+        lapsed = fetched[0]
+        await r.zrem(transport._keys.inflight(lapsed.queue.name), lapsed.handle.id)
+        real = transport._drop_returned
+        calls: list[int] = []
+
+        async def fails_once(deliveries: list[Delivery]) -> None:
+            calls.append(len(deliveries))
+            if len(calls) == 1:
+                raise TransportError("redis complete failed: connection lost")
+            await real(deliveries)
+
+        monkeypatch.setattr(transport, "_drop_returned", fails_once)
+        logs = await written(transport, items)
+        assert calls[0] == 1  # the lapsed claim only
+        assert "duplicate_suppressed" not in {e["event"] for e in logs}
+        for name in names:
+            assert await r.llen(f"{{{name}}}:r") == PER_QUEUE
+        assert not any(transport._claims.held.values())
 
 
 async def test_the_heartbeat_is_one_call_per_slot_and_a_stray_key_fails_alone(
