@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, cast
+from typing import Any
 
 import anyio
 from redis.asyncio import Redis
@@ -37,7 +37,10 @@ from async_processor.errors import TransportError
 from async_processor.transports.base import QueueSpec
 from async_processor.transports.redis_conn import connect
 from async_processor.transports.redis_discovery import (
+    SCAN_COUNT,
     queue_catalog,
+    removed_cap,
+    removed_members,
     transport_own_keys,
 )
 from async_processor.transports.redis_keys import (
@@ -110,7 +113,7 @@ async def redis_status(
     result_ages: bool = True,
     pool_gate_params: Sequence[Mapping[str, Any]] = (),
 ) -> Status:
-    now, removed = await _clock_and_removed(client, config.mode == "cluster")
+    now, removed = await _clock_and_removed(client, config)
     served = await served_queues(config, client, removed, pool_gate_params)
     keyspace = _keyspace(config)
     retry_sets = _retry_sets(keyspace, config, served)
@@ -147,19 +150,26 @@ async def redis_status(
     return Status(name, now, statuses, lengths, retries, ages)
 
 
-async def _clock_and_removed(client: Redis, cluster: bool) -> tuple[float, list[bytes]]:
-    """Redis's clock and the removed queues still draining (a few, while they drain): one
-    round trip, but a cluster pipeline takes no TIME."""
-    with redis_errors("status"):
-        if cluster:
+async def _clock_and_removed(
+    client: Redis, config: SortedSetConfig | RedisPubSubConfig
+) -> tuple[float, list[bytes] | None]:
+    """Redis's clock and the removed queues still draining (a few, while they drain; at
+    most ``removed_cap``: anyone who can write to Redis can fill that set), in one round
+    trip for a small set, but a cluster pipeline takes no TIME."""
+    if not isinstance(config, SortedSetConfig):  # no removed queues
+        with redis_errors("status"):
             seconds, micros = await client.time()
-            members = cast("set[bytes]", await client.smembers(REMOVED_QUEUES_KEY))
-            return seconds + micros / 1e6, list(members)
-        async with client.pipeline(transaction=False) as pipe:
-            pipe.time()
-            pipe.smembers(REMOVED_QUEUES_KEY)
-            (seconds, micros), removed = await pipe.execute()
-        return seconds + micros / 1e6, list(removed)
+        return seconds + micros / 1e6, None
+    with redis_errors("status"):
+        if config.mode == "cluster":
+            (seconds, micros), page = await client.time(), None
+        else:
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.time()
+                pipe.sscan(REMOVED_QUEUES_KEY, 0, count=SCAN_COUNT)
+                (seconds, micros), page = await pipe.execute()
+    removed, _ = await removed_members(client, removed_cap(config), page)
+    return seconds + micros / 1e6, removed
 
 
 async def served_queues(
@@ -175,8 +185,7 @@ async def served_queues(
     if not isinstance(config, SortedSetConfig):
         return [("configured", q) for q in config.queue_specs()]
     if removed is None:
-        with redis_errors("queue discovery"):
-            removed = cast("set[bytes]", await client.smembers(REMOVED_QUEUES_KEY))
+        removed, _ = await removed_members(client, removed_cap(config))
     keyspace = _keyspace(config)
     own = transport_own_keys(config, pool_gate_params)
     return await queue_catalog(config, client, keyspace, own, None).survey(removed)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 from redis.asyncio import Redis
@@ -193,16 +193,28 @@ async def _redis_now(redis: Redis) -> float:
     return float(seconds + micros / 1e6)
 
 
-async def _removed_names(redis: Redis, cap: int) -> tuple[list[str], int]:
-    """At most ``cap`` members of ``REMOVED_QUEUES_KEY``, and how many more it holds."""
-    raws: list[bytes] = []
+def removed_cap(config: SortedSetConfig) -> int:
+    """How many names of ``REMOVED_QUEUES_KEY`` are read: ``2 × max_queues``, as a refresh
+    reads of its source (the set is untrusted: each name costs a check, a TYPE, a status
+    line), the default ``max_queues`` without discovery."""
+    default = int(QueueDiscovery.model_fields["max_queues"].default)
+    discovery = config.queue_discovery
+    return 2 * (discovery.max_queues if discovery else default)
+
+
+async def removed_members(
+    redis: Redis, cap: int, page: tuple[int, list[bytes]] | None = None
+) -> tuple[list[bytes], bool]:
+    """At most ``cap`` members of ``REMOVED_QUEUES_KEY`` (SSCAN), and whether it may hold
+    more (not how many: SCARD is not in the documented ACL); ``page``: the first SSCAN
+    reply, when the caller pipelined it."""
     with redis_errors("queue discovery"):
-        async for raw in redis.sscan_iter(REMOVED_QUEUES_KEY, count=SCAN_COUNT):
-            raws.append(raw)
-            if len(raws) == cap:
-                break
-        left = int(await redis.scard(REMOVED_QUEUES_KEY)) - cap if len(raws) == cap else 0
-    return list(filter(None, map(text, raws))), max(0, left)
+        cursor, first = page or await redis.sscan(REMOVED_QUEUES_KEY, 0, count=SCAN_COUNT)
+        raws = cast("list[bytes]", list(first))  # the client does not decode
+        while cursor and len(raws) < cap:
+            cursor, more = await redis.sscan(REMOVED_QUEUES_KEY, cursor, count=SCAN_COUNT)
+            raws += cast("list[bytes]", more)
+    return raws[:cap], bool(cursor) or len(raws) > cap
 
 
 def _glob_escape(prefix: str) -> str:
@@ -238,10 +250,7 @@ class QueueCatalog:
         # How long a removed queue stays named once empty: past the refresh of a replica
         # that lags one refresh behind, and one lease (docs/transports.md).
         self._grace = 2 * refresh + config.lease_seconds
-        # Restore reads at most this many removed names, as a refresh reads of its source
-        # (the set is untrusted: each name read costs a check and a TYPE).
-        cap = int(QueueDiscovery.model_fields["max_queues"].default)
-        self._restore_cap = 2 * (discovery.max_queues if discovery else cap)
+        self._removed_cap = removed_cap(config)
         self._restored = False
 
     @property
@@ -280,10 +289,11 @@ class QueueCatalog:
         if self._restored:
             return
         served = {q.name for q in self.static} | set(self.discovered)
-        listed, left = await _removed_names(redis, self._restore_cap)
-        if left:  # left for a later start, once drop_empty has forgotten the empty ones
+        raws, more = await removed_members(redis, self._removed_cap)
+        if more:  # left for a later start, once drop_empty has forgotten the empty ones
             self._rules.refuse("", "over_cap")
-            log.warning("removed_queues_over_cap", read=self._restore_cap, left=left)
+            log.warning("removed_queues_over_cap", read=self._removed_cap)
+        listed = filter(None, map(text, raws))
         names = [n for n in listed if n not in served and self._allowed(n)]
         with redis_errors("queue discovery"):
             names = await self._rules.sorted_sets(redis, names)
