@@ -118,6 +118,14 @@ class ClaimBook:
 
     def forget_lost(self, queue_name: str, claim_ids: Iterable[str]) -> list[str]:
         """Forget claims whose lease Redis no longer has; a claim acked while the extend
-        was on its way is not lost, only done. Returns the ones really lost."""
+        was on its way is not lost, only done; nor is one whose result write lost its reply
+        (``Claim.unsure``): most likely that write acknowledged it. Returns the ones really
+        lost."""
         held = self.held.get(queue_name, {})
-        return [c for c in claim_ids if c not in self._settling and held.pop(c, None) is not None]
+        return [
+            c
+            for c in claim_ids
+            if c not in self._settling
+            and (gone := held.pop(c, None)) is not None
+            and not claim_of(gone).unsure
+        ]

@@ -153,6 +153,35 @@ async def test_a_lost_reply_resent_does_not_complete_twice(
     assert len(sent) == 2  # sent once more, as a whole
 
 
+async def test_a_heartbeat_between_a_lost_reply_and_its_resend_warns_no_lost_lease(
+    mode: str, redis_for: tuple[str, Any], unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scripts acknowledged the claims, their reply was lost: the beat before the
+    # writer's resend finds the claims gone, by our own write, not by a lapsed lease.
+    url, r = redis_for
+    names = names_of(unique, 2)
+    async with opened(config_for(url, mode, names)) as transport:
+        items = [done(d) for d in await claimed(transport, r, names)]
+        real = transport._run_complete
+
+        async def reply_lost(calls: list[ScriptCall]) -> list[Any]:
+            await real(calls)
+            raise RedisConnectionError("connection lost before the reply")
+
+        monkeypatch.setattr(transport, "_run_complete", reply_lost)
+        with pytest.raises(TransportError):
+            await transport.complete(items)
+        monkeypatch.setattr(transport, "_run_complete", real)
+        with capture_logs() as logs:
+            await transport.heartbeat()
+            await transport.complete(items)
+        for name in names:
+            assert await r.llen(f"{{{name}}}:r") == PER_QUEUE
+        assert not any(transport._claims.held.values())
+    events = {e["event"] for e in logs}
+    assert not events & {"leases_lost", "duplicate_suppressed", "lease_expired_before_complete"}
+
+
 async def test_a_batch_resent_after_the_returned_cleanup_failed_is_no_duplicate(
     mode: str, redis_for: tuple[str, Any], unique: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
