@@ -378,7 +378,12 @@ def as_request(request: dict[str, Any] | Request) -> Request:
     ``ValueError`` says why it would be refused (``submit`` checks every line with it
     before queueing any)."""
     if isinstance(request, dict):
-        text = json.dumps(request, ensure_ascii=False, separators=(",", ":"))
+        try:
+            # allow_nan=False: a number JSON cannot hold (1e999 read as inf, a NaN or
+            # Infinity literal) went on as a bare Infinity/NaN token, which is not JSON.
+            text = json.dumps(request, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except ValueError as exc:  # which value, dumps does not say
+            raise ValueError(f"invalid request: a number out of JSON's range: {exc}") from exc
         try:
             request = decode_request(text)
         except InvalidMessage as exc:

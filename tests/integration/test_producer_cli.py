@@ -96,6 +96,25 @@ def test_submit_names_an_invalid_request_line_and_submits_nothing(
     assert redis.Redis.from_url(redis_url).zcard(queue) == 0
 
 
+@pytest.mark.parametrize("number", ["1e999", "-1e999", "NaN", "Infinity"])
+def test_submit_refuses_a_number_json_cannot_hold(
+    tmp_path: Path,
+    redis_url: str,
+    unique: str,
+    capsys: pytest.CaptureFixture[str],
+    number: str,
+) -> None:
+    # Python's json reads 1e999 as inf (and the NaN/Infinity literals) and wrote it back
+    # as a bare Infinity token: the queued payload was not JSON any more.
+    src = tmp_path / "in.jsonl"
+    good = json.dumps({"id": "a", "payload": {"x": 1.5e308}})
+    src.write_text(f'{good}\n{{"id": "b", "payload": {{"x": {number}}}}}\n')
+    queue = f"{unique}:q"
+    assert main(["submit", str(src), "--redis-url", redis_url, "--queue", queue]) == 1
+    assert f"{src}:2: invalid request: a number out of JSON's range" in capsys.readouterr().err
+    assert redis.Redis.from_url(redis_url).zcard(queue) == 0
+
+
 def test_results_drains_to_jsonl(tmp_path: Path, redis_url: str, unique: str) -> None:
     r = redis.Redis.from_url(redis_url)
     results = f"{unique}:results"
