@@ -2,11 +2,14 @@
 limit), up to ``max_waiting`` more queue for a slot in arrival order, the rest are shed.
 
 Limits are passed per call, since the simulator's config changes at run time.
+``Occupancy`` counts the requests in the simulator (whatever their state) over time.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -70,3 +73,39 @@ class Slots:
     def _take(self) -> None:
         self.running += 1
         self.max_running_seen = max(self.max_running_seen, self.running)
+
+
+class Occupancy:
+    """Requests in flight at the simulator and the exact integral of that count over time
+    (request-seconds), updated at each arrival and departure.
+
+    Benchmarks read the integral at two moments: its growth over the span, divided by the
+    span, is the time-averaged number in flight (Little's law's L). Unlike a count of
+    results over a window, it has no steps when answers arrive in waves.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.count = 0
+        self._area = 0.0  # request-seconds up to ``_since``
+        self._since = clock()
+
+    def enter(self) -> None:
+        self._advance()
+        self.count += 1
+
+    def leave(self) -> None:
+        self._advance()
+        self.count -= 1
+
+    def reading(self) -> tuple[float, float]:
+        """(now on ``clock``, request-seconds accumulated up to now)."""
+        now = self.clock()
+        return now, self._area + self.count * (now - self._since)
+
+    def reset(self) -> None:
+        """Start the integral again from zero; the requests in flight stay counted."""
+        self._area, self._since = 0.0, self.clock()
+
+    def _advance(self) -> None:
+        self._since, self._area = self.reading()

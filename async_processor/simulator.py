@@ -30,7 +30,7 @@ from async_processor.cliargs import duration, parse, subcommand_parser
 from async_processor.durations import format_duration
 from async_processor.health import listening
 from async_processor.sim_admin import JSON, add_admin_routes, error_response
-from async_processor.sim_capacity import Slots
+from async_processor.sim_capacity import Occupancy, Slots
 from async_processor.sim_metrics import SimCollector
 from async_processor.sim_pool import PoolConfig
 from async_processor.sim_serving import (
@@ -82,13 +82,19 @@ class SimStats:
     total: int = 0
     by_status: Counter[str] = field(default_factory=Counter)
 
-    def as_dict(self, slots: Slots) -> dict[str, Any]:
+    def as_dict(self, slots: Slots, occupancy: Occupancy) -> dict[str, Any]:
+        clock, in_flight_seconds = occupancy.reading()
         return {
             "total": self.total,
             "by_status": dict(self.by_status),
             "max_concurrent_seen": slots.max_running_seen,
             "running": slots.running,
             "waiting": slots.waiting,
+            # Every request in a handler (running, queued, pooled, hung), and its integral
+            # over time on the simulator's monotonic clock (read as a pair).
+            "in_flight": occupancy.count,
+            "in_flight_seconds": in_flight_seconds,
+            "clock": clock,
         }
 
 
@@ -102,6 +108,7 @@ class Simulator:
         self._rng = random.Random(self.config.seed)
         self._stats = SimStats()
         self._slots = Slots()
+        self.occupancy = Occupancy()
         self._recorded: deque[tuple[str, dict[str, str], bytes]] = deque(maxlen=RECORDED_REQUESTS)
         self.registry = CollectorRegistry()
         self.registry.register(SimCollector(self))
@@ -120,7 +127,7 @@ class Simulator:
 
     @property
     def stats(self) -> dict[str, Any]:
-        return self._stats.as_dict(self._slots)
+        return self._stats.as_dict(self._slots, self.occupancy)
 
     def load(self) -> Load:
         """Running and waiting requests per pod, and the pool's saturation (0..1)."""
@@ -144,11 +151,19 @@ class Simulator:
         """Forget counters and recorded requests (running/waiting stay what they are)."""
         self._stats = SimStats()
         self._slots.max_running_seen = self._slots.running
+        self.occupancy.reset()
         self._recorded.clear()
 
     # -- handlers -----------------------------------------------------------------------
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
+        self.occupancy.enter()
+        try:
+            return await self._handle(request)
+        finally:
+            self.occupancy.leave()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         self._stats.total += 1
         self._recorded.append((request.path, dict(request.headers), body))

@@ -14,6 +14,16 @@ to the middle of another, 16,000 results in about 16 rounds' time, which reads a
 (the tighter the waves, the nearer that bound). Marks at the same place of a wave count
 whole rounds, and their results, for the daemon and the baseline alike. ``rate_10_90``
 keeps the old window's figure beside it.
+
+That window still counts results, which come in waves: over ~15 rounds it reads 1.000 or
+0.938 for a true 0.977, by phase, unless every round holds exactly ``workers`` results.
+``occupancy`` is free of that: the simulator integrates its requests in flight over time
+(``sim_capacity.Occupancy``), the harness reads the integral during the run, and the
+steady window is a span of time: from when the gateway first holds all the workers'
+requests, plus ``SETTLE``, to when the last request has reached it, less ``SETTLE``.
+The time-averaged number in flight over it, ÷ workers, is by Little's law at the gateway
+(every request spends its fixed latency there) throughput ÷ (workers ÷ latency), without
+the steps.
 """
 
 from __future__ import annotations
@@ -41,6 +51,8 @@ from tests.fixtures.simulator import SimulatorProcess
 LOG_DIR = Path(tempfile.gettempdir()) / "async-processor-bench"  # consumer logs
 DEADLINE = 4 * 3600  # seconds from now: no bench message may expire
 BULK_CHUNK = 2000
+SETTLE = 1.0  # seconds cut from each end of the occupancy window (one round at 1 s)
+SAMPLE_EVERY = 0.05  # seconds between readings of the simulator's in-flight integral
 Process = subprocess.Popen[bytes]
 
 
@@ -67,6 +79,8 @@ class Run:
     peak_rss: int
     rss: int
     rate_10_90: float = 0.0  # the same between 10 % and 90 % of the results (before)
+    occupancy: float | None = None  # time-averaged in flight at the gateway ÷ workers (above)
+    gateway_seconds: float | None = None  # mean time a request spent in the gateway
 
     @property
     def core_share(self) -> float:
@@ -190,6 +204,41 @@ async def watch(lane: Lane, proc: Process, count: int, timeout: float, rounds: i
     )
 
 
+@dataclass(frozen=True)
+class Reading:
+    """One reading of the simulator's ``/admin/stats``: its clock, the in-flight integral
+    up to then (request-seconds), the requests in flight and the requests arrived."""
+
+    clock: float
+    integral: float
+    in_flight: int
+    arrived: int
+
+
+def steady_occupancy(readings: Sequence[Reading], workers: int, arrivals: int) -> float | None:
+    """Time-averaged requests in flight ÷ ``workers`` between the first reading ``SETTLE``
+    after the gateway first held all the workers' requests (or the most it ever held) and
+    the last one ``SETTLE`` before all ``arrivals`` had reached it; None if too short."""
+    if not readings:
+        return None
+    full = min(workers, max(r.in_flight for r in readings))
+    filled = next(r.clock for r in readings if r.in_flight >= full)
+    drained = next((r.clock for r in readings if r.arrived >= arrivals), readings[-1].clock)
+    span = [r for r in readings if filled + SETTLE <= r.clock <= drained - SETTLE]
+    if len(span) < 2:
+        return None
+    first, last = span[0], span[-1]
+    return (last.integral - first.integral) / (last.clock - first.clock) / workers
+
+
+async def read_gateway(sim: SimulatorProcess, readings: list[Reading]) -> None:
+    """Append a reading every ``SAMPLE_EVERY`` until cancelled (urllib: in a thread)."""
+    while True:
+        s = await anyio.to_thread.run_sync(sim.stats)
+        readings.append(Reading(s["clock"], s["in_flight_seconds"], s["in_flight"], s["total"]))
+        await anyio.sleep(SAMPLE_EVERY)
+
+
 async def drain(
     redis_url: str,
     sim: SimulatorProcess,
@@ -210,10 +259,17 @@ async def drain(
     lane = Lane.fresh(redis_url, label)
     await submit(lane, messages, prompt_bytes)
     sim.reset()
+    readings: list[Reading] = []
     with ExitStack() as stack:
         if baseline:
             proc = start_baseline(stack, lane, sim, workers, messages)
         else:
             proc = start_daemon(stack, lane, sim, workers, flags=flags)
-        run = await watch(lane, proc, messages, timeout=messages / 50 + 60, rounds=workers)
-    return run, sim.stats()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_gateway, sim, readings)
+            run = await watch(lane, proc, messages, timeout=messages / 50 + 60, rounds=workers)
+            tg.cancel_scope.cancel()
+    seen = sim.stats()
+    run.occupancy = steady_occupancy(readings, workers, messages)
+    run.gateway_seconds = seen["in_flight_seconds"] / max(seen["total"], 1)
+    return run, seen

@@ -281,3 +281,30 @@ async def test_recorded_requests_are_bounded(local_simulator: LocalSimulator) ->
 def test_main_rejects_invalid_settings(capsys: pytest.CaptureFixture[str]) -> None:
     assert simulator_module.main(["--error-rate", "3"]) == 2
     assert "error_rate" in capsys.readouterr().out
+
+
+async def test_the_in_flight_integral_counts_every_request_for_its_whole_stay(
+    local_simulator: LocalSimulator,
+) -> None:
+    # A hand-set clock: request-seconds are exact, no timing in the test. One request runs,
+    # one waits for the slot; both are in flight at the gateway.
+    now = [100.0]
+    sim = local_simulator.sim
+    sim.occupancy.clock = lambda: now[0]
+    local_simulator.reset()
+    local_simulator.configure(max_concurrent=1, max_waiting=1, hang_rate=1.0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(post, local_simulator.url)
+        await wait_until(lambda: local_simulator.stats()["in_flight"] == 1)
+        now[0] = 101.0
+        tg.start_soon(post, local_simulator.url)
+        await wait_until(lambda: local_simulator.stats()["in_flight"] == 2)
+        now[0] = 104.0
+        stats = local_simulator.stats()
+        assert (stats["clock"], stats["in_flight_seconds"]) == (104.0, 1 * 1 + 2 * 3)
+        tg.cancel_scope.cancel()  # the clients leave; the hung handlers end with them
+    await wait_until(lambda: local_simulator.stats()["in_flight"] == 0)
+    now[0] = 110.0
+    assert local_simulator.stats()["in_flight_seconds"] == 7.0  # nothing since they left
+    local_simulator.reset()
+    assert local_simulator.stats()["in_flight_seconds"] == 0.0
