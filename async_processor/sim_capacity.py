@@ -87,12 +87,14 @@ class Occupancy:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.count = 0
+        self.peak = 0  # the most in flight at once since the last reset
         self._area = 0.0  # request-seconds up to ``_since``
         self._since = clock()
 
     def enter(self) -> None:
         self._advance()
         self.count += 1
+        self.peak = max(self.peak, self.count)
 
     def leave(self) -> None:
         self._advance()
@@ -104,8 +106,8 @@ class Occupancy:
         return now, self._area + self.count * (now - self._since)
 
     def reset(self) -> None:
-        """Start the integral again from zero; the requests in flight stay counted."""
-        self._area, self._since = 0.0, self.clock()
+        """Start the integral and the peak again; the requests in flight stay counted."""
+        self._area, self._since, self.peak = 0.0, self.clock(), self.count
 
     def _advance(self) -> None:
         self._since, self._area = self.reading()

@@ -93,6 +93,7 @@ class SimStats:
             # Every request in a handler (running, queued, pooled, hung), and its integral
             # over time on the simulator's monotonic clock (read as a pair).
             "in_flight": occupancy.count,
+            "in_flight_peak": occupancy.peak,
             "in_flight_seconds": in_flight_seconds,
             "clock": clock,
         }

@@ -20,10 +20,12 @@ That window still counts results, which come in waves: over ~15 rounds it reads 
 ``occupancy`` is free of that: the simulator integrates its requests in flight over time
 (``sim_capacity.Occupancy``), the harness reads the integral during the run, and the
 steady window is a span of time: from when the gateway first holds all the workers'
-requests, plus ``SETTLE``, to when the last request has reached it, less ``SETTLE``.
+requests (its exact peak; the first arrival if it never does), plus ``SETTLE``, to when
+the last request has reached it, less ``SETTLE``.
 The time-averaged number in flight over it, ÷ workers, is by Little's law at the gateway
 (every request spends its fixed latency there) throughput ÷ (workers ÷ latency), without
-the steps.
+the steps. When a loaded simulator keeps requests longer than its latency (the mean,
+``gateway_seconds``, is printed beside), it is throughput × that time ÷ workers instead.
 """
 
 from __future__ import annotations
@@ -207,35 +209,37 @@ async def watch(lane: Lane, proc: Process, count: int, timeout: float, rounds: i
 @dataclass(frozen=True)
 class Reading:
     """One reading of the simulator's ``/admin/stats``: its clock, the in-flight integral
-    up to then (request-seconds), the requests in flight and the requests arrived."""
+    up to then (request-seconds), the most requests in flight at once so far (exact, not
+    only at readings) and the requests arrived."""
 
     clock: float
     integral: float
-    in_flight: int
+    peak: int
     arrived: int
 
 
 def steady_occupancy(readings: Sequence[Reading], workers: int, arrivals: int) -> float | None:
     """Time-averaged requests in flight ÷ ``workers`` between the first reading ``SETTLE``
-    after the gateway first held all the workers' requests (or the most it ever held) and
-    the last one ``SETTLE`` before all ``arrivals`` had reached it; None if too short."""
-    if not readings:
+    after the gateway first held all the workers' requests (after the first arrival if it
+    never did: the slow start then counts) and the last one ``SETTLE`` before all
+    ``arrivals`` had reached it; None if too short."""
+    first = next((r.clock for r in readings if r.arrived), None)
+    if first is None:
         return None
-    full = min(workers, max(r.in_flight for r in readings))
-    filled = next(r.clock for r in readings if r.in_flight >= full)
+    filled = next((r.clock for r in readings if r.peak >= workers), first)
     drained = next((r.clock for r in readings if r.arrived >= arrivals), readings[-1].clock)
     span = [r for r in readings if filled + SETTLE <= r.clock <= drained - SETTLE]
     if len(span) < 2:
         return None
-    first, last = span[0], span[-1]
-    return (last.integral - first.integral) / (last.clock - first.clock) / workers
+    return (span[-1].integral - span[0].integral) / (span[-1].clock - span[0].clock) / workers
 
 
 async def read_gateway(sim: SimulatorProcess, readings: list[Reading]) -> None:
     """Append a reading every ``SAMPLE_EVERY`` until cancelled (urllib: in a thread)."""
     while True:
         s = await anyio.to_thread.run_sync(sim.stats)
-        readings.append(Reading(s["clock"], s["in_flight_seconds"], s["in_flight"], s["total"]))
+        reading = s["clock"], s["in_flight_seconds"], s["in_flight_peak"], s["total"]
+        readings.append(Reading(*reading))
         await anyio.sleep(SAMPLE_EVERY)
 
 

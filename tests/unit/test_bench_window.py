@@ -33,8 +33,8 @@ def run(fill: float, steady: float, drained: float, workers: int = 1024) -> list
             level = 100.0
         integral += level * (t - previous)
         previous = t
-        in_flight = workers if 1 <= t <= drained else int(level)
-        readings.append(Reading(t, integral, in_flight, 20000 if t >= drained else int(t * 900)))
+        peak = workers if t >= 1 else int(level)
+        readings.append(Reading(t, integral, peak, 20000 if t >= drained else int(t * 900)))
     return readings
 
 
@@ -48,7 +48,7 @@ def test_the_span_starts_settle_after_full_and_ends_settle_before_the_last_arriv
     # Only the readings in [1 + SETTLE, 18 - SETTLE] count: a step just outside it does not.
     readings = run(fill=1024, steady=1.0, drained=18.0)
     cut = [r for r in readings if 1 + SETTLE <= r.clock <= 18 - SETTLE]
-    outside = [Reading(r.clock, r.integral * 2, r.in_flight, r.arrived) for r in readings]
+    outside = [Reading(r.clock, r.integral * 2, r.peak, r.arrived) for r in readings]
     spliced = [o if not (1 + SETTLE <= o.clock <= 18 - SETTLE) else r
                for o, r in zip(outside, readings, strict=True)]  # fmt: skip
     assert len(cut) > 2
@@ -62,8 +62,15 @@ def test_a_run_too_short_for_the_settle_margins_has_no_figure() -> None:
     assert steady_occupancy([], 1024, 20000) is None
 
 
-def test_a_gateway_never_holding_all_the_workers_starts_from_its_most() -> None:
-    readings = [Reading(r.clock, r.integral, min(r.in_flight, 1000), r.arrived)
+def test_a_gateway_never_holding_all_the_workers_counts_from_the_first_arrival() -> None:
+    # Peak 1,000 of 1,024: the span starts SETTLE after the first arrival (t = 0.25), the
+    # slow start counts against the consumer.
+    readings = [Reading(r.clock, r.integral, min(r.peak, 1000), r.arrived)
                 for r in run(fill=1024, steady=0.9, drained=18.0)]  # fmt: skip
+    first, last = 0.25 + SETTLE, 18.0 - SETTLE
+    by_clock = {r.clock: r for r in readings}
+    a = min(r for r in by_clock if r >= first)
+    b = max(r for r in by_clock if r <= last)
+    expected = (by_clock[b].integral - by_clock[a].integral) / (b - a) / 1024
     got = steady_occupancy(readings, 1024, 20000)
-    assert got is not None and abs(got - 0.9) < 1e-9
+    assert got is not None and abs(got - expected) < 1e-9 and got < 0.9

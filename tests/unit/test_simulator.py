@@ -302,9 +302,11 @@ async def test_the_in_flight_integral_counts_every_request_for_its_whole_stay(
         now[0] = 104.0
         stats = local_simulator.stats()
         assert (stats["clock"], stats["in_flight_seconds"]) == (104.0, 1 * 1 + 2 * 3)
+        assert stats["in_flight_peak"] == 2
         tg.cancel_scope.cancel()  # the clients leave; the hung handlers end with them
     await wait_until(lambda: local_simulator.stats()["in_flight"] == 0)
     now[0] = 110.0
     assert local_simulator.stats()["in_flight_seconds"] == 7.0  # nothing since they left
     local_simulator.reset()
     assert local_simulator.stats()["in_flight_seconds"] == 0.0
+    assert local_simulator.stats()["in_flight_peak"] == 0  # the peak starts again too
