@@ -6,12 +6,13 @@ it, each message once."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 import pytest
 from redis.asyncio import Redis
 
-from async_processor.config import PoolConfig
+from async_processor.config import AppConfig, PoolConfig
 from async_processor.processor import prefetch
 from async_processor.transports.redis_keys import inflight_key
 from tests.fixtures.inprocess import running, sortedset_config, submit
@@ -25,16 +26,25 @@ async def held(r: Redis, queue: str) -> int:
     return int(await r.zcard(inflight_key(queue)))
 
 
+def one_pool(
+    redis_url: str, simulator: SimulatorProcess, unique: str, latency: float, drain: str
+) -> AppConfig:
+    """One pool of ``WORKERS`` on the queue, behind a simulator answering in ``latency``."""
+    simulator.configure(latency=latency)
+    pools = [PoolConfig(id="p", workers=WORKERS)]
+    return sortedset_config(redis_url, simulator.url, unique, pools=pools, drain_timeout=drain)
+
+
+def requests_of(count: int) -> list[dict[str, Any]]:
+    deadline = int(time.time()) + 600
+    return [{"id": f"m{i}", "deadline": deadline, "payload": {"p": 1}} for i in range(count)]
+
+
 async def test_several_claims_in_flight_hold_no_more_than_the_pool_slots(
     redis_url: str, unique: str, simulator: SimulatorProcess, redis_client: Redis
 ) -> None:
-    simulator.configure(latency=30.0)
-    pools = [PoolConfig(id="p", workers=WORKERS)]
-    config = sortedset_config(redis_url, simulator.url, unique, pools=pools, drain_timeout="100ms")
-    requests = [
-        {"id": f"m{i}", "deadline": int(time.time()) + 600, "payload": {"p": 1}} for i in range(400)
-    ]
-    client = await submit(redis_url, unique, *requests)
+    config = one_pool(redis_url, simulator, unique, 30.0, "100ms")
+    client = await submit(redis_url, unique, *requests_of(400))
     slots = WORKERS + prefetch(WORKERS)
     async with running(config):
         with anyio.fail_after(10):
@@ -50,14 +60,9 @@ async def test_several_claims_in_flight_hold_no_more_than_the_pool_slots(
 async def test_what_is_read_ahead_at_a_stop_is_answered_by_another_daemon_once(
     redis_url: str, unique: str, simulator: SimulatorProcess, redis_client: Redis
 ) -> None:
-    simulator.configure(latency=3.0)
-    pools = [PoolConfig(id="p", workers=WORKERS)]
-    config = sortedset_config(redis_url, simulator.url, unique, pools=pools, drain_timeout="10s")
+    config = one_pool(redis_url, simulator, unique, 3.0, "10s")
     count = WORKERS + prefetch(WORKERS)  # just what the pool holds: the rest is read ahead
-    requests = [
-        {"id": f"m{i}", "deadline": int(time.time()) + 600, "payload": {"p": 1}}
-        for i in range(count)
-    ]
+    requests = requests_of(count)
     client = await submit(redis_url, unique, *requests)
     async with running(config):
         with anyio.fail_after(10):  # every message claimed: on workers or read ahead

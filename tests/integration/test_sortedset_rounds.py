@@ -295,28 +295,14 @@ async def test_a_node_failing_its_claim_fails_only_its_queues_in_a_cluster_round
     bad_node = r.get_node_from_key(bad)
     good = next(n for n in names if r.get_node_from_key(n).name != bad_node.name)
     config = config_for(redis_cluster.url, "cluster", [bad, good], claim_gather_ms=200)
-    outcome: dict[str, Any] = {}
     async with opened(config) as transport:
-
-        async def fetch(index: int) -> None:
-            queue = transport.queues[index]
-            try:
-                outcome[queue.name] = await transport.fetch(queue, 5, 0)
-            except TransportError as exc:
-                outcome[queue.name] = exc
-
-        async def round_of_both() -> None:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(fetch, 0)
-                tg.start_soon(fetch, 1)
-
-        await round_of_both()  # both empty: loads the scripts on every master
+        await both_fetched(transport)  # both empty: loads the scripts on every master
         await r.execute_command("SCRIPT", "FLUSH", target_nodes=bad_node)
         deadline = future()
         await r.zadd(bad, {member("bad/m", deadline): deadline})
         await r.zadd(good, {member("good/m", deadline): deadline})
         try:
-            await round_of_both()
+            outcome = await both_fetched(transport)
         finally:  # the next tests' transports find their scripts at once
             for script in transport._scripts.values():
                 await script.registered_client.script_load(script.script)
