@@ -1,9 +1,13 @@
 """(d) Requests in flight: one replica holds 10,000 long requests (issue 13, target 1).
 
 10,000 workers, a 10 s gateway, 4 KiB prompts: the ideal is 1,000 msg/s with every worker
-holding a request at the gateway all the time. Target: efficiency (steady-state rate ÷
-ideal) ≥ 0.97 and the daemon's peak RSS (VmHWM) ≤ 250 MB. ``bench.baseline`` runs the same
-setting after it, on the same Redis and simulator, as the floor of what the libraries cost.
+holding a request at the gateway all the time. Target: efficiency ≥ 0.97 and the daemon's
+peak RSS (VmHWM) ≤ 250 MB. The efficiency is the one ``bench.littles_law`` prints: the
+time-averaged requests in flight at the gateway ÷ workers (``bench.harness``), for the
+daemon and the baseline alike; the result-count figures (whole rounds, 10-90 %) beside it
+are quantized by the waves (4 rounds: one wave more or less in the window moves them).
+``bench.baseline`` runs the same setting after it, on the same Redis and simulator, as the
+floor of what the libraries cost.
 Run alone: ``python -m bench.in_flight [--quick] [--workers N --latency S]``.
 """
 
@@ -14,8 +18,9 @@ from contextlib import ExitStack
 
 import anyio
 
-from bench.common import mib, redis, simulator, table, verdict
+from bench.common import redis, simulator, table, verdict
 from bench.harness import drain
+from bench.littles_law import figures
 from bench.overhead import describe
 
 TARGET_EFFICIENCY = 0.97
@@ -32,19 +37,18 @@ async def measure(workers: int, latency: float, rounds: int) -> list[tuple[str, 
             url, sim, "in-flight-base", workers, messages, baseline=True, prompt_bytes=PROMPT_BYTES
         )
     ideal = workers / latency
-    efficiency = run.rate / ideal
+    efficiency = run.occupancy or 0.0
     return [
         ("setup", f"{messages} messages, {workers} workers, gateway latency {latency:g} s, "
                   f"{PROMPT_BYTES // 1024} KiB prompts"),
         ("max in flight at gateway", str(seen["max_concurrent_seen"])),
-        ("efficiency", verdict(f"{efficiency:.3f}", efficiency >= TARGET_EFFICIENCY,
+        ("efficiency", verdict(figures(run, ideal), efficiency >= TARGET_EFFICIENCY,
                                f"≥ {TARGET_EFFICIENCY}")),
         ("daemon peak RSS", verdict(f"{run.peak_rss / 1e6:.0f} MB "
                                     f"({run.peak_rss / workers / 1e3:.1f} KB per request)",
                                     run.peak_rss <= TARGET_PEAK, f"≤ {TARGET_PEAK // 10**6} MB")),
         ("daemon", describe(run)),
-        ("baseline, same setting", f"{describe(base)}; efficiency {base.rate / ideal:.3f}, "
-                                   f"peak RSS {mib(base.peak_rss)}"),
+        ("baseline, same setting", f"{describe(base)}; {figures(base, ideal)}"),
     ]  # fmt: skip
 
 
