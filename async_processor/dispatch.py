@@ -25,6 +25,7 @@ from async_processor.merge.headers import (
     is_valid_header_value,
 )
 from async_processor.merge.tier_priority import DEFAULT_OBJECTIVE_HEADER, DEFAULT_PRIORITY_HEADER
+from async_processor.messages import Payload
 from async_processor.retry import (
     Attempt,
     parse_retry_after,
@@ -181,7 +182,7 @@ async def send(
         apply_stamped(headers, [("Content-Type", out.content_type)])
     try:
         answer = await client.post(
-            out.url, out.body, headers, timeout=timeout, limit=limit or MAX_RESPONSE_BYTES
+            out.url, _taken(out), headers, timeout=timeout, limit=limit or MAX_RESPONSE_BYTES
         )
     except AttemptTimeout:
         return Attempt(error=f"attempt timed out after {timeout:.3g}s")
@@ -193,6 +194,14 @@ async def send(
         retry_after=parse_retry_after(answer.retry_after),
         dropped_reason=answer.dropped_reason,
     )
+
+
+def _taken(out: Outgoing) -> Payload:
+    """The body, no longer held by ``out``: the client lets it go once it is written, and
+    ``out`` lives as long as the answer takes (with a message's bytes let go, nothing else
+    holds them: ``transports.base.LetsGo``)."""
+    body, out.body = out.body, b""
+    return body
 
 
 def attempt_timeout(deadline: float, request_timeout: float) -> float:

@@ -115,6 +115,12 @@ _ROUTING_STRINGS = (
 )
 
 
+# The payload of a request whose bytes were let go once it was written to the gateway
+# (redis-sortedset: the lease in Redis holds them). Got back from the broker before the
+# request is encoded again; encoding it as it is raises.
+LET_GO: Payload = memoryview(b"")
+
+
 @dataclass(slots=True)
 class Request:
     """The public request message. ``payload`` is the payload's JSON text, verbatim."""
@@ -130,6 +136,8 @@ class Request:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
+        if self.payload is LET_GO:
+            raise RuntimeError(f"request {self.id}: its payload was let go, get it back first")
         parts: list[Payload] = [b'{"id":', _dumps(self.id)]
         if self.created:
             parts += [b',"created":', str(self.created).encode()]

@@ -36,7 +36,7 @@ from async_processor.retry import (
 from async_processor.settle import Settler
 from async_processor.transforms import TransformChain
 from async_processor.transforms.base import Outgoing
-from async_processor.transports.base import Transport, abandon
+from async_processor.transports.base import LetsGo, Transport, abandon
 from async_processor.usage import TokenAccounting
 from async_processor.work import ShedPause, Work, take
 
@@ -100,10 +100,12 @@ class Worker:
     tokens: TokenAccounting | None = None  # None: answers' usage is not counted
     # Asked once: isinstance on a runtime-checkable Protocol costs ~8 us per message.
     observer: Observes | None = field(init=False, default=None)
+    lets_go: LetsGo | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         gate = self.pool_gate.gate if self.pool_gate else None
         self.observer = gate if isinstance(gate, Observes) else None
+        self.lets_go = self.transport if isinstance(self.transport, LetsGo) else None
 
     async def run(self, stream: ObjectReceiveStream[Work]) -> None:
         """One worker task: a message at a time until the stream ends. A pool's tasks share
@@ -206,6 +208,8 @@ class Worker:
         if timeout <= 0:
             return expired(request.id, last_answer(envelope.routing))
         limit = RESULT_LIMITS.get(self.transport.kind)
+        if self.lets_go is not None:  # its bytes wait in the broker, not here (issue 13)
+            self.lets_go.let_go(work.delivery)
         started = time.monotonic()
         with tracing.http_request(out) as span:
             attempt = await send(self.http, out, timeout=timeout, limit=limit)

@@ -68,8 +68,9 @@ class Connection(asyncio.BufferedProtocol):
         self, head: bytes, body: bytes | memoryview, deadline: float, limit: int,
         loop: asyncio.AbstractEventLoop,
     ) -> Answer:  # fmt: skip
-        """Send the request and return the answer, by ``deadline``. ``head`` is not held
-        once written: it would be, by this frame, for as long as the answer takes."""
+        """Send the request and return the answer, by ``deadline``. ``head`` and ``body``
+        are not held once written: they would be, by this frame, for as long as the answer
+        takes (the body may be the only reference left to a message's bytes)."""
         assert self.transport is not None  # the pool hands out usable ones only
         waiter: asyncio.Future[Answer] = loop.create_future()
         self.waiter = waiter
@@ -80,7 +81,7 @@ class Connection(asyncio.BufferedProtocol):
         else:  # not copied behind the head
             self.transport.write(head)
             self.transport.write(body)
-        del head
+        del head, body
         try:
             return await waiter
         except BaseException:  # cancelled or failed: the gateway must see the request end

@@ -76,7 +76,7 @@ class HttptoolsClient:
         deadline = loop.time() + max(0.001, timeout)
         conn = self._take(target.origin) or await self._connect(target.origin, deadline)
         exchange = conn.exchange(head, body, deadline, limit, loop)
-        del head  # the exchange lets it go once written, not when the answer comes
+        del head, body  # the exchange lets them go once written, not when the answer comes
         answer = await exchange
         if conn.reusable():
             self._give_back(conn, loop.time())

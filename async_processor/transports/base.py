@@ -153,6 +153,18 @@ class Abandons(Protocol):
 
 
 @runtime_checkable
+class LetsGo(Protocol):
+    """A transport that gets a message's bytes back from the broker when it needs them
+    again (a hand-back's re-encoding, a dead letter, a lapsed lease's removal), so a
+    delivery need not hold them while its request waits at the gateway."""
+
+    def let_go(self, delivery: Delivery) -> None:
+        """Drop the delivery's bytes and its payload's view of them. Called with its
+        request about to be written: the HTTP client holds the body until it is."""
+        ...
+
+
+@runtime_checkable
 class WatchesCancels(Protocol):
     """A transport with cancel markers that can read many of them in one round trip."""
 

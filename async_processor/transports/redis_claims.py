@@ -37,6 +37,7 @@ class Claim:
     (a ``dataclasses.replace`` per message twice cost ~3 µs).
     ``size`` is the member's size in bytes; ``digest`` (its SHA-1) is set only for a member
     over ``--max-message-bytes``, of which the delivery holds a prefix only.
+    ``sha1`` set: the delivery let go of its bytes once its request was written.
     """
 
     id: str
@@ -49,6 +50,12 @@ class Claim:
     # Its result was sent and the reply lost: the write may have landed, so a marker
     # found and the claim gone on the next send are most likely its own (not counted).
     unsure: bool = False
+    # Set when the delivery let its bytes go (``SortedSetTransport.let_go``): what finds
+    # the member again in its queue after a lapsed lease (its first bytes, SHA-1 and
+    # ``size``), and its dedup fingerprint, which is a digest of the request with it.
+    head: bytes = b""
+    sha1: bytes = b""
+    fingerprint: str = ""
 
 
 def claim_of(delivery: Delivery) -> Claim:

@@ -77,6 +77,7 @@ SCRIPT_NAMES = (
     "complete",
     "defer",
     "dead_letter",
+    "drop_returned",
     "move_due",
     "move_due_own",
     "cancel",

@@ -22,6 +22,7 @@ next one is written (docs/transports.md has what that buys on a failover).
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
@@ -33,7 +34,7 @@ from redis.asyncio import Redis
 from async_processor.config import SortedSetConfig
 from async_processor.errors import PartialWrite, TransportError
 from async_processor.json_scan import id_from_prefix
-from async_processor.messages import Envelope, Result, too_large
+from async_processor.messages import LET_GO, Envelope, Result, decode_envelope, too_large
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
     TRANSPORTS,
@@ -66,6 +67,10 @@ from async_processor.transports.redis_upkeep import SortedSetUpkeep
 log = structlog.get_logger(__name__)
 
 ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed", "hand_back_timeout")
+# A let-go member's first bytes kept to find it again in its queue after a lapsed lease
+# (lua/drop_returned.lua), and the most members sharing them and its score compared there.
+HEAD_BYTES = 128
+MOST_COMPARED = 10_000
 ScriptCall = tuple[list[str], list[bytes | str | int]]  # one script's keys and arguments
 Written = tuple[int, int, int]  # a complete reply: (written, held, fell_back)
 
@@ -151,6 +156,52 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         if isinstance(claim, Claim) and claim.digest:  # only a prefix was fetched
             raise too_large(claim.size, limit, id_from_prefix(delivery.raw))
         return keys.decode_delivery(delivery, limit)
+
+    # ------------------------------------------------------------------ the message's bytes
+
+    def let_go(self, delivery: Delivery) -> None:
+        """Drop the message's bytes as its request goes out (``LetsGo``): a request waits
+        seconds at the gateway, and its bytes (4.4 KB at 4 KiB payloads) were most of what
+        the daemon held per request in flight (issue 13). While the claim is held its
+        lease hash has the member, which a hand-back or a dead letter reads back
+        (``_got_back``); kept are its dedup fingerprint (a digest of the request, payload
+        included) and what finds it in its queue if the lease lapses (``_drop_returned``).
+        A member fetched as a prefix only (oversized) never gets this far."""
+        claim = claim_of(delivery)
+        envelope = delivery.envelope
+        if envelope is None or claim.sha1 or claim.digest:
+            return
+        raw = delivery.raw
+        claim.fingerprint = keys.fingerprint(delivery)
+        claim.head, claim.size = raw[:HEAD_BYTES], len(raw)
+        claim.sha1 = hashlib.sha1(raw, usedforsecurity=False).digest()
+        delivery.raw = b""
+        envelope.request.payload = LET_GO
+
+    async def _got_back(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """Per delivery, whether it holds its bytes again: those let go are read back from
+        their lease entries, in one round trip. False: the claim is no longer held (its
+        lease lapsed, and the reaper put the message back on its queue)."""
+        gone = [d for d in deliveries if claim_of(d).sha1]
+        if gone:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for delivery in gone:
+                    pipe.hget(self._keys.inflight_meta(delivery.queue.name), claim_of(delivery).id)
+                entries = await pipe.execute()
+            for delivery, entry in zip(gone, entries, strict=True):
+                if entry is not None:  # "<score>|<member>", as claim.lua wrote it
+                    self._restore(delivery, entry[entry.index(b"|") + 1 :])
+        return [not claim_of(d).sha1 for d in deliveries]
+
+    def _restore(self, delivery: Delivery, member: bytes) -> None:
+        """The member's bytes and payload back; routing stays as the worker left it (a
+        retry's count and last answer), the payload byte for byte as the producer wrote it."""
+        fresh = decode_envelope(member, max_bytes=self._ctx.max_message_bytes)
+        delivery.raw = member
+        if delivery.envelope is not None:
+            delivery.envelope.request.payload = fresh.request.payload
+        claim = claim_of(delivery)
+        claim.head, claim.sha1 = b"", b""
 
     # ------------------------------------------------------------------ acknowledgements
 
@@ -283,7 +334,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
     ) -> list[str]:
         name = delivery.queue.name
         return [
-            self._keys.done(name, result.id, keys.fingerprint(delivery)),
+            self._keys.done(name, result.id, _fingerprint(delivery)),
             target,
             name if queued else self._keys.inflight(name),
             self._keys.inflight_meta(name),
@@ -307,26 +358,50 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         with redis_errors("complete"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 for delivery in deliveries:
-                    pipe.zrem(delivery.queue.name, delivery.raw)
-                await pipe.execute()
+                    claim = claim_of(delivery)
+                    if not claim.sha1:
+                        pipe.zrem(delivery.queue.name, delivery.raw)
+                        continue
+                    await self._scripts["drop_returned"](
+                        keys=[delivery.queue.name],
+                        args=[
+                            repr(claim.score),
+                            claim.head,
+                            claim.size,
+                            claim.sha1.hex(),
+                            MOST_COMPARED,
+                        ],
+                        client=pipe,
+                    )
+                removed = await pipe.execute()
+        if any(r == -1 for r in removed):  # not seen among MOST_COMPARED look-alikes
+            log.warning("returned_member_not_found", count=removed.count(-1))
 
     async def defer(self, items: Sequence[Deferral]) -> None:
         """Hand back: delay <= 0 to the queue at its deadline, else to the retry set."""
         if not items:
             return
         with self._claims.acking(i.delivery for i in items), redis_errors("defer"):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for item in items:
-                    await self._scripts["defer"](
-                        keys=self._ack_keys(item.delivery, self._defer_target(item)),
-                        args=[claim_of(item.delivery).id, *_defer_args(item)],
-                        client=pipe,
-                    )
-                replies = await pipe.execute()
-        for item, handed_back in zip(items, replies, strict=True):
+            held = await self._got_back([i.delivery for i in items])
+            kept = [i for i, h in zip(items, held, strict=True) if h]
+            replies = iter(await self._hand_back(kept))
+        for item, still_held in zip(items, held, strict=True):
             self._claims.release(item.delivery)
-            if not handed_back:
+            if not (still_held and next(replies)):
                 log.warning("defer_skipped_lease_lost", queue=item.delivery.queue.name)
+
+    async def _hand_back(self, items: Sequence[Deferral]) -> list[int]:
+        """The defer script per item, in one round trip: 1 handed back, 0 claim not held."""
+        if not items:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for item in items:
+                await self._scripts["defer"](
+                    keys=self._ack_keys(item.delivery, self._defer_target(item)),
+                    args=[claim_of(item.delivery).id, *_defer_args(item)],
+                    client=pipe,
+                )
+            return list(await pipe.execute())
 
     def _defer_target(self, item: Deferral) -> str:
         queue = item.delivery.queue.name
@@ -335,15 +410,17 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Park on ``<queue>:dead-letter`` as {reason, detail, raw, time, queue}; ack it."""
         claim = claim_of(delivery)
-        entry = keys.dead_letter_entry(
-            delivery, reason, detail, size=claim.size, digest=claim.digest
-        )
         target = self._keys.dead_letter(delivery.queue.name)
+        parked, trimmed = 0, 0
         with self._claims.acking([delivery]), redis_errors("dead_letter"):
-            parked, trimmed = await self._scripts["dead_letter"](
-                keys=self._ack_keys(delivery, target),
-                args=[claim.id, entry, self.config.dead_letter_max_entries],
-            )
+            if (await self._got_back([delivery]))[0]:
+                entry = keys.dead_letter_entry(
+                    delivery, reason, detail, size=claim.size, digest=claim.digest
+                )
+                parked, trimmed = await self._scripts["dead_letter"](
+                    keys=self._ack_keys(delivery, target),
+                    args=[claim.id, entry, self.config.dead_letter_max_entries],
+                )
         self._claims.release(delivery)
         if not parked:
             log.warning("dead_letter_skipped_lease_lost", queue=delivery.queue.name)
@@ -387,6 +464,15 @@ def _written(reply: Any) -> Written | TransportError:
     if isinstance(reply, bytes):
         return TransportError(f"redis complete failed: {reply.decode(errors='replace')}")
     return int(reply[0]), int(reply[1]), int(reply[2])
+
+
+def _fingerprint(delivery: Delivery) -> str:
+    """Kept by ``let_go`` (the request can no longer be digested without its payload),
+    else made now; a member the deadline sweep read has no claim."""
+    claim = delivery.handle
+    if isinstance(claim, Claim) and claim.fingerprint:
+        return claim.fingerprint
+    return keys.fingerprint(delivery)
 
 
 def _defer_args(item: Deferral) -> list[bytes | float | str]:
