@@ -19,7 +19,7 @@ from async_processor.errors import PartialWrite, TransportError
 from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
 from async_processor.results import ResultWriter
-from async_processor.transports.base import Completion, Delivery, TransportContext
+from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
 from async_processor.transports.redis_settings import slot
 from async_processor.transports.redis_sortedset import ScriptCall, SortedSetTransport
 from tests.integration.test_sortedset import future, member, results_of
@@ -269,3 +269,34 @@ async def test_a_stray_key_stops_only_its_own_queues_deadline_sweep(
             assert (result.id, result.error_code) == (f"{name}/late", ErrorCode.DEADLINE_EXCEEDED)
             assert await r.zcard(name) == 0
     assert [e["queue"] for e in logs if e["event"] == "expire_failed"] == [bad]
+
+
+async def test_let_go_messages_of_many_slots_are_got_back_and_found_again(
+    mode: str, redis_for: tuple[str, Any], unique: str
+) -> None:
+    # Deliveries whose bytes were let go, over queues of several hash slots: hand-backs
+    # read their members back in one pipeline, and results after a lapsed lease find
+    # theirs in their queues (drop_returned.lua), each in its own slot.
+    url, r = redis_for
+    names = names_of(unique, 4)
+    async with opened(config_for(url, mode, names)) as transport:
+        fetched = await claimed(transport, r, names)
+        lapsed, handed = fetched[::2], fetched[1::2]
+        members = {d: d.raw for d in lapsed}
+        expected = {}
+        for delivery in handed:
+            assert delivery.envelope is not None
+            delivery.envelope.routing.retry_count = 2
+            expected[delivery] = delivery.envelope.encode()
+        for delivery in fetched:
+            transport.let_go(delivery)
+        for delivery in lapsed:  # what the reaper does with a lapsed claim
+            name, claim = delivery.queue.name, delivery.handle
+            await r.zadd(name, {members[delivery]: claim.score})
+            await r.zrem(transport._keys.inflight(name), claim.id)
+            await r.hdel(transport._keys.inflight_meta(name), claim.id)
+        await transport.complete([done(d) for d in lapsed])
+        await transport.defer([Deferral(d, 0) for d in handed])
+        for name in names:
+            queued = set(await r.zrange(name, 0, -1))
+            assert queued == {expected[d] for d in handed if d.queue.name == name}
