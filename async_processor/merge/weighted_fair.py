@@ -12,7 +12,7 @@ backlogged queue of weight w gets w / (sum of the backlogged weights) of the poo
 dispatches. The ready offers are a heap by their queue's finish time, so choosing costs
 O(log n): a pass over every ready queue per message was 8.7 % of a daemon's CPU at 200
 queues (py-spy, bench.tenants). Weights come from ``weights`` (queue name -> weight), else
-the queue's ``weight_label`` label, else ``default_weight``.
+the queue's ``weight_label`` label (clamped to 0.001..1000), else ``default_weight``.
 """
 
 from __future__ import annotations
@@ -20,18 +20,26 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from typing import Annotated
 
-from pydantic import Field, PositiveFloat
+from pydantic import Field
 
 from async_processor.merge.base import MERGE_POLICIES, MergeContext, MergePolicy
 from async_processor.merge.random_robin import RandomRobin, RandomRobinParams, _Offer, _Offers
 from async_processor.transports.base import QueueSpec
 
+# Weights are bounded because virtual time is a float: a weight near 0 (1e-300) moves a pool's
+# virtual time so far that later steps of 1 / weight vanish in rounding (every queue then ties
+# and weights stop counting), and one near infinity is a step of 0 that never lets the queue
+# fall behind (every other queue starves). A ratio of a million between queues is plenty.
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
+Weight = Annotated[float, Field(ge=MIN_WEIGHT, le=MAX_WEIGHT)]
+
 
 class WeightedFairParams(RandomRobinParams):
-    weights: dict[str, PositiveFloat] = Field(default_factory=dict)
+    weights: dict[str, Weight] = Field(default_factory=dict)
     weight_label: str = "weight"
-    default_weight: PositiveFloat = 1.0
+    default_weight: Weight = 1.0
 
 
 class _FairOffers(_Offers):
@@ -79,7 +87,9 @@ class WeightedFair(RandomRobin):
             value = float(queue.labels.get(params.weight_label, ""))
         except ValueError:
             return params.default_weight
-        return value if value > 0 else params.default_weight
+        if not math.isfinite(value) or value <= 0:
+            return params.default_weight
+        return min(max(value, MIN_WEIGHT), MAX_WEIGHT)  # a label is not validated at start
 
     def _offers(self, pool: str, readers: int) -> _Offers:
         return _FairOffers(readers, self)
