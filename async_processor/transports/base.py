@@ -182,6 +182,16 @@ class DiscoversQueues(Protocol):
         ...
 
 
+@runtime_checkable
+class SignalsMessages(Protocol):
+    """A transport that can say when an empty queue may hold messages again, so a poller
+    waits for that instead of fetching again every poll interval (redis-sortedset)."""
+
+    async def until_ready(self, queue: QueueSpec) -> None:
+        """Return once ``queue`` may hold messages: at once unless a fetch found it empty."""
+        ...
+
+
 def abandon(transport: Transport, delivery: Delivery, reason: str) -> None:
     """Give a delivery whose write was given up back to the broker's redelivery
     (docs/architecture.md G11); a transport that holds no leases of its own needs nothing done."""

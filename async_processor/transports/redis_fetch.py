@@ -18,7 +18,10 @@ sees members in it: every ``FETCH_POLL_STEP`` (the old claim retry step, so the 
 pickup latency is unchanged: at most one step plus a round trip), one ``ready.lua`` call
 per slot group answers for every idle queue this process polls. Before, each empty queue
 cost a claim every 100 ms per replica (200 idle queues: 0.25-0.33 cores, ~2,000 round
-trips a second).
+trips a second). One waiter, the lead, sleeps to each step and sends the probe; the others
+sleep on their own event until the probe sees their queue (or the lead leaves and hands
+the probing to the next): a waiter per idle queue woken at every step, twice, was most of
+an idle daemon's CPU (200 idle queues: 4,000 wake-ups a second, py-spy).
 A failed probe counts as "ready" (the claims then meet what is wrong and report it), but it
 is counted (``idle_probe_errors_total``) and logged at most every ``PROBE_WARN_SECONDS``:
 a probe that keeps failing quietly brings back a claim per idle queue every step.
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -78,10 +80,14 @@ class _Round:
 
 
 @dataclass(eq=False)
-class _Probe:
-    tick: int
-    done: anyio.Event = field(default_factory=anyio.Event)
-    ready: set[str] = field(default_factory=set)
+class _Waiter:
+    """One idle fetch waiting for its queue: woken when a probe saw members in it
+    (``ready``) or when the probing is handed to it (``leads``)."""
+
+    name: str
+    wake: anyio.Event = field(default_factory=anyio.Event)
+    ready: bool = False
+    leads: bool = False
 
 
 CheckMarkers = Callable[[list[Delivery]], Awaitable[list[Delivery]]]
@@ -104,8 +110,9 @@ class Fetcher:
     _fetches: itertools.count[int] = field(default_factory=itertools.count)
     _round: _Round | None = None
     _empty: set[str] = field(default_factory=set)  # queues whose last claim found nothing
-    _waiting: Counter[str] = field(default_factory=Counter)  # idle queues on the probe
-    _probe: _Probe | None = None
+    # Idle fetches waiting for the probe, in arrival order (a dict as an ordered set).
+    _waiters: dict[_Waiter, None] = field(default_factory=dict)
+    _lead: _Waiter | None = None  # the waiter that sends the probes
     _probe_failures: int = 0  # since the last idle_probe_failed warning
     _probe_warned_at: float = -math.inf
 
@@ -127,6 +134,12 @@ class Fetcher:
             self._empty.add(queue.name)
             if give_up - anyio.current_time() <= 0:
                 return []
+
+    async def until_ready(self, queue: QueueSpec) -> None:
+        """Return once ``queue`` may hold members: at once, unless its last claim found it
+        empty; then when the probe sees members in it (it is claimed at once next)."""
+        if queue.name in self._empty and await self._until_ready(queue.name, math.inf):
+            self._empty.discard(queue.name)
 
     def served(self, names: set[str]) -> None:
         """Forget the idle marks of queues no longer polled."""
@@ -286,39 +299,51 @@ class Fetcher:
 
     async def _until_ready(self, name: str, timeout: float) -> bool:
         """Wait for a probe to see members in queue ``name``: True, or False at ``timeout``.
-        Probes run on the ``FETCH_POLL_STEP`` ticks, one per process for all idle queues."""
-        self._waiting[name] += 1
+        Probes run on the ``FETCH_POLL_STEP`` ticks, one per process for all idle queues,
+        sent by the lead waiter; the others sleep until woken."""
+        me = _Waiter(name)
+        self._waiters[me] = None
         try:
             with anyio.move_on_after(timeout):
-                while True:
-                    now = anyio.current_time()
-                    tick = math.floor(now / FETCH_POLL_STEP) + 1
-                    await anyio.sleep(tick * FETCH_POLL_STEP - now)
-                    if name in await self._probed(tick):
-                        return True
-            return False
+                if self._lead is None:
+                    self._hand_lead(me)
+                while not me.ready:
+                    await me.wake.wait()
+                    me.wake = anyio.Event()  # the flags say why it was woken
+                    if me.leads:
+                        await self._probe_until_ready(me)
+            return me.ready
         finally:
-            self._waiting[name] -= 1
-            if not self._waiting[name]:
-                del self._waiting[name]
+            del self._waiters[me]
+            if self._lead is me:  # left (ready, timed out, cancelled): the next one probes
+                self._lead = None
+                waiting = next((w for w in self._waiters if not w.ready), None)
+                if waiting is not None:
+                    self._hand_lead(waiting)
 
-    async def _probed(self, tick: int) -> set[str]:
-        """The queues seen ready at ``tick``: the first waiter there sends the probe."""
-        probe = self._probe
-        if probe is not None and probe.tick >= tick:
-            await probe.done.wait()
-            return probe.ready
-        probe = self._probe = _Probe(tick)
-        names = list(self._waiting)
-        probe.ready = set(names)  # unless answered: their claims then see what is wrong
-        try:
-            with anyio.move_on_after(CLAIM_SHIELD_SECONDS, shield=True):
-                probe.ready = await self._ready(names)
-        except TransportError as exc:
-            self._probe_failed(exc, len(names))
-        finally:
-            probe.done.set()
-        return probe.ready
+    def _hand_lead(self, waiter: _Waiter) -> None:
+        self._lead = waiter
+        waiter.leads = True
+        waiter.wake.set()
+
+    async def _probe_until_ready(self, me: _Waiter) -> None:
+        """The lead's loop: a probe at each tick for every waiting queue, until its own
+        queue is seen (the lead is then handed on)."""
+        while not me.ready:
+            now = anyio.current_time()
+            tick = math.floor(now / FETCH_POLL_STEP) + 1
+            await anyio.sleep(tick * FETCH_POLL_STEP - now)
+            names = list(dict.fromkeys(w.name for w in self._waiters))
+            ready = set(names)  # unless answered: their claims then see what is wrong
+            try:
+                with anyio.move_on_after(CLAIM_SHIELD_SECONDS, shield=True):
+                    ready = await self._ready(names)
+            except TransportError as exc:
+                self._probe_failed(exc, len(names))
+            for waiter in self._waiters:
+                if waiter.name in ready and not waiter.ready:
+                    waiter.ready = True
+                    waiter.wake.set()
 
     def _probe_failed(self, exc: TransportError, queues: int) -> None:
         """Count a failed probe and warn, rate-limited: every step of a Redis that refuses

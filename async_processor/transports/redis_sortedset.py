@@ -147,6 +147,11 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         claims; an empty queue waits up to ``wait`` s for the idle probe (redis_fetch.py)."""
         return await self._fetcher.fetch(queue, limit, wait)
 
+    async def until_ready(self, queue: QueueSpec) -> None:
+        """Return once ``queue`` may hold members: at once unless its last claim found it
+        empty; then when the idle probe sees members in it."""
+        await self._fetcher.until_ready(queue)
+
     def decode(self, delivery: Delivery) -> Envelope:
         """The member's envelope with routing filled from the queue (queue labels win)."""
         if delivery.envelope is not None:  # decoded at fetch time already
