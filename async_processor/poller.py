@@ -7,7 +7,9 @@ poller's ``Settler``, which also gives back the pool slots a fetch did not use.
 
 Fetching is demand-driven (docs/architecture.md G4): it waits for free pool slots, fetches at
 most min(free slots, floor(batch_size x budget)) in one call, and fetches again at once
-after a full batch; the poll interval only paces an empty or gated queue. The budget also
+after a full batch; the poll interval only paces an empty or gated queue (an empty queue
+waits for its next message instead where the transport can tell: ``SignalsMessages``,
+redis-sortedset's idle probe). The budget also
 caps the queue's messages in flight at ceil(budget x pool slots) (``--budget-scope
 in-flight``): sizing fetches alone let a budget of 0.3 fill the pool all the same, since
 the next fetch follows at once (measured by ``bench.harvest``). A refused
