@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ def fake_processor(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     async def run(config: AppConfig) -> None:
         calls["run"] = config
         calls["loop"] = type(asyncio.get_running_loop()).__module__
+        calls["gc"] = gc.get_threshold()[0], gc.get_freeze_count()
         if calls.get("fail"):
             raise ExceptionGroup("task group", [ConfigError("pool gate: unknown gate type 'x'")])
 
@@ -71,6 +74,30 @@ def test_the_daemon_runs_on_uvloop(
     argv = ["--transport", "redis-sortedset", "--transport-config-file", transport_file]
     assert cli.main(argv, {}) == 0
     assert fake_processor.calls["loop"].startswith("uvloop")
+
+
+@pytest.fixture
+def gc_restored() -> Iterator[None]:
+    """The collector's settings as they were: the daemon's tuning is for its process."""
+    threshold = gc.get_threshold()
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*threshold)
+
+
+@pytest.mark.usefixtures("gc_restored")
+def test_the_daemon_runs_with_startup_frozen_and_a_large_young_generation(
+    transport_file: str, fake_processor: types.SimpleNamespace
+) -> None:
+    # Measured in cli.run: at 700 the collector walked every in-flight message's objects
+    # many times a second (bench.littles_law).
+    gc.unfreeze()
+    gc.set_threshold(700, 10, 10)
+    argv = ["--transport", "redis-sortedset", "--transport-config-file", transport_file]
+    assert cli.main(argv, {}) == 0
+    young, frozen = fake_processor.calls["gc"]
+    assert young == cli.GC_YOUNG_THRESHOLD > 700
+    assert frozen > 10_000  # the modules and config loaded at start, never garbage
 
 
 def test_config_error_from_the_processor_group_exits_2(
