@@ -363,19 +363,12 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         with redis_errors("complete"):
             async with self._redis.pipeline(transaction=False) as pipe:
                 for delivery in deliveries:
-                    claim = claim_of(delivery)
-                    if not claim.sha1:
+                    if (known := _known_by(delivery)) is None:
                         pipe.zrem(delivery.queue.name, delivery.raw)
                         continue
                     await self._scripts["drop_returned"](
                         keys=[delivery.queue.name],
-                        args=[
-                            repr(claim.score),
-                            claim.head,
-                            claim.size,
-                            claim.sha1.hex(),
-                            MOST_COMPARED,
-                        ],
+                        args=[repr(claim_of(delivery).score), *known, MOST_COMPARED],
                         client=pipe,
                     )
                 removed = await pipe.execute()
@@ -478,6 +471,19 @@ def _fingerprint(delivery: Delivery) -> str:
     if isinstance(claim, Claim) and claim.fingerprint:
         return claim.fingerprint
     return keys.fingerprint(delivery)
+
+
+def _known_by(delivery: Delivery) -> tuple[bytes, int, str] | None:
+    """What finds a member this process does not hold whole in its queue (first bytes,
+    size, SHA-1 in hex): one let go (``let_go``), or one over ``--max-message-bytes`` of
+    which only a prefix was fetched (its size and SHA-1 came with the claim). None: the
+    delivery holds the member, removed by its bytes."""
+    claim = claim_of(delivery)
+    if claim.sha1:
+        return claim.head, claim.size, claim.sha1.hex()
+    if claim.digest:
+        return delivery.raw[:HEAD_BYTES], claim.size, claim.digest
+    return None
 
 
 def _defer_args(item: Deferral) -> list[bytes | float | str]:

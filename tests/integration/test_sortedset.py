@@ -820,6 +820,32 @@ async def test_an_oversized_member_is_answered_without_being_fetched_whole(
     assert await r.zcard(redis_keys.inflight_key(q)) == 0
 
 
+async def test_an_oversized_member_answered_after_its_lease_lapsed_leaves_its_queue(
+    make_config, r, unique
+) -> None:
+    # Only a prefix of it was fetched, so removing the member the reaper put back by its
+    # bytes never matched: it stayed queued, was claimed and rejected again, its second
+    # result stopped by the dedup marker only (and answered again once that expired). Its
+    # size and SHA-1 from the claim find it (lua/drop_returned.lua).
+    config = make_config(lease_seconds=0.2)
+    q = config.queues[0].queue_name
+    deadline = future()
+    big = member(f"{unique}-big", deadline).replace(b'"n": 1', b'"n": "' + b"x" * 300_000 + b'"')
+    last = big.rindex(b"x")  # beyond the prefix fetched: same score, first bytes and size
+    look_alike = big[:last] + b"y" + big[last + 1 :]
+    await r.zadd(q, {big: deadline})
+    async with opened(config, TransportContext(max_message_bytes=1000)) as transport:
+        delivery = await fetch_one(transport, decode=False)
+        await r.zadd(q, {look_alike: deadline})
+        await anyio.sleep(0.3)
+        await transport.reap()
+        assert await r.zscore(q, big) == deadline  # back on its queue
+        failure = Result.failure(f"{unique}-big", ErrorCode.INVALID_REQUEST, "too large")
+        await transport.complete([Completion(delivery, failure)])
+    assert await r.zrange(q, 0, -1) == [look_alike]
+    assert len(await results_of(r, config.result_queue_name)) == 1
+
+
 async def test_a_huge_dead_letter_keeps_a_prefix_its_size_and_hash(make_config, r) -> None:
     config = make_config()
     q = config.queues[0].queue_name

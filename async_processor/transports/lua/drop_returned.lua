@@ -1,7 +1,8 @@
 -- Remove from its queue a completed message whose lease had lapsed (the reaper put it
 -- back), known by its score, first bytes, size and SHA-1 only: the daemon lets a message's
--- bytes go once its request is written (docs/sizing-and-backpressure.md), and the lease
--- hash lost the member when the reaper returned it.
+-- bytes go once its request is written (docs/sizing-and-backpressure.md), and fetches only
+-- a prefix of one over --max-message-bytes; the lease hash lost the member when the reaper
+-- returned it.
 -- KEYS[1] queue zset. ARGV[1] the member's score, ARGV[2] its first bytes, ARGV[3] its size,
 -- ARGV[4] its SHA-1 (hex), ARGV[5] most members of that score and those first bytes compared.
 -- Returns 1 when removed, 0 when not there (claimed again, answered, or never put back),
