@@ -178,7 +178,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
             return
         raw = delivery.raw
         claim.fingerprint = keys.fingerprint(delivery)
-        claim.head, claim.size = raw[:HEAD_BYTES], len(raw)
+        claim.head = raw[:HEAD_BYTES]
         claim.sha1 = hashlib.sha1(raw, usedforsecurity=False).digest()
         delivery.raw = b""
         envelope.request.payload = LET_GO
