@@ -82,7 +82,7 @@ class QueueRefresh:
         scope = anyio.CancelScope()
         self._running[spec.name] = scope
         capacity = self._capacities[spec.pool]
-        capacity.resize(1)  # what its poller holds while its queue is empty
+        capacity.resize(1)  # its message for the merge, as for a configured queue
         await self.feeds[spec.pool].send(source)
         tg.start_soon(self._poll, spec, poller, scope, capacity)
         log.info("queue_added", queue=spec.name, pool=spec.pool)

@@ -107,6 +107,15 @@ class Poller:
             await self._cycle()
 
     async def _cycle(self) -> None:
+        if self._idle and self._signals is not None:
+            # An empty queue waits for its next message, as long as that takes, holding no
+            # slot: cycling every poll interval instead (a budget read, a slot taken and
+            # given back, a fetch's wait) made 200 idle queues 2,000 cycles a second, and
+            # a slot held through the wait is one the pool's busy queues lack (with 20 of
+            # 200 queues busy their lanes then held one offer each, and the merge found a
+            # weight-4 queue empty at its turn). The budget is read after the wait: a gate
+            # closed meanwhile is obeyed.
+            await self._signals.until_ready(self.queue)
         budget = await self._budget()
         self._metrics.dispatch_budget.set(budget)
         wanted = self._wanted(budget)
@@ -120,8 +129,6 @@ class Poller:
                 await self._landed.wait()
             return
         reserved = await self._reserve(wanted, budget)
-        if self._idle and reserved:
-            reserved, budget = await self._await_message(reserved, budget)
         # Room again: another fetch loop of this queue may have taken it while we waited.
         room = max(0, self._room(budget))
         if reserved > room:
@@ -136,7 +143,7 @@ class Poller:
                 self._fetching -= reserved
 
     async def _fetch_and_admit(self, reserved: int) -> None:
-        # Where the transport signals messages, an empty queue's wait is _await_message's.
+        # Where the transport signals messages, an empty queue waits in _cycle, not here.
         wait = 0.0 if self._signals is not None else self.queue.poll_interval
         try:
             deliveries = await self._transport.fetch(self.queue, reserved, wait)
@@ -151,33 +158,13 @@ class Poller:
         self._settler.release(reserved - len(deliveries))
         await self._admit_all(deliveries)
 
-    async def _await_message(self, reserved: int, budget: float) -> tuple[int, float]:
-        """An empty queue waits for its next message holding its one slot, for as long as
-        that takes, where the transport can tell (``SignalsMessages``): cycling every poll
-        interval instead (a budget read, a slot taken and given back, a fetch's wait) made
-        200 idle queues 2,000 cycles a second. The budget is read again after the wait, which
-        may have been long: a gate that closed meanwhile is obeyed (the slot goes back)."""
-        if self._signals is None:
-            return reserved, budget
-        try:
-            await self._signals.until_ready(self.queue)
-            budget = await self._budget()
-        except BaseException:  # also cancellation: the slot must not leak
-            self._settler.release(reserved)
-            raise
-        self._metrics.dispatch_budget.set(budget)
-        if self._wanted(budget) <= 0 or self._room(budget) <= 0:
-            self._settler.release(reserved)
-            return 0, budget
-        return reserved, budget
-
     def _wanted(self, budget: float) -> int:
         """The most one fetch may ask for, before the free slots are known."""
         if self.queue.max_fetch:  # scaled by the budget once the free slots are known
             wanted = self.queue.max_fetch if budget > 0 else 0
         else:
             wanted = min(self.queue.batch_size, math.floor(self.queue.batch_size * budget))
-        if self._idle:  # an empty queue waits for its next message holding one slot, not a batch
+        if self._idle:  # an empty queue claims one when its next message comes, not a batch
             wanted = min(wanted, 1)
         return wanted
 

@@ -340,7 +340,9 @@ class Processor:
         # A little prefetch beyond the workers hides the fetch round trip. No more: every
         # message held here is leased away from the other replicas, and with fetching
         # driven by free slots, an urgent queue is served at the next free slot anyway.
-        # Plus one slot per further queue: what an idle queue's poller holds while it waits.
+        # Plus one slot per further queue: a message for the merge from each backlogged
+        # queue (and, where the transport cannot signal messages, what an idle queue's
+        # poller holds while its fetch waits).
         mine = [q for q in queues if q.pool == config.id]
         slots = config.workers + prefetch(config.workers) + max(0, len(mine) - 1)
         return _Pool(config, mine, PoolCapacity(slots), gate)

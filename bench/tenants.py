@@ -4,7 +4,9 @@ queues against 2?
 
 Every queue is one tenant, weighted in turn by ``--weights`` (1,2,4) through the merge
 policy's ``weights`` map; the daemons find the queues in a Redis set (``queue_discovery``).
-All queues are loaded before the daemons start, so all stay backlogged. ``--replicas``
+All queues are loaded before the daemons start, so all stay backlogged; with ``--busy n``
+only the first n are, the others stay empty (many tenants, few of them active), and the
+shares are of the busy ones. ``--replicas``
 daemons (``python -m async_processor run``) share one Redis; after a warm-up of
 ``--warmup`` results, the next ``--window`` results, across every replica, are counted
 per queue against its weighted fair share. Target: every queue ≥ 0.8 of its share.
@@ -77,10 +79,11 @@ def daemon_args(
             "--metrics-backlog-poll-interval", "0"]  # fmt: skip
 
 
-async def load(url: str, tag: str, weights: dict[str, float], per_weight: int) -> None:
+async def load(url: str, tag: str, weights: dict[str, float], per_weight: int, busy: int) -> None:
+    """Messages on the first ``busy`` queues; every queue listed in the set."""
     deadline = int(time.time()) + 3600
     async with SortedSetClient(url, result_queue=f"{tag}:results") as client:
-        for name, weight in weights.items():
+        for name, weight in list(weights.items())[:busy]:
             requests = [{"id": f"{name}/{n}", "deadline": deadline, "payload": {}}
                         for n in range(int(per_weight * weight) + 5)]  # fmt: skip
             await client.submit_many(requests, queue=name)
@@ -140,11 +143,13 @@ async def watch(url: str, tag: str, procs: list[Process], warmup: int, window: i
 
 async def run_tenants(
     url: str, sim: SimulatorProcess, weights: dict[str, float], replicas: int, workers: int,
-    warmup: int, window: int, gather: int,
+    warmup: int, window: int, gather: int, busy: int = 0,
 ) -> Window:  # fmt: skip
     tag = next(iter(weights)).rsplit("-", 1)[0]
-    per_weight = (warmup + window) * 1.5 / sum(weights.values())  # backlogged all along
-    await load(url, tag, weights, int(per_weight))
+    busy = busy or len(weights)
+    loaded = sum(list(weights.values())[:busy])
+    per_weight = (warmup + window) * 1.5 / loaded  # backlogged all along
+    await load(url, tag, weights, int(per_weight), busy)
     with ExitStack() as stack:
         merge = LOG_DIR / f"{tag}-merge.json"
         merge.parent.mkdir(parents=True, exist_ok=True)
@@ -211,27 +216,29 @@ def shares(weights: dict[str, float], ids: list[str]) -> dict[str, float]:
 
 async def measure(
     queues: int, replicas: int, workers: int, warmup: int, window: int, mix: list[float],
-    gather: int,
+    gather: int, busy: int = 0,
 ) -> list[tuple[str, str]]:  # fmt: skip
     tag = f"tenants-{secrets.token_hex(3)}"
     many = {f"{tag}-t{i:03d}": mix[i % len(mix)] for i in range(queues)}
     few = {f"{tag}x-t{i}": 1.0 for i in range(2)}
     with ExitStack() as stack:
         url, sim = redis(stack).url, simulator(stack, "--latency", str(LATENCY))
-        wide = await run_tenants(url, sim, many, replicas, workers, warmup, window, gather)
+        wide = await run_tenants(url, sim, many, replicas, workers, warmup, window, gather, busy)
         narrow = await run_tenants(url, sim, few, replicas, workers, warmup, window, gather)
         idle = await run_idle(url, sim, queues, workers, gather)
-    ratios = shares(many, wide.ids)
+    active = dict(list(many.items())[: busy or queues])
+    ratios = shares(active, wide.ids)
     worst = min(ratios, key=ratios.__getitem__)
     by_weight = "; ".join(
         f"w{w:g} {min(r for q, r in ratios.items() if many[q] == w):.2f}…"
         f"{max(r for q, r in ratios.items() if many[q] == w):.2f}"
-        for w in sorted(set(mix))
+        for w in sorted(set(active.values()))
     )
     cpu, trips = wide.cpu_ms / narrow.cpu_ms, wide.round_trips / narrow.round_trips
     ideal = replicas * workers / LATENCY
     return [
-        ("setup", f"{queues} queues in a Redis set (weights {','.join(f'{w:g}' for w in mix)} "
+        ("setup", f"{queues} queues in a Redis set, {len(active)} of them busy (weights "
+                  f"{','.join(f'{w:g}' for w in mix)} "
                   f"in turn), {replicas} daemon processes × {workers} workers, gateway "
                   f"{LATENCY:g} s (ideal {ideal:.0f} msg/s), claim_gather_ms {gather}"),
         ("window", f"results {warmup}…{warmup + window} in {wide.seconds:.1f} s "
@@ -271,12 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", default="1,2,4", help="weights given to the queues in turn")
     p.add_argument("--quick", action="store_true", help="a 3,000-result window")
     p.add_argument("--gather-ms", type=int, default=GATHER_MS, help="claim_gather_ms")
+    p.add_argument("--busy", type=int, default=0, help="queues with messages (0: all)")
     args = p.parse_args(argv)
     window = 3000 if args.quick else args.window
     mix = [float(w) for w in args.weights.split(",")]
     rows = anyio.run(
-        measure, args.queues, args.replicas, args.workers, args.warmup, window, mix, args.gather_ms
-    )
+        measure, args.queues, args.replicas, args.workers, args.warmup, window, mix,
+        args.gather_ms, args.busy,
+    )  # fmt: skip
     table("many tenants: weighted fair share and fetch overhead", rows)
     return 0
 

@@ -1,7 +1,7 @@
 """Idle queues on real Redis (redis-sortedset): a poller of an empty queue waits for the
-idle probe to see a message, holding its one slot, instead of cycling every poll
-interval; its gate is read again when the message comes; and the probing, sent by one
-waiter for all, passes on when that waiter leaves."""
+idle probe to see a message, holding no pool slot, instead of cycling every poll
+interval; its gate is read when the message comes; and the probing, sent by one waiter
+for all, passes on when that waiter leaves."""
 
 from __future__ import annotations
 
@@ -102,9 +102,10 @@ async def test_an_idle_queue_waits_without_cycling_and_picks_up_its_next_message
         reads = run.gate.budget_reads
         await anyio.sleep(1.0)  # 20 poll intervals, 10 probe steps
         # No cycle while nothing came (one a poll interval before: 20 budget reads here),
-        # and its one slot held meanwhile, as a fetch's wait held it.
+        # and no slot held meanwhile (before: one, taken again each cycle), so the pool's
+        # busy queues have it.
         assert run.gate.budget_reads == reads
-        assert run.capacity.free == SLOTS - 1
+        assert run.capacity.free == SLOTS
         deadline = future()
         await r.zadd(unique, {member("late", deadline): deadline})
         with anyio.fail_after(10):
@@ -127,7 +128,7 @@ async def test_a_gate_closed_while_its_queue_idles_keeps_the_next_message_queued
         await anyio.sleep(1.0)  # 10 probe steps, inside one poll interval
         assert await r.zcard(unique) == 1  # still queued, not claimed
         assert run.gate.judged == []
-        assert run.capacity.free == SLOTS  # its slot given back with the gate closed
+        assert run.capacity.free == SLOTS  # no slot taken with the gate closed
         run.gate.value = 1.0
         with anyio.fail_after(10):  # the next poll interval sees the gate open again
             work = await run.lane.receive()
