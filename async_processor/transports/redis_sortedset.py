@@ -26,7 +26,7 @@ import hashlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 from redis.asyncio import Redis
@@ -34,7 +34,14 @@ from redis.asyncio import Redis
 from async_processor.config import SortedSetConfig
 from async_processor.errors import PartialWrite, TransportError
 from async_processor.json_scan import id_from_prefix
-from async_processor.messages import LET_GO, Envelope, Result, decode_envelope, too_large
+from async_processor.messages import (
+    LET_GO,
+    Envelope,
+    ErrorCode,
+    Result,
+    decode_envelope,
+    too_large,
+)
 from async_processor.transports import redis_keys as keys
 from async_processor.transports.base import (
     TRANSPORTS,
@@ -73,6 +80,13 @@ HEAD_BYTES = 128
 MOST_COMPARED = 10_000
 ScriptCall = tuple[list[str], list[bytes | str | int]]  # one script's keys and arguments
 Written = tuple[int, int, int]  # a complete reply: (written, held, fell_back)
+# What ``_got_back`` found per delivery: its bytes held (again), its claim no longer held,
+# or its claim held without its bytes, and answered with a failure result.
+Back = Literal["held", "lapsed", "answered"]
+HELD: Back = "held"
+LAPSED: Back = "lapsed"
+ANSWERED: Back = "answered"
+BYTES_LOST_TEXT = "message bytes lost from the lease; cannot retry"
 
 
 class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
@@ -183,20 +197,48 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         delivery.raw = b""
         envelope.request.payload = LET_GO
 
-    async def _got_back(self, deliveries: Sequence[Delivery]) -> list[bool]:
+    async def _got_back(self, deliveries: Sequence[Delivery]) -> list[Back]:
         """Per delivery, whether it holds its bytes again: those let go are read back from
-        their lease entries, in one round trip. False: the claim is no longer held (its
-        lease lapsed, and the reaper put the message back on its queue)."""
+        their lease entries, in one round trip. ``LAPSED``: the claim is no longer held (its
+        lease lapsed, and the reaper put the message back on its queue). ``ANSWERED``: the
+        claim is still ours but its lease entry is gone (an eviction, a DEL of the hash):
+        no bytes to hand back, and the reaper would drop the claim without a trace, so the
+        message ends here with a failure result (``_answer_lost``)."""
         gone = [d for d in deliveries if claim_of(d).sha1]
+        lost: list[Delivery] = []
         if gone:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for delivery in gone:
-                    pipe.hget(self._keys.inflight_meta(delivery.queue.name), claim_of(delivery).id)
-                entries = await pipe.execute()
-            for delivery, entry in zip(gone, entries, strict=True):
+                    name, claim_id = delivery.queue.name, claim_of(delivery).id
+                    pipe.hget(self._keys.inflight_meta(name), claim_id)
+                    pipe.zscore(self._keys.inflight(name), claim_id)
+                replies = await pipe.execute()
+            for delivery, entry, score in zip(gone, replies[::2], replies[1::2], strict=True):
                 if entry is not None:  # "<score>|<member>", as claim.lua wrote it
                     self._restore(delivery, entry[entry.index(b"|") + 1 :])
-        return [not claim_of(d).sha1 for d in deliveries]
+                elif score is not None:
+                    lost.append(delivery)
+            await self._answer_lost(lost)
+        return [_back(d, lost) for d in deliveries]
+
+    async def _answer_lost(self, deliveries: list[Delivery]) -> None:
+        """A failure result for each held claim whose bytes are gone from its lease entry,
+        acknowledging the claim in the same script: the message cannot be retried or
+        parked, but it still ends as exactly one result (docs/architecture.md G2)."""
+        if not deliveries:
+            return
+        items = []
+        for delivery in deliveries:
+            request_id = delivery.envelope.id if delivery.envelope else claim_of(delivery).id
+            log.error("message_bytes_lost", queue=delivery.queue.name, request_id=request_id)
+            failure = Result.failure(request_id, ErrorCode.INFERENCE_ERROR, BYTES_LOST_TEXT)
+            items.append((delivery, failure))
+        replies = await self._write_results(items, queued=False)
+        for delivery, reply in zip(deliveries, replies, strict=True):
+            if isinstance(reply, TransportError):  # a key of the wrong type: left to its lease
+                log.error(
+                    "message_bytes_lost_unanswered", queue=delivery.queue.name, error=str(reply)
+                )
 
     def _restore(self, delivery: Delivery, member: bytes) -> None:
         """The member's bytes and payload back; routing stays as the worker left it (a
@@ -380,12 +422,12 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         if not items:
             return
         with self._claims.acking(i.delivery for i in items), redis_errors("defer"):
-            held = await self._got_back([i.delivery for i in items])
-            kept = [i for i, h in zip(items, held, strict=True) if h]
+            backs = await self._got_back([i.delivery for i in items])
+            kept = [i for i, back in zip(items, backs, strict=True) if back == HELD]
             replies = iter(await self._hand_back(kept))
-        for item, still_held in zip(items, held, strict=True):
+        for item, back in zip(items, backs, strict=True):
             self._claims.release(item.delivery)
-            if not (still_held and next(replies)):
+            if back != ANSWERED and not (back == HELD and next(replies)):
                 log.warning("defer_skipped_lease_lost", queue=item.delivery.queue.name)
 
     async def _hand_back(self, items: Sequence[Deferral]) -> list[int]:
@@ -411,7 +453,8 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         target = self._keys.dead_letter(delivery.queue.name)
         parked, trimmed = 0, 0
         with self._claims.acking([delivery]), redis_errors("dead_letter"):
-            if (await self._got_back([delivery]))[0]:
+            [back] = await self._got_back([delivery])
+            if back == HELD:
                 entry = keys.dead_letter_entry(
                     delivery, reason, detail, size=claim.size, digest=claim.digest
                 )
@@ -420,7 +463,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
                     args=[claim.id, entry, self.config.dead_letter_max_entries],
                 )
         self._claims.release(delivery)
-        if not parked:
+        if not parked and back != ANSWERED:
             log.warning("dead_letter_skipped_lease_lost", queue=delivery.queue.name)
         if trimmed:
             log.warning("dead_letters_trimmed", queue=delivery.queue.name, count=trimmed)
@@ -462,6 +505,12 @@ def _written(reply: Any) -> Written | TransportError:
     if isinstance(reply, bytes):
         return TransportError(f"redis complete failed: {reply.decode(errors='replace')}")
     return int(reply[0]), int(reply[1]), int(reply[2])
+
+
+def _back(delivery: Delivery, lost: list[Delivery]) -> Back:
+    if any(delivery is d for d in lost):
+        return ANSWERED
+    return LAPSED if claim_of(delivery).sha1 else HELD
 
 
 def _fingerprint(delivery: Delivery) -> str:

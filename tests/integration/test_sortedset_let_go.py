@@ -210,3 +210,55 @@ async def _retry_members(url: str, queue: str) -> list[bytes]:
         return list(await client.zrange(f"{queue}:retry", 0, -1))
     finally:
         await client.aclose()
+
+
+async def test_a_retry_whose_lease_entry_is_gone_ends_as_one_failure_result(
+    redis_url: str, unique: str, slow_simulator: SimulatorProcess
+) -> None:
+    # The lease hash (the only copy of the bytes while the request is at the gateway) is
+    # deleted, e.g. evicted, with the claim still held; then the attempt times out (2 s).
+    # The retry cannot be written: the message ends as one failure result, not in silence.
+    config = sortedset_config(
+        redis_url, slow_simulator.url, unique, concurrency=1, request_timeout="2s"
+    )
+    client = Redis.from_url(redis_url)
+    try:
+        async with running(config):
+            await (await submit(redis_url, unique, big_request("evicted", 64))).aclose()
+            with anyio.fail_after(10):
+                while slow_simulator.stats()["in_flight"] < 1:
+                    await anyio.sleep(0.05)
+            assert await client.delete(redis_keys.inflight_meta_key(unique)) == 1
+            with capture_logs() as logs, anyio.fail_after(10):
+                while not await client.llen(f"{unique}:results"):
+                    await anyio.sleep(0.05)
+        [result] = await results_of(client, f"{unique}:results")
+        assert (result.id, result.error_code) == ("evicted", "INFERENCE_ERROR")
+        assert result.error_message == "message bytes lost from the lease; cannot retry"
+        for key in (unique, f"{unique}:retry", redis_keys.inflight_key(unique)):
+            assert await client.zcard(key) == 0
+        events = {e["event"] for e in logs}
+        assert "message_bytes_lost" in events
+        assert "defer_skipped_lease_lost" not in events
+    finally:
+        await client.aclose()
+
+
+async def test_a_dead_letter_whose_lease_entry_is_gone_ends_as_one_failure_result(
+    make_config, r
+) -> None:
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    await r.zadd(q, {odd_member("gone", deadline): deadline})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        let_go(transport, delivery)
+        await r.delete(redis_keys.inflight_meta_key(q))
+        with capture_logs() as logs:
+            await transport.dead_letter(delivery, "malformed", "parked after its request went out")
+    [result] = await results_of(r, config.result_queue_name)
+    assert (result.id, result.error_code) == ("gone", "INFERENCE_ERROR")
+    assert await r.llen(redis_keys.dead_letter_key(q)) == 0
+    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+    assert "dead_letter_skipped_lease_lost" not in {e["event"] for e in logs}
