@@ -21,6 +21,7 @@ import anyio
 import pytest
 
 from async_processor.messages import DEADLINE_EXCEEDED_TEXT
+from async_processor.processor import Processor
 from tests.contract.harness import Result, Submission, TransportHarness, open_harness
 from tests.fixtures.inprocess import metric, running
 from tests.fixtures.simulator import LocalSimulator
@@ -101,6 +102,11 @@ async def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None
         while not check():
             await anyio.sleep(0.02)
     assert check(), f"expected {what} within {timeout} s"
+
+
+def exceeded_counted(processor: Processor, harness: TransportHarness) -> Callable[[], bool]:
+    """The expiry sweep (redis-sortedset) counts a deadline just after writing its result."""
+    return lambda: metric(processor, M + "exceeded_deadline_requests_total", **q(harness)) >= 1
 
 
 def seen_status(sim: LocalSimulator, status: int) -> Callable[[], bool]:
@@ -217,6 +223,7 @@ async def test_expired_message_is_answered_deadline_exceeded(
     async with running(harness.config(sim.url)) as processor:
         await harness.submit([sub(f"{unique}-old", ttl=-5)])
         [result] = await harness.results(1, 15)
+        await wait_for(exceeded_counted(processor, harness), 5, "the deadline counted")
     assert result["error_code"] == "DEADLINE_EXCEEDED"
     assert result["error_message"] == DEADLINE_EXCEEDED_TEXT
     assert sim.stats()["total"] == 0  # never sent
@@ -233,6 +240,7 @@ async def test_deadline_passing_while_the_gateway_fails_ends_the_request(
         await harness.submit([sub(f"{unique}-d", ttl=3.5)])  # 2.5-3.5 s: a retry or two
         [result] = await harness.results(1, 15)
         assert await harness.results(1, 1.0) == []  # and only once
+        await wait_for(exceeded_counted(processor, harness), 5, "the deadline counted")
     # The last HTTP answer, even when the deadline passed while the retry waited.
     assert result["status_code"] == 503
     assert sim.stats()["by_status"]["503"] >= 1
