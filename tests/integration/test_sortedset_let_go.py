@@ -10,13 +10,15 @@ import hashlib
 import json
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
 from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
+from async_processor.config import SortedSetConfig
 from async_processor.messages import LET_GO, Result
 from async_processor.transports import redis_keys
 from async_processor.transports.base import Completion, Deferral, Delivery
@@ -56,6 +58,19 @@ def let_go(transport: SortedSetTransport, delivery: Delivery) -> None:
     assert delivery.envelope is not None and delivery.envelope.request.payload is LET_GO
 
 
+@asynccontextmanager
+async def held_and_let_go(
+    config: SortedSetConfig, r: Redis, raw: bytes, deadline: int
+) -> AsyncIterator[tuple[SortedSetTransport, Delivery]]:
+    """``raw`` queued at ``deadline`` on the config's queue, claimed, and its bytes let go
+    as the worker does when its request is written."""
+    await r.zadd(config.queues[0].queue_name, {raw: deadline})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        let_go(transport, delivery)
+        yield transport, delivery
+
+
 async def test_a_retry_after_the_bytes_were_let_go_is_written_byte_for_byte(make_config, r) -> None:
     config = make_config()
     q = config.queues[0].queue_name
@@ -85,10 +100,7 @@ async def test_a_hand_back_after_let_go_whose_lease_lapsed_adds_no_second_copy(
     q = config.queues[0].queue_name
     deadline = future()
     raw = odd_member("lapsed", deadline)
-    await r.zadd(q, {raw: deadline})
-    async with opened(config) as transport:
-        delivery = await fetch_one(transport)
-        let_go(transport, delivery)
+    async with held_and_let_go(config, r, raw, deadline) as (transport, delivery):
         await anyio.sleep(0.3)
         await transport.reap()  # the member is back on its queue
         with capture_logs() as logs:
@@ -139,10 +151,7 @@ async def test_a_dead_letter_after_let_go_holds_the_raw_message(make_config, r) 
     q = config.queues[0].queue_name
     deadline = future()
     raw = odd_member("parked", deadline)
-    await r.zadd(q, {raw: deadline})
-    async with opened(config) as transport:
-        delivery = await fetch_one(transport)
-        let_go(transport, delivery)
+    async with held_and_let_go(config, r, raw, deadline) as (transport, delivery):
         await transport.dead_letter(delivery, "malformed", "parked after its request went out")
     [entry] = [json.loads(e) for e in await r.lrange(redis_keys.dead_letter_key(q), 0, -1)]
     assert entry["raw"] == raw.decode()
@@ -250,10 +259,10 @@ async def test_a_dead_letter_whose_lease_entry_is_gone_ends_as_one_failure_resul
     config = make_config()
     q = config.queues[0].queue_name
     deadline = future()
-    await r.zadd(q, {odd_member("gone", deadline): deadline})
-    async with opened(config) as transport:
-        delivery = await fetch_one(transport)
-        let_go(transport, delivery)
+    async with held_and_let_go(config, r, odd_member("gone", deadline), deadline) as (
+        transport,
+        delivery,
+    ):
         await r.delete(redis_keys.inflight_meta_key(q))
         with capture_logs() as logs:
             await transport.dead_letter(delivery, "malformed", "parked after its request went out")
