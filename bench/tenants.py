@@ -8,13 +8,18 @@ All queues are loaded before the daemons start, so all stay backlogged; with ``-
 only the first n are, the others stay empty (many tenants, few of them active), and the
 shares are of the busy ones. ``--replicas``
 daemons (``python -m async_processor run``) share one Redis; after a warm-up of
-``--warmup`` results, the next ``--window`` results, across every replica, are counted
-per queue against its weighted fair share. Target: every queue ≥ 0.8 of its share.
+``--warmup`` results, the results of one window (below) are counted per queue against
+its weighted fair share. Target: every queue ≥ 0.8 of its share.
 
-Overhead, in the same run: the same daemons on 2 queues (equal weights), the same
-window: daemon CPU ms per message (all replicas' user + system CPU over the window) and
-Redis round trips per message (``total_reads_processed`` over the window, minus the
-watcher's own). Target (the pass bar): 200 queues within 1.2× of 2 queues on both.
+Overhead, in the same run and at the same time: the same number of daemons on 2 queues
+(equal weights), on a Redis of their own. Both sides warm up, then one window is read
+for both, until either side has ``--window`` more results: daemon CPU ms per message (all
+its replicas' user + system CPU), Redis round trips per message (its
+``total_reads_processed``, minus the watcher's own) and its redis-server's CPU per
+message. Target (the pass bar): 200 queues within 1.2× of 2 queues on daemon CPU and
+round trips. The sides run at once because this machine's speed drifts between minutes:
+run one after the other on a quiet machine, the 2-queue side alone read 0.94, 1.30 and
+1.34 ms per message in three runs of the same code, more than the margin measured.
 
 Idle queues, last: one daemon on ``--queues`` empty queues for ``IDLE_SECONDS``: its CPU
 (cores) and Redis round trips a second; then single messages put on idle queues one by
@@ -56,6 +61,7 @@ class Window:
     ids: list[str]  # result ids in the window, in the order they were pushed
     seconds: float
     cpu_ms: float  # all daemons' CPU per message over the window
+    redis_cpu_ms: float  # the side's redis-server's CPU per message over the window
     round_trips: float  # Redis read events per message over the window
     commands: dict[str, float]  # Redis commands per message over the window, by name
 
@@ -94,73 +100,126 @@ async def load(url: str, tag: str, weights: dict[str, float], per_weight: int, b
         await r.aclose()
 
 
-async def watch(url: str, tag: str, procs: list[Process], warmup: int, window: int) -> Window:
-    """Wait for ``warmup`` results, then time, CPU and count reads until ``window`` more."""
-    r = Redis.from_url(url)
-    own = 0  # our read events: one per command
+@dataclass
+class Side:
+    """One deployment of the run: its queues on its own Redis, its daemons."""
 
-    async def done() -> int:
-        nonlocal own
-        own += 1
-        return int(await r.llen(f"{tag}:results"))
-
-    async def reads() -> int:
-        nonlocal own
-        own += 1
-        return int((await r.info("stats"))["total_reads_processed"])
-
-    async def commands() -> Counter[str]:
-        # Commands called inside scripts count too: a claim's ZPOPMIN shows beside EVALSHA.
-        stats = await r.info("commandstats")
-        return Counter(
-            {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
-        )
-
-    try:
-        with anyio.fail_after(900):
-            while await done() < warmup:
-                await anyio.sleep(0.05)
-            own = 0
-            before = await commands()
-            start = time.monotonic(), sum(cpu_seconds(p.pid) for p in procs), await reads()
-            while await done() < warmup + window:
-                await anyio.sleep(0.05)
-            end = time.monotonic(), sum(cpu_seconds(p.pid) for p in procs), await reads()
-            used = await commands() - before
-        pushed = [
-            Result.decode(raw).id for raw in reversed(await r.lrange(f"{tag}:results", 0, -1))
-        ]
-    finally:
-        await r.aclose()
-    return Window(
-        ids=pushed[warmup : warmup + window],
-        seconds=end[0] - start[0],
-        cpu_ms=(end[1] - start[1]) * 1000 / window,
-        round_trips=(end[2] - start[2] - own) / window,
-        commands={name: calls / window for name, calls in used.most_common(6)},
-    )
+    url: str
+    tag: str
+    procs: list[Process]
 
 
-async def run_tenants(
-    url: str, sim: SimulatorProcess, weights: dict[str, float], replicas: int, workers: int,
-    warmup: int, window: int, gather: int, busy: int = 0,
-) -> Window:  # fmt: skip
+async def deploy(
+    stack: ExitStack, url: str, sim: SimulatorProcess, weights: dict[str, float],
+    replicas: int, workers: int, gather: int, busy: int, results: int,
+) -> Side:  # fmt: skip
+    """Load ``weights``' queues on ``url``, backlogged for ``results`` results, and start
+    the daemons (stopped with ``stack``)."""
     tag = next(iter(weights)).rsplit("-", 1)[0]
     busy = busy or len(weights)
     loaded = sum(list(weights.values())[:busy])
-    per_weight = (warmup + window) * 1.5 / loaded  # backlogged all along
+    per_weight = results * 1.5 / loaded
     await load(url, tag, weights, int(per_weight), busy)
-    with ExitStack() as stack:
-        merge = LOG_DIR / f"{tag}-merge.json"
-        merge.parent.mkdir(parents=True, exist_ok=True)
-        merge.write_text(json.dumps({"type": "weighted-fair", "parameters": {"weights": weights}}))
-        procs = []
-        for n in range(replicas):
-            health = free_port()
-            args = [*daemon_args(url, sim.url, tag, workers, merge, gather), "--health-port",
-                    str(health), "--metrics-port", str(free_port())]  # fmt: skip
-            procs.append(python_process(stack, args, port=health, log=LOG_DIR / f"{tag}-{n}.log"))
-        return await watch(url, tag, procs, warmup, window)
+    merge = LOG_DIR / f"{tag}-merge.json"
+    merge.parent.mkdir(parents=True, exist_ok=True)
+    merge.write_text(json.dumps({"type": "weighted-fair", "parameters": {"weights": weights}}))
+    procs = []
+    for n in range(replicas):
+        health = free_port()
+        args = [*daemon_args(url, sim.url, tag, workers, merge, gather), "--health-port",
+                str(health), "--metrics-port", str(free_port())]  # fmt: skip
+        procs.append(python_process(stack, args, port=health, log=LOG_DIR / f"{tag}-{n}.log"))
+    return Side(url, tag, procs)
+
+
+@dataclass
+class Reading:
+    """One side's counters at one instant."""
+
+    results: int
+    cpu: float  # all its daemons' user + system seconds
+    redis_cpu: float  # its redis-server's user + system seconds
+    reads: int  # its Redis's read events
+    own: int  # the watcher's own commands up to ``reads``
+    commands: Counter[str]  # its Redis's command calls, by name (scripts' inner ones too)
+
+
+class Watcher:
+    """Reads one side's counters, counting its own commands (one read event each) to
+    take them off the side's round trips."""
+
+    def __init__(self, side: Side) -> None:
+        self.side = side
+        self.redis = Redis.from_url(side.url)
+        self.own = 0
+
+    async def results(self) -> int:
+        self.own += 1
+        return int(await self.redis.llen(f"{self.side.tag}:results"))
+
+    async def read(self) -> Reading:
+        self.own += 1
+        stats = await self.redis.info("stats")
+        own = self.own
+        self.own += 2
+        cpu, commands = await self.redis.info("cpu"), await self.redis.info("commandstats")
+        return Reading(
+            results=await self.results(),
+            cpu=sum(cpu_seconds(p.pid) for p in self.side.procs),
+            redis_cpu=float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]),
+            reads=int(stats["total_reads_processed"]),
+            own=own,
+            commands=Counter({n.removeprefix("cmdstat_"): int(v["calls"])
+                              for n, v in commands.items()}),
+        )  # fmt: skip
+
+    async def window(self, start: Reading, end: Reading, seconds: float) -> Window:
+        """Figures per message between two readings, and the ids pushed between them."""
+        count = end.results - start.results
+        raws = await self.redis.lrange(f"{self.side.tag}:results", 0, -1)
+        ids = [Result.decode(raw).id for raw in reversed(raws)]
+        used = end.commands - start.commands
+        return Window(
+            ids=ids[start.results : end.results],
+            seconds=seconds,
+            cpu_ms=(end.cpu - start.cpu) * 1000 / count,
+            redis_cpu_ms=(end.redis_cpu - start.redis_cpu) * 1000 / count,
+            round_trips=(end.reads - start.reads - (end.own - start.own)) / count,
+            commands={name: calls / count for name, calls in used.most_common(6)},
+        )
+
+
+async def side_by_side(
+    sides: list[Side], warmup: int, window: int, rounds: int
+) -> tuple[list[Window], list[list[Window]]]:
+    """Wait until every side has ``warmup`` results; then read all sides over ``rounds``
+    windows in a row, each until the first side has ``window`` more. The sides run at
+    the same time, so the machine's speed, which drifts between minutes, is the same for
+    both. Returns one window per side over all rounds, and per round one per side."""
+    watchers = [Watcher(side) for side in sides]
+    try:
+        with anyio.fail_after(900):
+            while min([await w.results() for w in watchers]) < warmup:
+                await anyio.sleep(0.05)
+            times, readings = [time.monotonic()], [[await w.read() for w in watchers]]
+            for _ in range(rounds):
+                pairs = list(zip(watchers, readings[-1], strict=True))
+                while not any([await w.results() - s.results >= window for w, s in pairs]):
+                    await anyio.sleep(0.05)
+                times.append(time.monotonic())
+                readings.append([await w.read() for w in watchers])
+        spans = [(0, rounds), *((n, n + 1) for n in range(rounds))]
+        windows = [
+            [
+                await w.window(readings[a][k], readings[b][k], times[b] - times[a])
+                for k, w in enumerate(watchers)
+            ]
+            for a, b in spans
+        ]
+        return windows[0], windows[1:]
+    finally:
+        for w in watchers:
+            await w.redis.aclose()
 
 
 @dataclass
@@ -215,17 +274,23 @@ def shares(weights: dict[str, float], ids: list[str]) -> dict[str, float]:
 
 
 async def measure(
-    queues: int, replicas: int, workers: int, warmup: int, window: int, mix: list[float],
-    gather: int, busy: int = 0,
+    queues: int, replicas: int, workers: int, warmup: int, window: int, rounds: int,
+    mix: list[float], gather: int, busy: int = 0,
 ) -> list[tuple[str, str]]:  # fmt: skip
     tag = f"tenants-{secrets.token_hex(3)}"
     many = {f"{tag}-t{i:03d}": mix[i % len(mix)] for i in range(queues)}
     few = {f"{tag}x-t{i}": 1.0 for i in range(2)}
+    total = warmup + window * rounds
     with ExitStack() as stack:
-        url, sim = redis(stack).url, simulator(stack, "--latency", str(LATENCY))
-        wide = await run_tenants(url, sim, many, replicas, workers, warmup, window, gather, busy)
-        narrow = await run_tenants(url, sim, few, replicas, workers, warmup, window, gather)
-        idle = await run_idle(url, sim, queues, workers, gather)
+        sim = simulator(stack, "--latency", str(LATENCY))
+        urls = redis(stack).url, redis(stack).url
+        with ExitStack() as daemons:
+            sides = [
+                await deploy(daemons, url, sim, weights, replicas, workers, gather, n, total)
+                for url, weights, n in ((urls[0], many, busy), (urls[1], few, 0))
+            ]
+            (wide, narrow), each = await side_by_side(sides, warmup, window, rounds)
+        idle = await run_idle(urls[0], sim, queues, workers, gather)
     active = dict(list(many.items())[: busy or queues])
     ratios = shares(active, wide.ids)
     worst = min(ratios, key=ratios.__getitem__)
@@ -235,33 +300,45 @@ async def measure(
         for w in sorted(set(active.values()))
     )
     cpu, trips = wide.cpu_ms / narrow.cpu_ms, wide.round_trips / narrow.round_trips
+    redis_cpu = wide.redis_cpu_ms / narrow.redis_cpu_ms
     ideal = replicas * workers / LATENCY
     return [
         ("setup", f"{queues} queues in a Redis set, {len(active)} of them busy (weights "
                   f"{','.join(f'{w:g}' for w in mix)} "
                   f"in turn), {replicas} daemon processes × {workers} workers, gateway "
                   f"{LATENCY:g} s (ideal {ideal:.0f} msg/s), claim_gather_ms {gather}"),
-        ("window", f"results {warmup}…{warmup + window} in {wide.seconds:.1f} s "
-                   f"({window / wide.seconds:.0f} msg/s)"),
+        ("windows", f"both sides at once, each on its own Redis, after {warmup} results "
+                    f"each: {rounds} in a row, each until one side had {window} more; "
+                    f"{wide.seconds:.1f} s in all"),
         ("share range", f"{min(ratios.values()):.2f} … {max(ratios.values()):.2f} of fair"),
         ("by weight", by_weight),
         ("worst queue", verdict(f"{ratios[worst]:.2f} ({worst.rsplit('-', 1)[1]})",
                                 ratios[worst] >= TARGET, f"≥ {TARGET}")),
-        ("2 queues", f"{window / narrow.seconds:.0f} msg/s, {narrow.cpu_ms:.2f} CPU ms/msg, "
-                     f"{narrow.round_trips:.2f} Redis round trips/msg"),
-        (f"{queues} queues", f"{wide.cpu_ms:.2f} CPU ms/msg, "
-                             f"{wide.round_trips:.2f} Redis round trips/msg"),
+        ("2 queues", _side(narrow)),
+        (f"{queues} queues", _side(wide)),
         ("commands/msg, 2", _commands(narrow)),
         (f"commands/msg, {queues}", _commands(wide)),
         ("CPU per msg", verdict(f"× {cpu:.2f} of 2 queues", cpu <= OVERHEAD_TARGET,
                                 f"≤ {OVERHEAD_TARGET}×")),
         ("round trips", verdict(f"× {trips:.2f} of 2 queues", trips <= OVERHEAD_TARGET,
                                 f"≤ {OVERHEAD_TARGET}×")),
+        ("each window", "; ".join(
+            f"CPU × {w.cpu_ms / n.cpu_ms:.2f}, round trips × {w.round_trips / n.round_trips:.2f}"
+            for w, n in each)),
+        ("Redis CPU per msg", f"× {redis_cpu:.2f} of 2 queues"),
         (f"idle, {queues} queues", f"1 daemon: {idle.cores:.3f} cores, "
                                    f"{idle.round_trips:.0f} Redis round trips/s"),
         ("idle pickup", f"{min(idle.pickups) * 1000:.0f}…{max(idle.pickups) * 1000:.0f} ms "
                         f"from submit to result, less the gateway ({len(idle.pickups)} messages)"),
     ]  # fmt: skip
+
+
+def _side(window: Window) -> str:
+    return (
+        f"{len(window.ids) / window.seconds:.0f} msg/s, {window.cpu_ms:.2f} CPU ms/msg, "
+        f"{window.round_trips:.2f} Redis round trips/msg, "
+        f"Redis CPU {window.redis_cpu_ms:.3f} ms/msg"
+    )
 
 
 def _commands(window: Window) -> str:
@@ -276,14 +353,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1000)
     p.add_argument("--window", type=int, default=9000)
     p.add_argument("--weights", default="1,2,4", help="weights given to the queues in turn")
-    p.add_argument("--quick", action="store_true", help="a 3,000-result window")
+    p.add_argument("--rounds", type=int, default=3, help="windows in a row, figures over all")
+    p.add_argument("--quick", action="store_true", help="one 3,000-result window")
     p.add_argument("--gather-ms", type=int, default=GATHER_MS, help="claim_gather_ms")
     p.add_argument("--busy", type=int, default=0, help="queues with messages (0: all)")
     args = p.parse_args(argv)
-    window = 3000 if args.quick else args.window
+    window, rounds = (3000, 1) if args.quick else (args.window, args.rounds)
     mix = [float(w) for w in args.weights.split(",")]
     rows = anyio.run(
-        measure, args.queues, args.replicas, args.workers, args.warmup, window, mix,
+        measure, args.queues, args.replicas, args.workers, args.warmup, window, rounds, mix,
         args.gather_ms, args.busy,
     )  # fmt: skip
     table("many tenants: weighted fair share and fetch overhead", rows)
