@@ -3,12 +3,14 @@
 Stage: beside the workers. Input: the deliveries workers are processing (each registered
 for as long as its worker holds it: pool gate, transforms, HTTP call). Output: the cancel
 scope of each delivery whose producer cancelled it is cancelled, which aborts its HTTP
-call (aiohttp closes the connection, so the gateway stops the work and frees the GPU);
+call (the httptools and aiohttp clients close the connection, so the gateway stops the
+work and frees the GPU; pyreqwest 0.15 lets the call run to its own timeout);
 the worker then answers ``CANCELLED`` and gives its slot and gate permits back as usual.
 
 The markers of everything in flight are read together, one round trip per
-``CANCEL_WATCH_INTERVAL`` (redis-sortedset: one MGET per queue), instead of a GET per
-request: the poller already checks a batch at fetch time, this covers what follows.
+``CANCEL_WATCH_INTERVAL`` (redis-sortedset: one MGET; in cluster mode one per queue,
+pipelined), instead of a GET per request: the poller already checks a batch at fetch
+time, this covers what follows.
 Transports without cancel markers (gcp-pubsub) are not watched.
 
 The watch starts when a worker takes the message, and the worker sends at once; so for a
