@@ -118,8 +118,15 @@ class Metrics:
         )
         self.tokens_total = Counter(
             PREFIX + "tokens",
-            "Tokens in gateway answers' usage, by tenant (metadata attribute) and kind.",
+            "Tokens in gateway answers' usage, by tenant (metadata attribute) and kind "
+            "(prompt, completion, total).",
             ("queue_name", "pool_name", "tenant", "kind"),
+            registry=r,
+        )
+        self.token_usage_invalid_total = Counter(
+            PREFIX + "token_usage_invalid",
+            "Successful answers whose usage held a malformed or out-of-range count (not added).",
+            ("queue_name", "pool_name"),
             registry=r,
         )
         self.gate_decisions_total = counter(

@@ -126,6 +126,7 @@ class Processor:
         self._cancels = CancelWatch(self.transport)
         self._tokens = TokenAccounting(
             self.metrics.tokens_total,
+            self.metrics.token_usage_invalid_total,
             str(config.merge_policy.parameters.get("fairness_attribute") or "")
             or DEFAULT_FAIRNESS_ATTRIBUTE,
             rt.tenant_label_limit,

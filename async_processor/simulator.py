@@ -72,6 +72,9 @@ class SimConfig(BaseModel):
     ready_pods: int = Field(1, ge=0)
     # EPP series names: llm-d-router v0.9+ (current), older EPPs (legacy), or both.
     epp_metrics: Literal["current", "legacy", "both"] = "current"
+    # Raw text put in place of each answer's usage value (a hostile or odd gateway: huge
+    # or negative counts, junk, embeddings-style usage); None: the real counts.
+    usage_json: str | None = None
 
     def delay(self, max_tokens: int) -> float:
         return self.latency + self.ttft + self.per_token * max_tokens
@@ -202,7 +205,8 @@ class Simulator:
         if delay > 0:  # zero latency must not even enter the event loop's timer heap
             await anyio.sleep(delay)
         chat = request.path.endswith("/chat/completions")
-        return web.Response(body=_completion_body(parsed, chat, max_tokens), content_type=JSON)
+        body = _completion_body(parsed, chat, max_tokens, config.usage_json)
+        return web.Response(body=body, content_type=JSON)
 
     async def _pooled(self, request: web.Request, body: bytes, pool: PoolRuntime) -> web.Response:
         """Through the load-dependent pool: shed (429) or answered when its job finishes."""
@@ -216,7 +220,8 @@ class Simulator:
         )
         if job is None:
             return _capacity_response(self.config.retry_after, "pool-saturated")
-        response = web.Response(body=_completion_body(parsed, chat, max_tokens), content_type=JSON)
+        body = _completion_body(parsed, chat, max_tokens, self.config.usage_json)
+        response = web.Response(body=body, content_type=JSON)
         response.headers[TIMING_HEADER] = f"{job.ttft or 0.0:.6f}"
         return response
 
@@ -281,14 +286,16 @@ def _prompt_tokens(request: dict[str, Any], chat: bool) -> int:
     return max(1, len(prompt) // 4)
 
 
-def _completion_body(request: dict[str, Any], chat: bool, max_tokens: int) -> bytes:
+def _completion_body(
+    request: dict[str, Any], chat: bool, max_tokens: int, usage_json: str | None = None
+) -> bytes:
     text = " ".join(["tok"] * min(max_tokens, 4096))
     if chat:
         choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
     else:
         choice = {"text": text}
     prompt_tokens = _prompt_tokens(request, chat)
-    return json.dumps(
+    body = json.dumps(
         {
             "id": f"cmpl-sim-{time.monotonic_ns():x}",
             "object": "chat.completion" if chat else "text_completion",
@@ -301,7 +308,10 @@ def _completion_body(request: dict[str, Any], chat: bool, max_tokens: int) -> by
                 "total_tokens": prompt_tokens + max_tokens,
             },
         }
-    ).encode()
+    )
+    if usage_json is not None:  # usage stays last, as OpenAI servers put it
+        body = body[: body.rindex('"usage": ')] + f'"usage": {usage_json}}}'
+    return body.encode()
 
 
 def _capacity_response(retry_after: float, reason: str = "capacity") -> web.Response:

@@ -215,7 +215,7 @@ class Worker:
             attempt = await send(self.http, out, timeout=timeout, limit=limit)
             span.answered(attempt)
         latency = time.monotonic() - started
-        if self.tokens is not None and 200 <= attempt.status < 300:
+        if self.tokens is not None and 200 <= attempt.status < 300:  # count() never raises
             self.tokens.count(work.queue.name, self.pool, request.metadata, attempt.body)
         work.metrics.inference_latency.observe(latency * 1000)
         if attempt.shed:

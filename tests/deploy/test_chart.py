@@ -137,6 +137,7 @@ def populated_metrics() -> Metrics:
     m.duplicates_suppressed_total.labels("q", "q", "default")
     m.pool_worker_limit.labels("default").set(1)
     m.tokens_total.labels("q", "default", "none", "prompt")  # the first answer with usage
+    m.token_usage_invalid_total.labels("q", "default")  # the first answer with junk usage
     m.results_trimmed_total.labels("result-list")  # made by the sorted-set transport
     m.discovery_refused_total.labels("daemon_key")  # made by sorted-set queue discovery
     # Gate gauges register when their gate is built: build one of each kind that has them.

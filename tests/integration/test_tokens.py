@@ -1,6 +1,6 @@
 """Token accounting per tenant: the daemon against real Redis and the
 simulator over HTTP counts each answer's ``usage`` under the message's tenant, caps the
-tenants, and leaves the gateway's body in the result unchanged."""
+tenants, and leaves the gateway's body in the result unchanged, whatever its usage says."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ async def test_tokens_are_counted_per_tenant_with_a_cap(
                 processor, TOKENS, queue_name=unique, pool_name="default", tenant=tenant, kind=kind
             )
             for tenant in ("alpha", "beta", "gamma", "other", "none")
-            for kind in ("prompt", "completion")
+            for kind in ("prompt", "completion", "total")
         }
     tenant_of = {"a1": "alpha", "a2": "alpha", "b1": "beta", "c1": "other", "n1": "none"}
     expected: Counter[tuple[str, str]] = Counter()
@@ -59,6 +59,7 @@ async def test_tokens_are_counted_per_tenant_with_a_cap(
         usage = json.loads(result.payload)["usage"]  # the gateway body, as it came
         expected[(tenant_of[result.id], "prompt")] += usage["prompt_tokens"]
         expected[(tenant_of[result.id], "completion")] += usage["completion_tokens"]
+        expected[(tenant_of[result.id], "total")] += usage["total_tokens"]
     assert expected[("alpha", "completion")] == 12
     assert counted == {key: float(expected[key]) for key in counted}
     # The result keeps the gateway's bytes: the simulator's own json.dumps layout (spaces,
@@ -71,3 +72,48 @@ async def test_tokens_are_counted_per_tenant_with_a_cap(
 def usage_total(payload: str) -> int:
     usage = json.loads(payload)["usage"]
     return int(usage["total_tokens"])
+
+
+INVALID = "llm_d_async_async_token_usage_invalid_total"
+# (usage the gateway sends, tokens that must be counted by kind, whether it is invalid)
+HOSTILE: list[tuple[str, dict[str, int], bool]] = [
+    ('{"prompt_tokens": ' + "9" * 401 + ', "completion_tokens": 2}', {"completion": 2}, True),
+    ('{"prompt_tokens": 1' + "0" * 300 + ', "total_tokens": 5}', {"total": 5}, True),
+    ('{"prompt_tokens": -4, "completion_tokens": 1e300, "total_tokens": true}', {}, True),
+    ('{"prompt_tokens": "7", "completion_tokens": {"n": [1]}, "total_tokens": 3.0}', {}, True),
+    ('{"prompt_tokens": ' + "[" * 2000 + "]" * 2000 + "}", {}, True),
+    ('"lots"', {}, True),
+    ("null", {}, False),
+    ('{"prompt_tokens": 8, "total_tokens": 8}', {"prompt": 8, "total": 8}, False),  # embeddings
+    ('{"prompt_tokens": 3, "completion_tokens": 4}', {"prompt": 3, "completion": 4, "total": 7},
+     False),
+]  # fmt: skip
+
+
+async def test_a_hostile_usage_leaves_the_answer_a_success_and_counts_only_valid_fields(
+    redis_url: str, unique: str, simulator: SimulatorProcess
+) -> None:
+    config = sortedset_config(redis_url, simulator.url, unique)
+    config = config.model_copy(
+        update={"merge_policy": MergePolicyConfig(parameters={"fairness_attribute": "team"})}
+    )
+    expected: Counter[str] = Counter()
+    async with running(config) as processor:
+        client = await submit(redis_url, unique)
+        for n, (usage, counts, _) in enumerate(HOSTILE):
+            simulator.configure(usage_json=usage)
+            # "none" as a tenant id: counted as "other", never as the no-tenant series.
+            await client.submit_many([_req(f"h{n}", "none", "p" * 20, 2)])
+            [result] = await client.drain_results(1, 20)
+            assert (result.id, result.status_code, result.error_code) == (f"h{n}", 200, "")
+            assert result.payload.endswith(f'"usage": {usage}}}')  # the gateway's bytes
+            expected.update(counts)
+        counted = {
+            kind: metric(processor, TOKENS, queue_name=unique, tenant="other", kind=kind)
+            for kind in ("prompt", "completion", "total")
+        }
+        invalid = metric(processor, INVALID, queue_name=unique, pool_name="default")
+        no_tenant = metric(processor, TOKENS, queue_name=unique, tenant="none")
+    assert counted == {kind: float(expected[kind]) for kind in counted}
+    assert invalid == sum(bad for _, _, bad in HOSTILE)
+    assert no_tenant == 0
