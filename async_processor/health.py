@@ -10,11 +10,17 @@ inference simulator.
 Both ports are open to anything that can reach the pod, so a client gets
 ``HEADER_TIMEOUT`` to send its request's headers (from connecting, or from the previous
 response) before the connection is closed: a half-sent request cannot hold one for
-aiohttp's default hour. A malformed request is one debug line, not an error traceback.
+aiohttp's default hour; and each server holds at most ``MAX_CONNECTIONS`` connections
+(aiohttp has no such cap): at the cap a new connection takes the place of the oldest one
+waiting for a request, or is closed at once if every one is in the middle of a request,
+so a flood of idle or half-sent connections costs neither file descriptors nor the
+probes' and scrapers' answers. A malformed request is one debug line, not an error
+traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -38,6 +44,8 @@ READINESS_TIMEOUT = 3.0
 SHUTDOWN_TIMEOUT = 5.0
 # Probes and scrapers send a request in milliseconds; an idle keep-alive reconnects.
 HEADER_TIMEOUT = 10.0
+# Probes and scrapers hold a connection or two each; far below the fd limit.
+MAX_CONNECTIONS = 64
 
 Readiness = Callable[[], Awaitable[str | None]]
 log = structlog.get_logger(__name__)
@@ -141,6 +149,7 @@ async def _serve(
         async with listening(
             app, host, port, shutdown_timeout=SHUTDOWN_TIMEOUT,
             keepalive_timeout=HEADER_TIMEOUT, logger=server_log,
+            max_connections=MAX_CONNECTIONS,
         ) as bound:  # fmt: skip
             log.info("server_listening", server=name, host=host, port=bound)
             task_status.started(bound)
@@ -159,13 +168,15 @@ async def listening(
     port: int,
     *,
     backlog: int = 128,
+    max_connections: int | None = None,
     handler_cancellation: bool = False,
     shutdown_timeout: float = 60.0,
     **handler: Any,
 ) -> AsyncIterator[int]:
     """``app`` served on ``host:port`` for the block; yields the bound port (``port=0``
     picks one). ``OSError`` when it cannot listen; the runner is cleaned up even when
-    the block is cancelled. ``handler``: more of aiohttp's request-handler options."""
+    the block is cancelled. ``max_connections``: see ``_Doorman`` (None: no cap).
+    ``handler``: more of aiohttp's request-handler options."""
     runner = web.AppRunner(
         app,
         access_log=None,
@@ -175,14 +186,59 @@ async def listening(
         **handler,
     )
     await runner.setup()
+    assert runner.server is not None  # setup made it
+    factory: Callable[[], asyncio.BaseProtocol] = runner.server
+    if max_connections is not None:
+        factory = _Doorman(runner.server, max_connections)
     try:
-        await web.TCPSite(runner, host, port, backlog=backlog).start()
-        yield _bound_port(runner)
+        # What web.TCPSite does, with the connection factory in front of aiohttp's.
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(factory, host, port, backlog=backlog)
+        try:
+            yield int(server.sockets[0].getsockname()[1])
+        finally:
+            server.close()  # stop accepting before the runner closes the connections
     finally:
         with anyio.CancelScope(shield=True):
             await runner.cleanup()
 
 
-def _bound_port(runner: web.AppRunner) -> int:
-    address = runner.addresses[0]
-    return int(address[1])
+class _Doorman:
+    """aiohttp's connection factory with at most ``limit`` connections open.
+
+    At the cap, a new connection closes the oldest one waiting for a request (idle
+    between requests, or still sending its headers), or, when every one is in the middle
+    of a request, is itself closed unanswered. So an abusive client's idle connections
+    give way to a probe's, whose request arrives with its connection; a request being
+    answered is never cut."""
+
+    def __init__(self, server: web.Server, limit: int) -> None:
+        self._server = server
+        self._limit = limit
+        self._warned = False
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        # Closed ones stay listed until their handler task ends; their transport is gone.
+        live = [c for c in self._server.connections if c.transport is not None]
+        if len(live) < self._limit:
+            return self._server()
+        # aiohttp keeps no public "busy" flag; this one spans handler and response write.
+        idle = next((c for c in live if not c._request_in_progress), None)
+        self._note_full(evicted=idle is not None)
+        if idle is None:
+            return _Refused()
+        idle.force_close()
+        return self._server()
+
+    def _note_full(self, *, evicted: bool) -> None:
+        # Once at warning level: a flood must not fill the logs it is reported in.
+        level = logging.DEBUG if self._warned else logging.WARNING
+        self._warned = True
+        log.log(level, "server_connections_full", limit=self._limit, evicted_idle=evicted)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap with none to give way: closed before any byte is read."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -236,3 +238,78 @@ async def test_a_malformed_request_is_one_debug_line_without_traceback(
     assert [(r.levelno, r.exc_info, "\n" in r.getMessage()) for r in records] == [
         (logging.DEBUG, None, False)
     ] * 2
+
+
+def _server_sockets(port: int) -> int:
+    """This process's open sockets whose local port is ``port``: the server's listener and
+    its connections (a client's socket has the port as its remote end)."""
+    ours = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                ours.add(target[8:-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in lines.readlines()[1:]:
+                fields = line.split()
+                local_port = int(fields[1].rsplit(":", 1)[1], 16)
+                count += local_port == port and fields[9] in ours
+    return count
+
+
+@pytest.mark.parametrize("name", ["health", "metrics"])
+async def test_a_flood_of_idle_and_slow_connections_leaves_probes_answered_and_fds_bounded(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each connection held a file descriptor for up to the header timeout, without a cap:
+    # a client opening them faster than they time out could run the daemon out of fds.
+    monkeypatch.setattr(health, "MAX_CONNECTIONS", 8)
+    monkeypatch.setattr(health, "HEADER_TIMEOUT", 600)  # only the cap may close them
+    path = "/healthz" if name == "health" else "/metrics"
+    async with running(*_server(name)) as base, contextlib.AsyncExitStack() as flood:
+        port = int(base.rsplit(":", 1)[1])
+        for n in range(200):
+            stream = await flood.enter_async_context(await anyio.connect_tcp("127.0.0.1", port))
+            if n % 2:  # a slow sender: its headers never finish
+                await stream.send(b"GET / HTTP/1.1\r\nX-Slow: ")
+        for _ in range(3):
+            status, _, _ = await get(f"{base}{path}")
+            assert status == 200
+            # The flood's connections were all accepted before the probe's (one queue).
+            assert _server_sockets(port) <= 1 + 8
+
+
+async def test_at_the_cap_requests_in_progress_are_answered_and_a_newcomer_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(health, "MAX_CONNECTIONS", 3)
+    release = anyio.Event()
+    waiting = 0
+
+    async def readiness() -> str | None:
+        nonlocal waiting
+        waiting += 1
+        await release.wait()
+        return None
+
+    async with running(health.serve_health, "127.0.0.1", 0, readiness) as base:
+        port = int(base.rsplit(":", 1)[1])
+        results: list[int] = []
+
+        async def probe() -> None:
+            results.append((await get(f"{base}/readyz"))[0])
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(probe)
+            while waiting < 3:  # all three in their handler
+                await anyio.sleep(0.01)
+            # Closed unanswered (sending nothing, so it is a clean close, never a reset).
+            async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+                with anyio.fail_after(10), pytest.raises(anyio.EndOfStream):
+                    await stream.receive()
+            release.set()
+        assert results == [200] * 3
+        assert (await get(f"{base}/healthz"))[0] == 200
