@@ -129,12 +129,31 @@ class SortedSetUpkeep:
                     log.warning("leases_lost", queue=name, count=len(really_lost))
 
     async def reap(self) -> None:
-        """Put every expired claim of every queue back with its deadline score."""
-        groups = [
-            [q.name, self._keys.inflight(q.name), self._keys.inflight_meta(q.name)]
+        """Put every expired claim of every queue back with its deadline score, in chunks
+        (the queues with a full chunk go again). A claim whose lease entry is gone (an
+        eviction, a DEL by hand) has nothing to put back: its message is lost unless its
+        holder still answers it, so each is logged and counted, never dropped silently.
+        Its claim id does not name the request, so no result can be written for it."""
+        groups = {
+            q.name: [q.name, self._keys.inflight(q.name), self._keys.inflight_meta(q.name)]
             for q in self.queues
-        ]
-        await self._drain("reap", "reap", groups)
+        }
+        total = 0
+        while groups:
+            replies = await self._pipelined("reap", "reap", list(groups.values()), [CHUNK])
+            for name, (taken, missing) in zip(list(groups), replies, strict=True):
+                total += int(taken) - int(missing)
+                if missing:
+                    self._lease_entries_missing(name, int(missing))
+                if int(taken) < CHUNK:
+                    del groups[name]
+        if total:
+            log.info("reap_moved", count=total)
+
+    def _lease_entries_missing(self, queue: str, count: int) -> None:
+        log.error("reaped_claims_without_lease_entry", queue=queue, count=count)
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.abandoned_total.labels(queue, "lease_entry_missing").inc(count)
 
     async def retain(self) -> None:
         """Per result list (configured, and each served or removed queue's own, from the

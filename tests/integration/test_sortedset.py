@@ -20,6 +20,7 @@ from async_processor.messages import ID_PREFIX_BYTES, Envelope, ErrorCode, Reque
 from async_processor.metrics import Metrics
 from async_processor.transports import build_transport, redis_keys
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
+from async_processor.transports.redis_claims import claim_of
 from async_processor.transports.redis_sortedset import SortedSetTransport
 from async_processor.transports.redis_upkeep import CHUNK
 from tests.fixtures.servers import free_port
@@ -225,6 +226,33 @@ async def test_complete_after_lost_lease_removes_the_returned_message(make_confi
         await transport.complete([Completion(delivery, Result.http("slow", 200, b"{}"))])
     assert await r.zcard(q) == 0
     assert len(await results_of(r, config.result_queue_name)) == 1
+
+
+async def test_an_expired_claim_without_its_lease_entry_is_counted_and_logged(
+    make_config, r
+) -> None:
+    # reap.lua dropped such a claim without a trace: the message's bytes were gone with
+    # the entry (an eviction, a DEL), so it could not be put back, and nothing said so.
+    config = make_config(lease_seconds=0.2)
+    q = config.queues[0].queue_name
+    deadline = future()
+    await r.zadd(q, {member("gone", deadline): deadline, member("kept", deadline): deadline})
+    metrics = Metrics()
+    async with opened(config, TransportContext(metrics=metrics)) as transport:
+        first, second = await transport.fetch(transport.queues[0], 2, 0)
+        await r.hdel(redis_keys.inflight_meta_key(q), claim_of(first).id)
+        await anyio.sleep(0.3)
+        with capture_logs() as logs:
+            await transport.reap()
+    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+    assert await r.zrange(q, 0, -1) == [second.raw]  # the one with its entry is back
+    assert [(e["event"], e["log_level"], e["count"]) for e in logs if "count" in e] == [
+        ("reaped_claims_without_lease_entry", "error", 1),
+        ("reap_moved", "info", 1),
+    ]
+    labels = {"queue_name": q, "reason": "lease_entry_missing"}
+    counted = metrics.registry.get_sample_value("llm_d_async_async_abandoned_claims_total", labels)
+    assert counted == 1
 
 
 async def test_resubmission_gets_a_new_result(make_config, r) -> None:
