@@ -57,6 +57,7 @@ from async_processor.gates.base import CLASSIFICATION_LABEL
 from async_processor.messages import Envelope, decode_envelope
 from async_processor.transports.base import Delivery
 from async_processor.transports.redis_conn import REDIS_AWAY
+from async_processor.transports.redis_settings import result_side_key as result_side_key
 
 DEFAULT_REQUEST_QUEUE = "request-sortedset"
 DEFAULT_RESULT_LIST = "result-list"
@@ -229,13 +230,6 @@ async def marked_cancelled(redis: Redis, markers: Sequence[tuple[str, str]]) -> 
 
 def sequence_key(queue: str, deadline: int) -> str:
     return f"{queue}:seq:{deadline}"
-
-
-def result_side_key(result_list: str, suffix: str) -> str:
-    """A key kept beside a result list, in its cluster hash slot (its tag, or its name as
-    the tag): ``{R}:pushed`` and ``{R}:marks`` (retention), ``{R}:processing:<consumer>``."""
-    tagged = result_list if "{" in result_list else f"{{{result_list}}}"
-    return f"{tagged}:{suffix}"
 
 
 def live_key(queue: str, request_id: str) -> str:

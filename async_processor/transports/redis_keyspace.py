@@ -27,7 +27,7 @@ from redis.asyncio.cluster import ClusterPipeline
 from redis.commands.core import AsyncScript
 
 from async_processor.transports import redis_keys as keys
-from async_processor.transports.redis_settings import hash_tag, slot
+from async_processor.transports.redis_settings import hash_tag, shares_slot, slot
 
 UPKEEP_GROUP = 256  # queues per upkeep script call (each call stays well under a ms)
 RELOAD_EVERY = 10.0  # seconds between script loads on every primary (cluster pipelines)
@@ -97,8 +97,12 @@ class KeySpace:
         ]
 
     def routable(self, queue: str, result_list: str) -> bool:
-        """Whether a message-named result list can be written with ``queue``'s ack."""
-        return not self.cluster or slot(result_list) == slot(queue)
+        """Whether a message-named result list can be written with ``queue``'s ack: in
+        cluster mode it and the keys kept beside it share the queue's slot (checking the
+        list alone let a name like ``x{3606`` through, whose counter key hashes elsewhere:
+        every write of that result failed, and the message went back to the gateway at
+        each lease until its deadline)."""
+        return not self.cluster or shares_slot(queue, result_list)
 
     def own_keys(self, own: keys.OwnKeys, queues: Iterable[str]) -> keys.OwnKeys:
         """``own`` plus the cluster names of each queue's keys and markers, and with

@@ -131,14 +131,31 @@ def slot(key: str) -> int:
     return crc_hqx(hash_tag(key).encode(), 0) % CLUSTER_SLOTS
 
 
+def result_side_key(result_list: str, suffix: str) -> str:
+    """A key kept beside a result list, in its cluster hash slot (its tag, or its name as
+    the tag): ``{R}:pushed`` and ``{R}:marks`` (retention), ``{R}:processing:<consumer>``.
+    A name with a ``{`` but no hash tag keeps its name here, so these land in another slot
+    (``shares_slot`` refuses it in cluster mode)."""
+    tagged = result_list if "{" in result_list else f"{{{result_list}}}"
+    return f"{tagged}:{suffix}"
+
+
+def shares_slot(queue: str, result_list: str) -> bool:
+    """Whether ``result_list`` and the keys kept beside it are in ``queue``'s slot, so one
+    script can write a result and ack the queue (cluster mode)."""
+    home = slot(queue)
+    return slot(result_list) == home and slot(result_side_key(result_list, "")) == home
+
+
 def cluster_problem(queue: str, result_list: str) -> str | None:
     """Cluster mode: why ``queue``'s keys or its ``result_list`` would not share one slot."""
     if slot(f"{{{hash_tag(queue)}}}:inflight") != slot(queue):
         return f"queue {queue!r}: braces in the name must hold a hash tag, e.g. '{{t}}{queue}'"
-    if slot(result_list) == slot(queue):
+    if shares_slot(queue, result_list):
         return None
     return (
-        f"queue {queue!r}: result list {result_list!r} is in another hash slot, so the "
+        f"queue {queue!r}: result list {result_list!r} (or the keys kept beside it) is in "
+        f"another hash slot, so the "
         f"result+ack step could not be atomic; use a name in the queue's slot, "
         f"e.g. '{{{hash_tag(queue)}}}:results'"
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from pydantic import ValidationError
 from redis.crc import key_slot
@@ -61,6 +63,18 @@ def test_a_cross_slot_result_list_names_a_working_one() -> None:
     assert cluster_problem("requests", "{requests}:results") is None
     assert "'{t}:results'" in (cluster_problem("{t}q", "results") or "")
     assert "hash tag" in (cluster_problem("a{}b", "{a{}b}:results") or "")
+
+
+def test_a_result_list_whose_side_keys_hash_elsewhere_is_refused() -> None:
+    """``x{N`` has a brace but no tag: Redis hashes all of it, and its counter key
+    ``x{N:pushed`` too, into another slot; same slot for the list alone is not enough."""
+    home = slot("requests")
+    name = next(n for i in itertools.count() if slot(n := f"x{{{i}") == home)
+    assert slot(keys.result_side_key(name, "pushed")) != home
+    assert cluster_problem("requests", name) is not None
+    assert not CLUSTER.routable("requests", name)
+    assert CLUSTER.routable("requests", "{requests}:results")
+    assert STANDALONE.routable("requests", name)
 
 
 def test_cluster_config_checks_every_queue_at_startup() -> None:
