@@ -7,7 +7,9 @@ submission order), cancellation markers, and ``messages.Result``
 objects read from the result list. It connects like the daemon (``redis_conn``: standalone,
 sentinel, TLS, ACL users). Behaves like the Go reference's producer:
 each submission gets a fresh 32-hex ``request_token``; ``request-active:<id>`` holds it
-until the deadline; ``cancel`` copies it to ``request-cancel:<id>`` for 7 days.
+until the deadline; ``cancel`` copies it to ``request-cancel:<id>`` for 7 days: the token
+of the queue's own live submission (its ``<queue>:live:<id>``), so a cancel for one queue
+never reaches the same id on another (docs/transports.md).
 
 Reading results loses none: each is moved (``BLMOVE``, Redis >= 6.2) into this consumer's
 processing list ``<result list>:processing:<consumer>``. ``results()`` removes it from
@@ -24,6 +26,7 @@ returns it first. An entry that is not a result is returned as an ``UndecodableR
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import time
@@ -44,6 +47,10 @@ from async_processor.transports.redis_keyspace import KeySpace
 from async_processor.transports.redis_settings import RedisConnection, cluster_problem
 
 SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many
+# How long an order counter (``<queue>:seq:<deadline>``) outlives its last submission: a
+# bound on the counters kept for long deadlines. Submissions of one deadline further apart
+# than this may lose their order (the count starts again).
+SEQUENCE_WINDOW_SECONDS = 600
 # The latest deadline a submission may carry: 9999-12-31T23:59:59Z. Larger ones made the
 # marker's SET EX fail inside the MULTI while the ZADD still ran (a half-written submit).
 MAX_DEADLINE = 253_402_300_799
@@ -173,7 +180,7 @@ class SortedSetClient:
         """The reference producer's three commands for one request, as one script added to
         ``pipe``: it queues nothing while the id is live, and its score orders equal
         deadlines by submission (``lua/submit.lua``)."""
-        token = secrets.token_hex(16)
+        token = new_token()
         envelope = Envelope(
             request=request,
             routing=Routing(
@@ -186,16 +193,25 @@ class SortedSetClient:
             keys=[
                 queue,
                 self._keys.active(queue, request.id),
-                self._keys.cancel(queue, request.id),
                 self._keys.sequence(queue, request.deadline),
                 self._keys.live(queue, request.id),
             ],
-            args=[envelope.encode(), request.deadline, token, ttl, ttl + keys.LIVE_GRACE_SECONDS],
+            args=[
+                envelope.encode(),
+                request.deadline,
+                token,
+                ttl,
+                ttl + keys.LIVE_GRACE_SECONDS,
+                min(ttl + 60, SEQUENCE_WINDOW_SECONDS),
+            ],
             client=pipe,
         )
 
     async def cancel(self, ids: Iterable[str], *, queue: str | None = None) -> int:
-        """Mark requests cancelled (idempotent); returns how many were still active."""
+        """Mark ``queue``'s submissions of ``ids`` cancelled (idempotent); returns how many
+        were still active. An id not live on ``queue`` through this library falls back to
+        ``request-active:<id>`` (a producer writing around the library), unless that holds
+        a library-made token: another queue's submission (``lua/cancel.lua``)."""
         target = queue or self.request_queue
         id_list = list(ids)
         if not id_list:
@@ -207,6 +223,7 @@ class SortedSetClient:
                         keys=[
                             self._keys.active(target, request_id),
                             self._keys.cancel(target, request_id),
+                            self._keys.live(target, request_id),
                         ],
                         args=[keys.CANCEL_TTL_SECONDS],
                         client=pipe,
@@ -357,6 +374,16 @@ class SortedSetClient:
         ]
         with redis_errors("clear"):
             await self._redis.delete(*targets)
+
+
+def new_token() -> str:
+    """A fresh 32-hex request token that ``lua/cancel.lua`` knows for this library's: 16
+    random hex, then the first 16 hex of the SHA-1 of ``async-processor:`` and those."""
+    head = secrets.token_hex(8)
+    return (
+        head
+        + hashlib.sha1(f"async-processor:{head}".encode(), usedforsecurity=False).hexdigest()[:16]
+    )
 
 
 def processing_key(result_queue: str, consumer: str) -> str:

@@ -15,7 +15,8 @@ Keys (the reference's names where it has them):
     retry-sortedset           sorted set of envelopes, score = due time (shared, configurable)
     result-list               list of result JSON (LPUSH by us, BRPOP by the producer)
     <queue>:seq:<deadline>    submissions so far with that deadline (the client's order
-                              tie-breaker in the score), expires 60 s after the deadline
+                              tie-breaker in the score), expires 10 min after its last
+                              use or 60 s after the deadline, whichever is first
     <queue>:live:<id>         the id's live submission on that queue (client library;
                               deleted with its result, else expires LIVE_GRACE after
                               the deadline): a second submission of the id is refused

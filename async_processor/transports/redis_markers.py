@@ -48,7 +48,9 @@ class MarkerChecks:
 
         A member whose queue's ``live:<id>`` marker holds another token is a second entry
         of a live id (written around the client's index, e.g. by a plain ZADD): it is
-        parked as ``superseded``, so two entries of one id are never both dispatched."""
+        parked as ``superseded``, so two entries of one id with different tokens are never
+        both dispatched (the same token twice is one submission written twice by hand:
+        both go, and the dedup marker keeps one result; docs/transports.md)."""
         tokened = [d for d in deliveries if self._decodes(d) and token_of(d)]
         if not tokened:
             return deliveries

@@ -13,7 +13,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from async_processor.client import SortedSetClient
+from async_processor.client import SEQUENCE_WINDOW_SECONDS, SortedSetClient
 from async_processor.config import PoolConfig
 from tests.fixtures.inprocess import running, sortedset_config
 from tests.fixtures.simulator import SimulatorProcess
@@ -70,3 +70,35 @@ async def test_two_thousand_equal_deadlines_are_dispatched_in_submission_order(
         await second.aclose()
     assert [r.status_code for r in answered] == [200] * len(ids)
     assert [r.id for r in answered] == ids
+
+
+async def test_past_the_fractions_later_submissions_still_sort_after_earlier_ones(
+    redis_url: str, unique: str
+) -> None:
+    deadline = int(time.time()) + 600
+    r = aioredis.Redis.from_url(redis_url)
+    async with SortedSetClient(redis_url, request_queue=unique) as client:
+        await client.submit({"id": "first", "deadline": deadline, "payload": {}})
+        # As if a million submissions of this deadline had come in between.
+        await r.set(f"{unique}:seq:{deadline}", 2**20 - 2)
+        for request_id in ("last-fraction", "past-1", "past-2"):
+            await client.submit({"id": request_id, "deadline": deadline, "payload": {}})
+    members = await r.zrange(unique, 0, -1, withscores=True)
+    await r.aclose()
+    scores = {raw.split(b'"id":"')[1].split(b'"')[0].decode(): score for raw, score in members}
+    assert scores["first"] < scores["last-fraction"] <= scores["past-1"] == scores["past-2"]
+    assert int(scores["past-2"]) == deadline
+
+
+async def test_order_counters_live_a_bounded_time_and_only_when_used(
+    redis_url: str, unique: str
+) -> None:
+    day = int(time.time()) + 24 * 3600
+    late = 5_000_000_000  # from 2128 on: a double has no room for the fraction
+    r = aioredis.Redis.from_url(redis_url)
+    async with SortedSetClient(redis_url, request_queue=unique) as client:
+        await client.submit({"id": "day", "deadline": day, "payload": {}})
+        await client.submit({"id": "late", "deadline": late, "payload": {}})
+    assert 0 < await r.ttl(f"{unique}:seq:{day}") <= SEQUENCE_WINDOW_SECONDS
+    assert not await r.exists(f"{unique}:seq:{late}")  # made and never read before
+    await r.aclose()
