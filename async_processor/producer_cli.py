@@ -218,7 +218,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
             "--queue",
             default="request-sortedset",
             metavar="NAME",
-            help="the queue they were submitted to (cluster mode keeps the markers in its slot)",
+            help="the queue they were submitted to: only its submissions are cancelled",
         )
     return p  # fmt: skip
 

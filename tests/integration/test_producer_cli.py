@@ -55,7 +55,9 @@ def test_submit_jsonl_then_cancel(tmp_path: Path, redis_url: str, unique: str) -
     assert env_a.request.payload == b'{"n":12345678901234567890}'
     assert abs(score_a - (time.time() + 600)) < 30
     assert envelopes["b"][0].request.endpoint == "/v1/completions"
-    assert main(["cancel", "a", "--redis-url", redis_url]) == 0
+    assert main(["cancel", "a", "--redis-url", redis_url]) == 0  # another queue's "a"
+    assert r.get("request-cancel:a") is None
+    assert main(["cancel", "a", "--redis-url", redis_url, "--queue", queue]) == 0
     assert r.get("request-cancel:a") == env_a.routing.request_token.encode()
 
 
