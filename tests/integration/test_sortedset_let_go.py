@@ -12,6 +12,7 @@ import time
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import pytest
@@ -20,7 +21,7 @@ from structlog.testing import capture_logs
 
 from async_processor.config import SortedSetConfig
 from async_processor.messages import LET_GO, Result
-from async_processor.transports import redis_keys
+from async_processor.transports import redis_keys, redis_sortedset
 from async_processor.transports.base import Completion, Deferral, Delivery
 from async_processor.transports.redis_sortedset import HEAD_BYTES, SortedSetTransport
 from tests.fixtures.inprocess import running, sortedset_config, submit
@@ -144,6 +145,74 @@ async def test_a_complete_after_a_lapsed_lease_removes_the_let_go_member(
     assert await r.zscore(q, ours) is None
     assert await r.zcard(q) == len(alikes)  # every other member is still there
     assert [x.id for x in await results_of(r, config.result_queue_name)] == [f"{q}-0150"]
+
+
+async def test_a_search_among_look_alikes_reads_a_bounded_number_of_bytes_per_call(
+    make_config, r, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One call compared up to 10,000 look-alikes whatever their size, each copied into
+    # Lua and hashed: 400 of 256 KiB blocked Redis for 265 ms. Now a call stops after
+    # BYTES_PER_CALL and the next one goes on where it stopped.
+    config = make_config(lease_seconds=0.2)
+    q = config.queues[0].queue_name
+    deadline = future()
+    ours = look_alike(q, 150, deadline)
+    monkeypatch.setattr(redis_sortedset, "BYTES_PER_CALL", 10 * len(ours))
+    await r.zadd(q, {ours: deadline})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport)
+        alikes = {look_alike(q, n, deadline): deadline for n in range(301) if n != 150}
+        await r.zadd(q, alikes)
+        let_go(transport, delivery)
+        await anyio.sleep(0.3)
+        await transport.reap()
+        calls = 0
+        script = transport._scripts["drop_returned"]
+
+        async def counted(**kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return await script(**kwargs)
+
+        monkeypatch.setitem(transport._scripts, "drop_returned", counted)
+        with capture_logs() as logs:
+            await transport.complete([Completion(delivery, Result.http(f"{q}-0150", 200, b"{}"))])
+    assert await r.zscore(q, ours) is None
+    assert await r.zcard(q) == len(alikes)
+    # 151 compared in byte order (ours the last), at most 11 a call (the binary search's
+    # reads count too).
+    assert calls >= 151 // 11
+    assert "returned_member_not_found" not in {e["event"] for e in logs}
+
+
+async def test_a_search_goes_on_where_it_stopped_and_gives_up_if_that_place_moved(
+    make_config, r
+) -> None:
+    # Calls of 5 members' bytes go on from where the last stopped and remove exactly ours.
+    # Had a member before that place gone in between, resuming by place would skip one: it
+    # gives up instead (-1, left to the dedup marker), removing nothing.
+    config = make_config()
+    q = config.queues[0].queue_name
+    deadline = future()
+    members = [look_alike(q, n, deadline) for n in range(40)]
+    await r.zadd(q, dict.fromkeys(members, deadline))
+    ours = members[30]
+    known = [repr(float(deadline)), ours[:HEAD_BYTES], len(ours), hashlib.sha1(ours).hexdigest()]
+    args = [*known, 10_000, 5 * len(ours)]
+    async with opened(config) as transport:
+        script = transport._scripts["drop_returned"]
+        place, before, compared = await script(keys=[q], args=[*args, 0, ""])
+        assert 0 < compared == place < 30
+        assert before == hashlib.sha1(members[place - 1]).hexdigest().encode()
+        await r.zrem(q, members[0])
+        assert await script(keys=[q], args=[*args, place, before]) == -1
+        assert await r.zcard(q) == 39
+        await r.zadd(q, {members[0]: deadline})
+        reply, calls = [0, "", 0], 0
+        while isinstance(reply, list):
+            reply, calls = await script(keys=[q], args=[*args, *reply[:2]]), calls + 1
+    assert (reply, calls > 1) == (1, True)
+    assert await r.zrange(q, 0, -1) == [m for m in members if m != ours]
 
 
 async def test_a_dead_letter_after_let_go_holds_the_raw_message(make_config, r) -> None:
