@@ -101,14 +101,24 @@ class SortedSetUpkeep:
 
     async def _drain(self, action: str, script: str, key_groups: list[list[str]]) -> None:
         """Repeat a chunked move script, for all key groups in one round trip, until no
-        call moves a full chunk (only the groups that did go again)."""
+        call moves a full chunk (only the groups that did go again). A reply may be
+        ``[moved, queue, error, ...]`` (move_due_own.lua): each queue that failed is
+        logged once a round, its group's others moved."""
         total = 0
+        failed: dict[str, str] = {}
         while key_groups:
-            moved = [int(m) for m in await self._pipelined(action, script, key_groups, [CHUNK])]
+            moved: list[int] = []
+            for reply in await self._pipelined(action, script, key_groups, [CHUNK]):
+                if isinstance(reply, list):
+                    reply, *errors = reply
+                    failed.update(zip(_texts(errors[::2]), _texts(errors[1::2]), strict=True))
+                moved.append(int(reply))
             total += sum(moved)
             key_groups = [k for k, m in zip(key_groups, moved, strict=True) if m >= CHUNK]
         if total:
             log.info(f"{action}_moved", count=total)
+        for queue, error in failed.items():
+            log.warning(f"{action}_failed", queue=queue, error=error)
 
     async def heartbeat(self) -> None:
         """Extend every lease this process holds, one call per slot group (at most
@@ -246,6 +256,9 @@ class SortedSetUpkeep:
         firsts = [raws for reply in replies for raws in reply]
         queues = [by_name[name] for group in groups for name in group]
         for queue, raws in zip(queues, firsts, strict=True):
+            if isinstance(raws, bytes):  # its key has the wrong type: the others still go
+                log.warning("expire_failed", queue=queue.name, error=raws.decode(errors="replace"))
+                continue
             answered = await self._expire_queue(queue, raws) if raws else 0
             if answered:
                 log.info("expired_answered", queue=queue.name, count=answered)
@@ -314,6 +327,10 @@ def _extend_calls(
             owners.append(name)
             count += len(ids)
     return calls
+
+
+def _texts(raws: list[bytes]) -> list[str]:
+    return [raw.decode(errors="replace") for raw in raws]
 
 
 async def _every(name: str, interval: float, step: Callable[[], Awaitable[None]]) -> None:

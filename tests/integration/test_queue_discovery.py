@@ -413,3 +413,35 @@ async def _scans_per_refresh(r: Redis, transport: SortedSetTransport, refreshes:
         after = (await r.info("commandstats"))["cmdstat_scan"]["calls"]
         counts.append(after - before)
     return counts
+
+
+async def test_upkeep_asks_no_type_of_queues_with_nothing_to_do(
+    redis_url: str, unique: str, r: Redis
+) -> None:
+    # Each retry-mover round type-checked every queue and its retry set, and each deadline
+    # sweep every queue, although retry sets are almost always empty: with 200 tenant
+    # queues Redis ran ~42 TYPEs per message. Now a round over idle queues asks none.
+    listed = f"{unique}:tenants"
+    names = [f"{unique}-t{n}" for n in range(40)]
+    await r.sadd(listed, *names)
+    for name in names:
+        await submit(redis_url, unique, name, f"{name}/m")  # queued, not due, not retrying
+    transport = SortedSetTransport(
+        transport_config(redis_url, unique, set_key=listed), TransportContext()
+    )
+    try:
+        assert len(await transport.discover()) == len(names)
+        await transport.move_due()  # scripts loaded: the counted round runs them alone
+        await transport.expire_due()
+        before = await type_calls(r)
+        await transport.move_due()
+        await transport.expire_due()
+        assert await type_calls(r) == before
+        assert sum([await r.zcard(name) for name in names]) == len(names)
+    finally:
+        await transport.aclose()
+
+
+async def type_calls(r: Redis) -> int:
+    stats = await r.info("commandstats")
+    return int(stats.get("cmdstat_type", {}).get("calls", 0))

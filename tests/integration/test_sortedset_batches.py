@@ -15,6 +15,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from structlog.testing import capture_logs
 
+from async_processor.config import SortedSetConfig
 from async_processor.errors import PartialWrite, TransportError
 from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
@@ -23,7 +24,7 @@ from async_processor.transports.base import Completion, Deferral, Delivery, Tran
 from async_processor.transports.redis_settings import slot
 from async_processor.transports.redis_sortedset import ScriptCall, SortedSetTransport
 from tests.integration.test_sortedset import future, member, results_of
-from tests.integration.test_sortedset_rounds import config_for, ids_of, names_of, opened
+from tests.integration.test_sortedset_rounds import GW, config_for, ids_of, names_of, opened
 
 pytestmark = pytest.mark.anyio
 PER_QUEUE = 3
@@ -300,3 +301,35 @@ async def test_let_go_messages_of_many_slots_are_got_back_and_found_again(
         for name in names:
             queued = set(await r.zrange(name, 0, -1))
             assert queued == {expected[d] for d in handed if d.queue.name == name}
+
+
+@pytest.mark.parametrize("mode", ["cluster"], indirect=True)
+async def test_a_stray_key_stops_only_its_own_queues_retries_in_a_slot_group(
+    mode: str, redis_for: tuple[str, Any], unique: str
+) -> None:
+    # move_due_own.lua failed the whole call for one wrong-typed key, so while it stayed no
+    # due retry of any queue in its slot group (one call) went home.
+    url, r = redis_for
+    names = [f"{{{unique}}}-q{n}" for n in range(4)]  # one hash tag: one slot, one call
+    stray_queue, stray_retry = names[0], names[1]
+    past = int(time.time()) - 1
+    queues = [{"queue_name": n, "igw_base_url": GW, "result_queue_name": f"{{{unique}}}:r"}
+              for n in names]  # fmt: skip
+    config = SortedSetConfig.model_validate({"url": url, "mode": mode, "queues": queues})
+    async with opened(config) as transport:
+        for name in names:
+            await r.zadd(transport._keys.retry(name, ""), {member(f"{name}/r", past): past})
+        await r.set(stray_queue, "not a sorted set")
+        await r.delete(transport._keys.retry(stray_retry, ""))
+        await r.set(transport._keys.retry(stray_retry, ""), "not a sorted set")
+        with capture_logs() as logs:
+            await transport.move_due()
+        assert await r.zcard(transport._keys.retry(stray_queue, "")) == 1  # stays to retry
+        for name in names[2:]:
+            assert await r.zrange(name, 0, -1) == [member(f"{name}/r", past)]
+            assert not await r.exists(transport._keys.retry(name, ""))
+        for name in names[:2]:
+            await r.delete(name, transport._keys.retry(name, ""))
+    failed = {e["queue"]: e["error"] for e in logs if e["event"] == "retry_move_failed"}
+    assert sorted(failed) == sorted(names[:2])
+    assert all(error.startswith("WRONGTYPE") for error in failed.values())

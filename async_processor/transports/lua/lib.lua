@@ -1,7 +1,9 @@
 -- Prepended to every script (redis_keys.script_source). Redis does not roll a script back,
 -- so each script calls expect_types on every key it touches BEFORE its first write: a key
 -- of the wrong type then fails the whole call with nothing changed, instead of leaving a
--- half-done step (e.g. members popped from a queue but never recorded as in flight).
+-- half-done step (e.g. members popped from a queue but never recorded as in flight). A key
+-- only read may instead be told by its read's own WRONGTYPE (redis.pcall), still before
+-- the first write; a script covering many queues may fail one queue's part alone.
 -- Arguments: key, type, key, type, ... ; 'none' (missing key) is always accepted.
 -- The types seen by the checks, asked once per key and call: a batch names the same result
 -- list and in-flight keys for every item. Valid only before the script's first write.

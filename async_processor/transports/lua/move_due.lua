@@ -5,22 +5,28 @@
 -- queue"): a message can never move itself into a key nobody polls.
 -- KEYS[1] retry set (score = due time), KEYS[2..] configured request queues; ARGV[1] max count
 -- Returns how many members were moved.
+-- Read first: only the queues due members go to are type-checked (all before the first
+-- write), not every configured queue each round while the retry set is empty.
 local queues = {}
 for i = 2, #KEYS do
   queues[KEYS[i]] = true
-  expect_types(KEYS[i], 'zset')
 end
 expect_types(KEYS[1], 'zset')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
-for _, member in ipairs(due) do
+local moves = {}
+for j, member in ipairs(due) do
   local msg, origin = envelope_of(member), KEYS[2]
   local routing = msg and msg['internal']
   if type(routing) == 'table' and queues[routing['request_queue_name']] then
     origin = routing['request_queue_name']
   end
-  redis.call('ZADD', origin, deadline_of(msg, now), member)
+  expect_types(origin, 'zset')
+  moves[j] = {origin, deadline_of(msg, now)}
+end
+for j, member in ipairs(due) do
+  redis.call('ZADD', moves[j][1], moves[j][2], member)
   redis.call('ZREM', KEYS[1], member)
 end
 return #due
