@@ -99,22 +99,27 @@ class SortedSetUpkeep:
                     await run(keys=script_keys, args=args, client=pipe)
                 return list(await pipe.execute())
 
-    async def _drain(self, action: str, script: str, key_groups: list[list[str]]) -> None:
+    async def _drain(
+        self,
+        action: str,
+        script: str,
+        key_groups: list[list[str]],
+        read: Callable[[list[str], Any], tuple[int, int]] | None = None,
+    ) -> None:
         """Repeat a chunked move script, for all key groups in one round trip, until no
-        call moves a full chunk (only the groups that did go again). A reply may be
-        ``[moved, queue, error, ...]`` (move_due_own.lua): each queue that failed is
-        logged once a round, its group's others moved."""
+        call takes a full chunk (only the groups that did go again). ``read`` turns a
+        group's reply into (taken, moved) and reports what else it says; by default a
+        count, or ``[moved, queue, error, ...]`` (move_due_own.lua), whose failed queues
+        are logged once a round while their group's others move."""
         total = 0
         failed: dict[str, str] = {}
+        read = read or (lambda _, reply: _moved(failed, reply))
         while key_groups:
-            moved: list[int] = []
-            for reply in await self._pipelined(action, script, key_groups, [CHUNK]):
-                if isinstance(reply, list):
-                    reply, *errors = reply
-                    failed.update(zip(_texts(errors[::2]), _texts(errors[1::2]), strict=True))
-                moved.append(int(reply))
-            total += sum(moved)
-            key_groups = [k for k, m in zip(key_groups, moved, strict=True) if m >= CHUNK]
+            replies = await self._pipelined(action, script, key_groups, [CHUNK])
+            counts = [read(group, reply) for group, reply in zip(key_groups, replies, strict=True)]
+            total += sum(moved for _, moved in counts)
+            full = [taken >= CHUNK for taken, _ in counts]
+            key_groups = [group for group, more in zip(key_groups, full, strict=True) if more]
         if total:
             log.info(f"{action}_moved", count=total)
         for queue, error in failed.items():
@@ -139,31 +144,27 @@ class SortedSetUpkeep:
                     log.warning("leases_lost", queue=name, count=len(really_lost))
 
     async def reap(self) -> None:
-        """Put every expired claim of every queue back with its deadline score, in chunks
-        (the queues with a full chunk go again). A claim whose lease entry is gone (an
-        eviction, a DEL by hand) has nothing to put back: its message is lost unless its
-        holder still answers it, so each is logged and counted, never dropped silently.
-        Its claim id does not name the request, so no result can be written for it."""
-        groups = {
-            q.name: [q.name, self._keys.inflight(q.name), self._keys.inflight_meta(q.name)]
+        """Put every expired claim of every queue back with its deadline score. A claim
+        whose lease entry is gone (an eviction, a DEL by hand) has nothing to put back: its
+        message is lost unless its holder still answers it, so each is logged and counted,
+        never dropped silently. Its claim id does not name the request, so no result can
+        be written for it."""
+        groups = [
+            [q.name, self._keys.inflight(q.name), self._keys.inflight_meta(q.name)]
             for q in self.queues
-        }
-        total = 0
-        while groups:
-            replies = await self._pipelined("reap", "reap", list(groups.values()), [CHUNK])
-            for name, (taken, missing) in zip(list(groups), replies, strict=True):
-                total += int(taken) - int(missing)
-                if missing:
-                    self._lease_entries_missing(name, int(missing))
-                if int(taken) < CHUNK:
-                    del groups[name]
-        if total:
-            log.info("reap_moved", count=total)
+        ]
+        await self._drain("reap", "reap", groups, self._reaped)
 
-    def _lease_entries_missing(self, queue: str, count: int) -> None:
-        log.error("reaped_claims_without_lease_entry", queue=queue, count=count)
-        if self._ctx.metrics is not None:
-            self._ctx.metrics.abandoned_total.labels(queue, "lease_entry_missing").inc(count)
+    def _reaped(self, group: list[str], reply: list[int]) -> tuple[int, int]:
+        """reap.lua's ``{taken, without a lease entry}`` for ``group``'s queue."""
+        taken, missing = int(reply[0]), int(reply[1])
+        if missing:
+            log.error("reaped_claims_without_lease_entry", queue=group[0], count=missing)
+            if self._ctx.metrics is not None:
+                self._ctx.metrics.abandoned_total.labels(group[0], "lease_entry_missing").inc(
+                    missing
+                )
+        return taken, taken - missing
 
     async def retain(self) -> None:
         """Per result list (configured, and each served or removed queue's own, from the
@@ -327,6 +328,15 @@ def _extend_calls(
             owners.append(name)
             count += len(ids)
     return calls
+
+
+def _moved(failed: dict[str, str], reply: int | list[Any]) -> tuple[int, int]:
+    """A move script's reply as (taken, moved), its failed queues noted in ``failed``."""
+    if isinstance(reply, list):
+        moved, *errors = reply
+        failed.update(zip(_texts(errors[::2]), _texts(errors[1::2]), strict=True))
+        return int(moved), int(moved)
+    return reply, reply
 
 
 def _texts(raws: list[bytes]) -> list[str]:
