@@ -28,12 +28,12 @@ import anyio
 from redis.asyncio import Redis
 
 from async_processor.config.transports import QueueDiscovery
-from async_processor.transports.redis_discovery import (
+from async_processor.redis.keys import OwnKeys
+from async_processor.transports.redis_sortedset.discovery import (
     PREFIX_SCAN_CALLS,
     PREFIX_SCAN_COUNT,
     QueueLister,
 )
-from async_processor.transports.redis_keys import OwnKeys
 from bench.common import redis as standalone_redis
 from bench.common import table
 

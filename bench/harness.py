@@ -44,7 +44,7 @@ from typing import Any
 import anyio
 from redis.asyncio import Redis
 
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.messages import Envelope, Request, Routing
 from bench.common import cpu_seconds, peak_rss_bytes, python_process, rss_bytes
 from tests.fixtures.servers import free_port

@@ -2,7 +2,7 @@
 
 Input: the scenario (pool shape, timings, duration, seed). Output: the interactive
 arrivals every run replays, the oracle's frontier points computed on virtual time with
-the simulator's own pool model (``async_processor.sim_pool``), percentiles, and the
+the simulator's own pool model (``async_processor.sim.pool``), percentiles, and the
 frontier interpolation that turns a strategy's point into its ``oracle_ratio``.
 """
 
@@ -14,7 +14,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from async_processor.sim_pool import BATCH, INTERACTIVE, Job, Pool, PoolConfig
+from async_processor.sim.pool import BATCH, INTERACTIVE, Job, Pool, PoolConfig
 
 # The issue's H = 0..16, then steps of 8 up to 64 and on to 96: with preemption the
 # oracle's TTFT ratio only falls to 1.0-1.3 (the goal's range) for H of about 40-64, so

@@ -25,7 +25,7 @@ import aiohttp
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
-from async_processor.sim_serving import TIMING_HEADER
+from async_processor.sim.serving import TIMING_HEADER
 from bench.common import cpu_seconds, simulator
 from bench.harness import LOG_DIR, Lane, bulk_load, start_daemon
 from bench.harvest_model import CHARS_PER_TOKEN, Scenario, interactive_trace

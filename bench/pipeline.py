@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import anyio
 from redis.asyncio import Redis
 
-from async_processor import processor as processor_module
 from async_processor.config import AppConfig, SortedSetConfig
 from async_processor.httpclients.base import Answer
 from async_processor.logs import configure_logging
-from async_processor.processor import Processor
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.pipeline import processor as processor_module
+from async_processor.pipeline.processor import Processor
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from bench.common import redis, table
 from bench.harness import Lane, submit
 from tests.fixtures.inprocess import runtime_config

@@ -35,7 +35,7 @@ import aiohttp
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
-from async_processor import local_servers
+from async_processor.demo import local_servers
 from bench.common import (
     cpu_seconds,
     peak_rss_bytes,

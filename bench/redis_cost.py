@@ -31,8 +31,8 @@ from pathlib import Path
 import anyio
 import redis
 
-from async_processor.client import SortedSetClient
-from async_processor.transports.redis_settings import RedisConnection
+from async_processor.client.redis_sortedset import SortedSetClient
+from async_processor.config.redis import RedisConnection
 from bench.common import redis as standalone_redis
 from bench.common import simulator, table
 from bench.harness import DEADLINE, Lane, payload, start_daemon

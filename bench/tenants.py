@@ -42,7 +42,7 @@ from pathlib import Path
 import anyio
 from redis.asyncio import Redis
 
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.messages import Result
 from bench.common import cpu_seconds, python_process, redis, simulator, table, verdict
 from bench.harness import LOG_DIR, Process

@@ -28,6 +28,10 @@ from async_processor.config.models import (
     RuntimeConfig,
     TransformConfig,
 )
+from async_processor.config.redis import (
+    RedisConnection,
+    RedisConnectionFields,
+)
 from async_processor.config.transports import (
     TRANSPORT_CONFIGS,
     RedisTransportBase,
@@ -36,10 +40,6 @@ from async_processor.config.transports import (
 )
 from async_processor.errors import ConfigError
 from async_processor.registry import describe_validation
-from async_processor.transports.redis_settings import (
-    RedisConnection,
-    RedisConnectionFields,
-)
 
 _BY_FIELD = {flag.field: flag for flag in FLAGS if flag.field}
 

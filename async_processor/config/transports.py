@@ -21,8 +21,7 @@ from async_processor.config.base import (
     require_unique,
     zero_is_default,
 )
-from async_processor.transports.base import QueueSpec
-from async_processor.transports.redis_settings import (
+from async_processor.config.redis import (
     DEFAULT_URL,
     Mode,
     RedisConnection,
@@ -30,6 +29,7 @@ from async_processor.transports.redis_settings import (
     check_url,
     cluster_problem,
 )
+from async_processor.transports.base import QueueSpec
 
 
 class QueueEntry(Strict):

@@ -20,14 +20,14 @@ import redis.asyncio as aioredis
 import structlog
 from pydantic import Field, model_validator
 
+from async_processor.config.redis import slot
 from async_processor.errors import ConfigError
 from async_processor.gates.base import CONTINUE, GATES, REFUSE, Gate, GateContext, Releases, Verdict
 from async_processor.gates.params import Float, Str
 from async_processor.gates.redis import RedisAddress, gate_lua, redis_client
 from async_processor.gates.shared import Throttle, owner_gauge
 from async_processor.messages import Envelope
-from async_processor.transports.redis_conn import REDIS_AWAY
-from async_processor.transports.redis_settings import slot
+from async_processor.redis.conn import REDIS_AWAY
 
 log = structlog.get_logger(__name__)
 

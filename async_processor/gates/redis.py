@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 import structlog
 from pydantic import AfterValidator, Field, model_validator
 
+from async_processor.config.redis import Mode, RedisConnection, RedisConnectionFields
 from async_processor.errors import GateError
 from async_processor.gates.base import (
     CONTINUE,
@@ -33,9 +34,8 @@ from async_processor.gates.base import (
 from async_processor.gates.params import Duration, Int, Params, Str
 from async_processor.gates.shared import Throttle, shielded
 from async_processor.messages import Envelope
-from async_processor.transports.redis_conn import REDIS_AWAY, connect
-from async_processor.transports.redis_keys import lua_source
-from async_processor.transports.redis_settings import Mode, RedisConnection, RedisConnectionFields
+from async_processor.redis.conn import REDIS_AWAY, connect
+from async_processor.redis.keys import lua_source
 
 log = structlog.get_logger(__name__)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from async_processor.headers import MergeParams
 from async_processor.merge.base import (
     MERGE_POLICIES,
     MergeContext,
@@ -29,7 +30,6 @@ from async_processor.merge.base import (
     admit_sources,
     emit,
 )
-from async_processor.merge.headers import MergeParams
 from async_processor.work import Work, take
 
 

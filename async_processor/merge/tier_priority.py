@@ -22,6 +22,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from pydantic import Field, field_validator
 
 from async_processor.gates.base import CLASSIFICATION_LABEL, RESERVED
+from async_processor.headers import MergeParams, check_header_name, check_header_value
 from async_processor.merge.base import (
     MERGE_POLICIES,
     MergeContext,
@@ -30,7 +31,6 @@ from async_processor.merge.base import (
     admit_sources,
     emit,
 )
-from async_processor.merge.headers import MergeParams, check_header_name, check_header_value
 from async_processor.work import Work
 
 LANES = (

@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from async_processor.errors import InvalidMessage
-from async_processor.merge.headers import (
+from async_processor.headers import (
     apply_stamped,
     check_header_name,
     check_header_value,

@@ -10,9 +10,9 @@ from async_processor.transports.base import TRANSPORTS, Transport, TransportCont
 # Transport type -> the module that registers it in ``TRANSPORTS``. Only the one in use
 # is imported, so a Redis deployment never loads the Pub/Sub client libraries.
 TRANSPORT_MODULES: dict[str, str] = {
-    "redis-sortedset": "redis_sortedset",
+    "redis-sortedset": "redis_sortedset.transport",
     "redis-pubsub": "redis_pubsub",
-    "gcp-pubsub": "gcp_pubsub",
+    "gcp-pubsub": "gcp_pubsub.transport",
 }
 
 

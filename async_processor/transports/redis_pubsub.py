@@ -39,7 +39,9 @@ from redis.asyncio.client import PubSub
 from async_processor.config import RedisPubSubConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope, Result
-from async_processor.transports import redis_keys as keys
+from async_processor.redis import keys
+from async_processor.redis.conn import REDIS_AWAY, connect, warn_if_evicting
+from async_processor.redis.keys import redis_errors
 from async_processor.transports.base import (
     TRANSPORTS,
     Completion,
@@ -48,8 +50,6 @@ from async_processor.transports.base import (
     QueueSpec,
     TransportContext,
 )
-from async_processor.transports.redis_conn import REDIS_AWAY, connect, warn_if_evicting
-from async_processor.transports.redis_keys import redis_errors
 
 log = structlog.get_logger(__name__)
 

@@ -39,11 +39,11 @@ from async_processor.config import (
     RedisPubSubConfig,
     SortedSetConfig,
 )
+from async_processor.config.redis import RedisConnection
 from async_processor.messages import Envelope, Request, Routing
-from async_processor.transports import redis_keys as keys
-from async_processor.transports.redis_conn import connect
-from async_processor.transports.redis_keyspace import KeySpace
-from async_processor.transports.redis_settings import RedisConnection
+from async_processor.redis import keys
+from async_processor.redis.conn import connect
+from async_processor.redis.keyspace import KeySpace
 from tests.fixtures.inprocess import runtime_config
 from tests.fixtures.pubsub import PubSubAdmin, pubsub_admin
 

@@ -21,7 +21,7 @@ import anyio
 import pytest
 
 from async_processor.messages import DEADLINE_EXCEEDED_TEXT
-from async_processor.processor import Processor
+from async_processor.pipeline.processor import Processor
 from tests.contract.harness import Result, Submission, TransportHarness, open_harness
 from tests.fixtures.inprocess import metric, running
 from tests.fixtures.simulator import LocalSimulator

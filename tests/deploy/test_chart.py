@@ -47,7 +47,7 @@ from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.health import serve_metrics
 from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
-from async_processor.processor import HARD_STOP_GRACE
+from async_processor.pipeline.processor import HARD_STOP_GRACE
 from tests.fixtures.servers import free_port, require_binary, require_module, stop_process
 from tests.fixtures.simulator import SimulatorProcess
 
@@ -479,7 +479,7 @@ def test_scale_to_zero_reads_the_exporters_backlog() -> None:
 
 def test_exporter_is_one_replica_of_the_same_image_on_the_same_config(tmp_path: Path) -> None:
     from async_processor.config import parse_settings
-    from async_processor.exporter import _flags
+    from async_processor.ops.exporter import _flags
 
     objects = render(load_values(SCALE_TO_ZERO))
     exporter = objects["Deployment:exporter"]

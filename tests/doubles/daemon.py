@@ -16,8 +16,8 @@ from typing import Any
 import anyio
 
 from async_processor.config import AppConfig, PoolConfig, SortedSetConfig, TransformConfig
-from async_processor.processor import Processor
-from async_processor.simulator import SimConfig, Simulator
+from async_processor.pipeline.processor import Processor
+from async_processor.sim.app import SimConfig, Simulator
 from tests.doubles.memory_transport import MemoryTransport
 from tests.fixtures.inprocess import runtime_config
 

@@ -15,9 +15,9 @@ from typing import Any
 import anyio
 import redis
 
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
+from async_processor.config.redis import RedisConnection, slot
 from async_processor.messages import Result
-from async_processor.transports.redis_settings import RedisConnection, slot
 from tests.fixtures.daemon import DaemonFactory
 from tests.fixtures.redis_modes import RedisClusterNodes
 from tests.fixtures.simulator import SimulatorProcess

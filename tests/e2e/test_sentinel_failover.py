@@ -16,9 +16,9 @@ import anyio
 import pytest
 import redis
 
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
+from async_processor.config.redis import RedisConnection
 from async_processor.errors import TransportError
-from async_processor.transports.redis_settings import RedisConnection
 from tests.fixtures.daemon import DaemonFactory, sortedset_config
 from tests.fixtures.redis_modes import MASTER_NAME, SentinelGroup
 from tests.fixtures.simulator import SimulatorProcess

@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import SortedSetConfig
 from async_processor.messages import Envelope, Request, Routing
-from async_processor.transports import redis_keys
+from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Delivery, TransportContext
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 
 pytestmark = pytest.mark.anyio
 

@@ -13,13 +13,13 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from async_processor.client import SortedSetClient, UndecodableResult
+from async_processor.client.redis_sortedset import SortedSetClient, UndecodableResult
 from async_processor.config import SortedSetConfig
 from async_processor.errors import TransportError
 from async_processor.messages import ErrorCode, Request, Result, decode_envelope
-from async_processor.transports import redis_keys
+from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Completion, TransportContext
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.lossy_proxy import lossy_proxy
 from tests.fixtures.servers import RedisServer, free_port
 
@@ -248,7 +248,7 @@ _DIES_BEFORE_REMOVAL = """
 import os, signal, sys
 import anyio
 from redis.asyncio import Redis
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 
 def die(self, *args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
@@ -293,7 +293,7 @@ async def test_a_consumer_killed_between_move_and_removal_loses_nothing(
 _DIES_HANDLING_A_BATCH = """
 import os, signal, sys
 import anyio
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 
 async def main() -> None:
     url, results = sys.argv[1:]

@@ -11,7 +11,7 @@ import anyio
 import pytest
 from redis.asyncio import Redis
 
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.messages import Result
 from tests.fixtures.lossy_proxy import lossy_proxy
 from tests.fixtures.servers import RedisServer
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.anyio
 _KILLED_WHILE_HANDLING = """
 import sys
 import anyio
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 
 async def main() -> None:
     url, results = sys.argv[1:]

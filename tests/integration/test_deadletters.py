@@ -16,11 +16,11 @@ import anyio
 import pytest
 import redis
 
-from async_processor.cli import main
+from async_processor.cli.main import main
 from async_processor.config import SortedSetConfig
 from async_processor.messages import Envelope, Request, decode_envelope
 from async_processor.transports.base import TransportContext
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 
 GW = "http://gw.test:8000"
 pytestmark = pytest.mark.usefixtures("restore_logging")  # the commands configure logging
@@ -139,7 +139,7 @@ def test_replayed_entry_cannot_be_replayed_twice(
     setup: tuple[list[str], dict[str, Any]],
 ) -> None:  # fmt: skip
     """Two operators replaying the same entry: the second finds it gone (atomic)."""
-    from async_processor.deadletters import DeadLetters
+    from async_processor.ops.deadletters import DeadLetters
 
     _, raw = setup
     queue = f"{unique}-a"
@@ -147,7 +147,7 @@ def test_replayed_entry_cannot_be_replayed_twice(
     config = SortedSetConfig.model_validate(raw)
 
     async def twice() -> list[int]:
-        from async_processor.transports.redis_conn import connect
+        from async_processor.redis.conn import connect
 
         client = connect(config.redis_connection())
         try:

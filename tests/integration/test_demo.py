@@ -11,7 +11,8 @@ import sys
 import pytest
 import redis
 
-from async_processor import demo, local_servers
+from async_processor.demo import local_servers
+from async_processor.demo import run as demo
 from tests.fixtures.servers import RedisServer, service_missing
 
 

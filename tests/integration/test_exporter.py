@@ -20,13 +20,13 @@ import redis
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from async_processor import exporter, status
-from async_processor.cli import main
+from async_processor.cli.main import main
 from async_processor.config import AppConfig, SortedSetConfig, load_config
-from async_processor.exporter import Exporter, serve
+from async_processor.ops import exporter, status
+from async_processor.ops.exporter import Exporter, serve
+from async_processor.redis.keys import REMOVED_QUEUES_KEY
 from async_processor.transports.base import TransportContext
-from async_processor.transports.redis_keys import REMOVED_QUEUES_KEY
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.servers import RedisServer
 
 GW = "http://gw.test:8000"

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from redis.asyncio import Redis
 
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import MergePolicyConfig
 from async_processor.health import listening
 from async_processor.messages import Envelope, Request, Result, Routing

@@ -15,11 +15,11 @@ from async_processor.config import GcpPubSubConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
-from async_processor.transports import gcp_pull
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
-from async_processor.transports.gcp_backlog import newest_point
-from async_processor.transports.gcp_leases import Receipt
-from async_processor.transports.gcp_pubsub import DEAD_LETTER_RETRY, GcpPubSubTransport
+from async_processor.transports.gcp_pubsub import pull as gcp_pull
+from async_processor.transports.gcp_pubsub.backlog import newest_point
+from async_processor.transports.gcp_pubsub.leases import Receipt
+from async_processor.transports.gcp_pubsub.transport import DEAD_LETTER_RETRY, GcpPubSubTransport
 from tests.fixtures.pubsub import PubSubAdmin, PubSubEmulator, pubsub_admin
 from tests.fixtures.servers import free_port
 

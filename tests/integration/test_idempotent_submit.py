@@ -13,11 +13,11 @@ import anyio
 import pytest
 from redis.asyncio import Redis
 
-from async_processor.client import SortedSetClient, Submitted
+from async_processor.client.redis_sortedset import SortedSetClient, Submitted
 from async_processor.config import SortedSetConfig
 from async_processor.messages import Result
 from async_processor.transports.base import Completion, Deferral, TransportContext
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.inprocess import running, sortedset_config
 from tests.fixtures.simulator import SimulatorProcess
 

@@ -18,7 +18,7 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import AppConfig, PoolConfig, RuntimeConfig, SortedSetConfig
 from async_processor.gates.base import (
     CONTINUE,
@@ -32,7 +32,7 @@ from async_processor.gates.base import (
 )
 from async_processor.logs import configure_logging
 from async_processor.messages import Envelope, Result
-from async_processor.processor import Processor
+from async_processor.pipeline.processor import Processor
 from tests.fixtures.inprocess import metric, running, sortedset_config, submit
 from tests.fixtures.servers import free_port
 from tests.fixtures.simulator import SimulatorProcess

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import structlog
 
-from async_processor import cli
+from async_processor.cli import main as cli
 from async_processor.logs import configure_logging
 from tests.fixtures.prometheus import PrometheusServer
 from tests.fixtures.simulator import SimulatorProcess

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from async_processor.cli import main
+from async_processor.cli.main import main
+from async_processor.client.commands import CHUNK, request_from_line
 from async_processor.messages import Result, decode_envelope
-from async_processor.producer_cli import CHUNK, request_from_line
 
 
 def test_openai_batch_line_becomes_a_request() -> None:

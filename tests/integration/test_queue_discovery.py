@@ -13,14 +13,17 @@ import anyio
 import pytest
 from redis.asyncio import Redis, RedisCluster
 
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import AppConfig, PoolConfig, SortedSetConfig
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
-from async_processor.transports import redis_keys
+from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Deferral, QueueSpec, TransportContext
-from async_processor.transports.redis_discovery import PREFIX_SCAN_CALLS, PREFIX_SCAN_COUNT
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.discovery import (
+    PREFIX_SCAN_CALLS,
+    PREFIX_SCAN_COUNT,
+)
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.inprocess import running, runtime_config
 from tests.fixtures.redis_modes import RedisClusterNodes
 from tests.fixtures.servers import RedisServer, free_port

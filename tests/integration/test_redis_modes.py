@@ -24,9 +24,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, NoScriptError
 from structlog.testing import capture_logs
 
-from async_processor.cli import main as cli_main
-from async_processor.client import SortedSetClient
+from async_processor.cli.main import main as cli_main
+from async_processor.client.commands import main as producer_main
+from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import SortedSetConfig
+from async_processor.config.redis import RedisConnection
 from async_processor.gates.base import (
     CONTINUE,
     REFUSE,
@@ -37,14 +39,12 @@ from async_processor.gates.base import (
 )
 from async_processor.messages import Envelope, Request, Result
 from async_processor.metrics import Metrics
-from async_processor.processor import Processor
-from async_processor.producer_cli import main as producer_main
-from async_processor.transports import redis_keyspace
+from async_processor.pipeline.processor import Processor
+from async_processor.redis import keyspace as redis_keyspace
+from async_processor.redis.conn import connect
+from async_processor.redis.keyspace import KeySpace
 from async_processor.transports.base import Completion, Delivery, QueueSpec, TransportContext
-from async_processor.transports.redis_conn import connect
-from async_processor.transports.redis_keyspace import KeySpace
-from async_processor.transports.redis_settings import RedisConnection
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.inprocess import running, sortedset_config
 from tests.fixtures.redis_modes import (
     MASTER_NAME,

@@ -18,7 +18,7 @@ from async_processor.config import RedisPubSubConfig
 from async_processor.errors import TransportError
 from async_processor.messages import Envelope, Request, Result, Routing
 from async_processor.metrics import Metrics
-from async_processor.results import ResultWriter
+from async_processor.pipeline.results import ResultWriter
 from async_processor.transports import build_transport
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
 from async_processor.transports.redis_pubsub import RedisPubSubTransport

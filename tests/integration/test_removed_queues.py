@@ -14,10 +14,10 @@ from structlog.testing import capture_logs
 
 from async_processor.config import SortedSetConfig
 from async_processor.metrics import Metrics
-from async_processor.status import redis_status
+from async_processor.ops.status import redis_status
+from async_processor.redis.keys import EMPTY_SINCE_KEY, REMOVED_QUEUES_KEY
 from async_processor.transports.base import Deferral, TransportContext
-from async_processor.transports.redis_keys import EMPTY_SINCE_KEY, REMOVED_QUEUES_KEY
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.inprocess import running
 from tests.fixtures.servers import RedisServer
 from tests.fixtures.simulator import SimulatorProcess

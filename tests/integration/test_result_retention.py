@@ -11,14 +11,14 @@ import anyio
 import pytest
 from redis.asyncio import Redis
 
-from async_processor.client import SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import SortedSetConfig
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
-from async_processor.status import redis_status
+from async_processor.ops.status import redis_status
 from async_processor.transports.base import Completion, TransportContext
-from async_processor.transports.redis_sortedset import SortedSetTransport
-from async_processor.transports.redis_upkeep import RETAIN_GRACE
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
+from async_processor.transports.redis_sortedset.upkeep import RETAIN_GRACE
 
 pytestmark = pytest.mark.anyio
 

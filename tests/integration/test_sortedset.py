@@ -18,11 +18,12 @@ from async_processor.config import SortedSetConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import ID_PREFIX_BYTES, Envelope, ErrorCode, Request, Result, Routing
 from async_processor.metrics import Metrics
-from async_processor.transports import build_transport, redis_keys
+from async_processor.redis import keys as redis_keys
+from async_processor.transports import build_transport
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
-from async_processor.transports.redis_claims import claim_of
-from async_processor.transports.redis_sortedset import SortedSetTransport
-from async_processor.transports.redis_upkeep import CHUNK
+from async_processor.transports.redis_sortedset.claims import claim_of
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
+from async_processor.transports.redis_sortedset.upkeep import CHUNK
 from tests.fixtures.servers import free_port
 
 pytestmark = pytest.mark.anyio
@@ -914,7 +915,7 @@ async def test_a_cancelled_fetch_on_a_redis_that_never_answers_ends_in_bounded_t
     """The claim is shielded (so it is recorded whole), but not past CLAIM_SHIELD_SECONDS:
     a blackholed Redis must not hold a shutdown (or a removed queue's poller) for the
     client's socket timeout, or at all with none."""
-    from async_processor.transports.redis_fetch import CLAIM_SHIELD_SECONDS
+    from async_processor.transports.redis_sortedset.fetch import CLAIM_SHIELD_SECONDS
 
     connections: list[Any] = []
 
@@ -958,8 +959,8 @@ async def test_a_claim_cut_after_it_landed_lets_its_leases_lapse(
 ) -> None:
     """Cut while checking the markers: the claimed members are no longer renewed by the
     heartbeat, so the reaper returns them (held for ever, they would be stranded)."""
-    from async_processor.client import SortedSetClient
-    from async_processor.transports import redis_fetch
+    from async_processor.client.redis_sortedset import SortedSetClient
+    from async_processor.transports.redis_sortedset import fetch as redis_fetch
 
     queue = f"{unique}-q"
     async with SortedSetClient(redis_url, queue, f"{unique}-results") as client:

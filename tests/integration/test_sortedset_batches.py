@@ -16,13 +16,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from structlog.testing import capture_logs
 
 from async_processor.config import SortedSetConfig
+from async_processor.config.redis import slot
 from async_processor.errors import PartialWrite, TransportError
 from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
-from async_processor.results import ResultWriter
+from async_processor.pipeline.results import ResultWriter
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
-from async_processor.transports.redis_settings import slot
-from async_processor.transports.redis_sortedset import ScriptCall, SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import ScriptCall, SortedSetTransport
 from tests.integration.test_sortedset import future, member, results_of
 from tests.integration.test_sortedset_rounds import GW, config_for, ids_of, names_of, opened
 

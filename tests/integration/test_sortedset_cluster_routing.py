@@ -9,11 +9,11 @@ import pytest
 from redis.asyncio import RedisCluster
 
 from async_processor.config import SortedSetConfig
+from async_processor.config.redis import hash_tag, slot
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
-from async_processor.transports import redis_keys
+from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Completion, TransportContext
-from async_processor.transports.redis_settings import hash_tag, slot
 from tests.fixtures.redis_modes import RedisClusterNodes
 from tests.integration.test_sortedset import GW, fetch_one, future, member, rejected
 from tests.integration.test_sortedset_rounds import opened

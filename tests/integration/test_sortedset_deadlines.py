@@ -18,7 +18,7 @@ from async_processor.config import PoolConfig, SortedSetConfig
 from async_processor.messages import Envelope, ErrorCode, Request, Result, Routing
 from async_processor.metrics import Metrics
 from async_processor.transports.base import Deferral, TransportContext
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.inprocess import metric, running, sortedset_config, submit
 from tests.fixtures.servers import RedisServer
 from tests.fixtures.simulator import SimulatorProcess

@@ -21,9 +21,10 @@ from structlog.testing import capture_logs
 
 from async_processor.config import SortedSetConfig
 from async_processor.messages import LET_GO, Result
-from async_processor.transports import redis_keys, redis_sortedset
+from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Completion, Deferral, Delivery
-from async_processor.transports.redis_sortedset import HEAD_BYTES, SortedSetTransport
+from async_processor.transports.redis_sortedset import transport as redis_sortedset
+from async_processor.transports.redis_sortedset.transport import HEAD_BYTES, SortedSetTransport
 from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.fixtures.servers import stop_process
 from tests.fixtures.simulator import SimulatorProcess, start_simulator

@@ -13,8 +13,8 @@ import pytest
 from redis.asyncio import Redis
 
 from async_processor.config import AppConfig, PoolConfig
-from async_processor.processor import prefetch
-from async_processor.transports.redis_keys import inflight_key
+from async_processor.pipeline.processor import prefetch
+from async_processor.redis.keys import inflight_key
 from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.fixtures.simulator import SimulatorProcess
 

@@ -20,10 +20,10 @@ from redis.asyncio.cluster import RedisCluster
 from structlog.testing import capture_logs
 
 from async_processor.config import AppConfig
-from async_processor.transports import redis_keys
+from async_processor.redis import keys as redis_keys
+from async_processor.redis.conn import warn_if_evicting
 from async_processor.transports.base import TransportContext
-from async_processor.transports.redis_conn import warn_if_evicting
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.inprocess import metric, running, sortedset_config, submit
 from tests.fixtures.servers import RedisServer, free_port
 from tests.fixtures.simulator import SimulatorProcess

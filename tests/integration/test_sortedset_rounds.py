@@ -21,10 +21,10 @@ from async_processor.config import SortedSetConfig
 from async_processor.errors import TransportError
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
-from async_processor.transports import redis_keys
+from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Completion, Delivery, TransportContext
-from async_processor.transports.redis_fetch import Fetcher
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.fetch import Fetcher
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.redis_modes import RedisClusterNodes
 from tests.integration.test_sortedset import GW, future, member
 

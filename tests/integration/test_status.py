@@ -16,13 +16,13 @@ import pytest
 import redis
 from redis.asyncio import Redis
 
-from async_processor.cli import main
+from async_processor.cli.main import main
 from async_processor.config import SortedSetConfig
 from async_processor.messages import Envelope, Request, Routing
-from async_processor.status import redis_status
-from async_processor.transports import redis_keys
+from async_processor.ops.status import redis_status
+from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Deferral, TransportContext
-from async_processor.transports.redis_sortedset import SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.lossy_proxy import lossy_proxy
 from tests.fixtures.servers import RedisServer
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from async_processor.client import SEQUENCE_WINDOW_SECONDS, SortedSetClient
+from async_processor.client.redis_sortedset import SEQUENCE_WINDOW_SECONDS, SortedSetClient
 from async_processor.config import PoolConfig
 from tests.fixtures.inprocess import running, sortedset_config
 from tests.fixtures.simulator import SimulatorProcess

@@ -8,11 +8,11 @@ import anyio
 import pytest
 
 from async_processor.config import TransformConfig
-from async_processor.dispatch import DispatchSettings, build_request, send
 from async_processor.merge.base import Source
 from async_processor.merge.tier_priority import TierPriority, TierPriorityParams
 from async_processor.messages import Envelope, Request, Routing
 from async_processor.metrics import Metrics
+from async_processor.pipeline.dispatch import DispatchSettings, build_request, send
 from async_processor.transforms import build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports.base import Delivery, QueueSpec

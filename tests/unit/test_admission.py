@@ -11,14 +11,14 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
-from async_processor import admission
-from async_processor.admission import PoolGate
 from async_processor.gates.base import CONTINUE, DROP, REFUSE, WAIT, Releases, Verdict
 from async_processor.gates.shared import ChangeSignal
 from async_processor.messages import Envelope, ErrorCode
-from async_processor.processor import Processor
+from async_processor.pipeline import admission
+from async_processor.pipeline.admission import PoolGate
+from async_processor.pipeline.processor import Processor
 from async_processor.retry import REFUSE_DELAY
-from async_processor.simulator import Simulator
+from async_processor.sim.app import Simulator
 from tests.doubles.daemon import QUEUE, daemon, message
 from tests.doubles.memory_transport import MemoryTransport
 

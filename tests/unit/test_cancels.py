@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from async_processor.cancels import (
+from async_processor.pipeline.cancels import (
     CANCEL_WATCH_INTERVAL,
     MAX_MARKER_READS_PER_SECOND,
     watch_interval,

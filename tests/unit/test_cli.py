@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from async_processor import cli
+from async_processor.cli import main as cli
 from async_processor.config import AppConfig
 from async_processor.errors import ConfigError
 
@@ -31,9 +31,9 @@ def transport_file(tmp_path: Path) -> str:
 
 @pytest.fixture
 def fake_processor(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
-    """A stand-in ``async_processor.processor`` recording what it was given."""
+    """A stand-in ``async_processor.pipeline.processor`` recording what it was given."""
     calls: dict[str, Any] = {}
-    module = types.ModuleType("async_processor.processor")
+    module = types.ModuleType("async_processor.pipeline.processor")
 
     async def run(config: AppConfig) -> None:
         calls["run"] = config
@@ -49,7 +49,7 @@ def fake_processor(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
 
     module.run = run  # type: ignore[attr-defined]
     module.validate_plugins = validate_plugins  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "async_processor.processor", module)
+    monkeypatch.setitem(sys.modules, "async_processor.pipeline.processor", module)
     logging_calls: list[tuple[str, str]] = []
     monkeypatch.setattr(cli, "configure_logging", lambda lvl, fmt: logging_calls.append((lvl, fmt)))
     return types.SimpleNamespace(calls=calls, logging=logging_calls)
@@ -227,11 +227,11 @@ def test_env_flag_errors_name_the_variable(capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.parametrize(
     ("argv", "module", "expected"),
     [
-        (["sim", "--port", "1"], "simulator", ["--port", "1"]),
-        (["demo"], "demo", []),
-        (["submit", "--queue", "q"], "producer_cli", ["submit", "--queue", "q"]),
-        (["results", "-n", "3"], "producer_cli", ["results", "-n", "3"]),
-        (["cancel", "id-1"], "producer_cli", ["cancel", "id-1"]),
+        (["sim", "--port", "1"], "sim.app", ["--port", "1"]),
+        (["demo"], "demo.run", []),
+        (["submit", "--queue", "q"], "client.commands", ["submit", "--queue", "q"]),
+        (["results", "-n", "3"], "client.commands", ["results", "-n", "3"]),
+        (["cancel", "id-1"], "client.commands", ["cancel", "id-1"]),
     ],
 )
 def test_delegated_subcommands_get_the_rest_of_argv(
@@ -252,7 +252,7 @@ def test_delegated_subcommands_get_the_rest_of_argv(
 
 def test_missing_delegate_module_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "_optional", lambda name: None)
-    with pytest.raises(SystemExit, match=r"async_processor\.simulator is not available"):
+    with pytest.raises(SystemExit, match=r"async_processor\.sim\.app is not available"):
         cli.main(["sim"], {})
 
 
@@ -287,7 +287,9 @@ def test_unknown_command_says_so(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize("command", ["sim", "demo", "submit", "results", "cancel"])
 def test_every_delegated_flag_has_help_and_a_typed_metavar(command: str) -> None:
-    from async_processor import demo, producer_cli, simulator
+    from async_processor.client import commands as producer_cli
+    from async_processor.demo import run as demo
+    from async_processor.sim import app as simulator
 
     parser = {"sim": simulator._parser, "demo": demo._parser}.get(
         command, lambda: producer_cli._parser(command)
@@ -300,7 +302,9 @@ def test_every_delegated_flag_has_help_and_a_typed_metavar(command: str) -> None
 
 
 def test_sim_and_demo_take_go_durations_and_plain_seconds() -> None:
-    from async_processor import cliargs, demo, simulator
+    from async_processor.cli import args as cliargs
+    from async_processor.demo import run as demo
+    from async_processor.sim import app as simulator
 
     for text in ("50ms", "0.05"):
         sim = cliargs.parse(simulator._parser(), ["--latency", text, "--retry-after", "2s"], {})
@@ -315,7 +319,8 @@ def test_sim_and_demo_take_go_durations_and_plain_seconds() -> None:
 
 def test_a_kubernetes_service_link_is_not_a_flag_value() -> None:
     """A Service named async-processor injects ASYNC_PROCESSOR_PORT=tcp://... everywhere."""
-    from async_processor import cliargs, simulator
+    from async_processor.cli import args as cliargs
+    from async_processor.sim import app as simulator
 
     env = {"ASYNC_PROCESSOR_PORT": "tcp://10.0.0.7:9090", "ASYNC_PROCESSOR_LATENCY": "2s"}
     args = cliargs.parse(simulator._parser(), [], env)
@@ -323,7 +328,8 @@ def test_a_kubernetes_service_link_is_not_a_flag_value() -> None:
 
 
 def test_delegated_flags_read_async_processor_env_and_flags_win() -> None:
-    from async_processor import cliargs, demo
+    from async_processor.cli import args as cliargs
+    from async_processor.demo import run as demo
 
     env = {"ASYNC_PROCESSOR_COUNT": "7", "ASYNC_PROCESSOR_TIMEOUT": "5s"}
     env["ASYNC_PROCESSOR_WORKERS"] = ""  # empty means unset, as for run

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from async_processor.dispatch import DispatchSettings, build_request, join_url
 from async_processor.errors import InvalidMessage
 from async_processor.messages import decode_envelope
 from async_processor.metrics import Metrics
+from async_processor.pipeline.dispatch import DispatchSettings, build_request, join_url
 from async_processor.transports.base import Delivery, QueueSpec
 from async_processor.work import Work
 from tests.fixtures.inprocess import http_client
@@ -107,7 +107,7 @@ async def test_response_body_over_the_cap_is_a_fatal_attempt(
 ) -> None:
     from aiohttp import web
 
-    from async_processor import dispatch
+    from async_processor.pipeline import dispatch
     from async_processor.transforms.base import Outgoing
 
     async def big(request: web.Request) -> web.StreamResponse:

@@ -17,15 +17,15 @@ from async_processor.errors import TransportError
 from async_processor.messages import Result
 from async_processor.retry import LAST_BODY_LIMIT
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
-from async_processor.transports.gcp_backlog import BacklogReader
-from async_processor.transports.gcp_leases import Receipt
-from async_processor.transports.gcp_publish import dead_letter_topic
-from async_processor.transports.gcp_pubsub import (
+from async_processor.transports.gcp_pubsub.backlog import BacklogReader
+from async_processor.transports.gcp_pubsub.leases import Receipt
+from async_processor.transports.gcp_pubsub.publish import dead_letter_topic
+from async_processor.transports.gcp_pubsub.pull import RATE_WINDOW, READ_AHEAD_MAX, ReadAhead
+from async_processor.transports.gcp_pubsub.transport import (
     CARRIED_BODY_CHARS,
     GcpPubSubTransport,
     resource_path,
 )
-from async_processor.transports.gcp_pull import RATE_WINDOW, READ_AHEAD_MAX, ReadAhead
 from tests.fixtures.servers import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.gcp]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from async_processor.merge.headers import (
+from async_processor.headers import (
     DEFAULT_FAIRNESS_HEADER,
     MergeParams,
     apply_stamped,

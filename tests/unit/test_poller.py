@@ -13,9 +13,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from async_processor.gates.base import ConstantGate, Gate
 from async_processor.messages import Envelope, decode_envelope
 from async_processor.metrics import Metrics, QueueMetrics
-from async_processor.poller import Poller
-from async_processor.results import Op
-from async_processor.settle import Settler
+from async_processor.pipeline.poller import Poller
+from async_processor.pipeline.results import Op
+from async_processor.pipeline.settle import Settler
 from async_processor.transports.base import Completion, Deferral, Delivery, QueueSpec, Transport
 from async_processor.work import PoolCapacity, Work
 
@@ -305,7 +305,7 @@ async def test_a_hand_back_that_cannot_finish_gives_up_the_rest_and_their_slots(
     """A removed queue's poller stops while the process runs on: what it could not hand
     back in time (the writer is stuck) is abandoned, so the heartbeat no longer renews it,
     and its slots come back (else the pool shrinks for good)."""
-    import async_processor.poller as poller_module
+    import async_processor.pipeline.poller as poller_module
 
     monkeypatch.setattr(poller_module, "HAND_BACK_TIMEOUT", 0.1)
     future = time.time() + 600

@@ -8,7 +8,7 @@ from anyio import wait_all_tasks_blocked
 from anyio.lowlevel import checkpoint
 
 from async_processor.config import PoolConfig
-from async_processor.processor import MAX_PREFETCH, Processor
+from async_processor.pipeline.processor import MAX_PREFETCH, Processor
 from async_processor.work import PoolCapacity
 from tests.fixtures.inprocess import sortedset_config
 

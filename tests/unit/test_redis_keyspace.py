@@ -9,9 +9,9 @@ from pydantic import ValidationError
 from redis.crc import key_slot
 
 from async_processor.config import SortedSetConfig
-from async_processor.transports import redis_keys as keys
-from async_processor.transports.redis_keyspace import KeySpace
-from async_processor.transports.redis_settings import cluster_problem, hash_tag, slot
+from async_processor.config.redis import cluster_problem, hash_tag, slot
+from async_processor.redis import keys
+from async_processor.redis.keyspace import KeySpace
 
 STANDALONE, CLUSTER = KeySpace(), KeySpace(cluster=True)
 

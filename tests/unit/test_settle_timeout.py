@@ -14,8 +14,8 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from async_processor import worker as worker_module
-from async_processor.results import Op
+from async_processor.pipeline import worker as worker_module
+from async_processor.pipeline.results import Op
 from async_processor.transports.base import Delivery
 from tests.fixtures.inprocess import http_client
 from tests.fixtures.simulator import LocalSimulator

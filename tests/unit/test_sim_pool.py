@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from async_processor.sim_pool import BATCH, INTERACTIVE, Job, Pool, PoolConfig
-from async_processor.sim_serving import config_from_args, request_class
+from async_processor.sim.pool import BATCH, INTERACTIVE, Job, Pool, PoolConfig
+from async_processor.sim.serving import config_from_args, request_class
 
 
 def pool(**kw: object) -> Pool:

@@ -14,8 +14,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from async_processor import simulator as simulator_module
-from async_processor.simulator import SimConfig, Simulator
+from async_processor.sim import app as simulator_module
+from async_processor.sim.app import SimConfig, Simulator
 from tests.fixtures.simulator import LocalSimulator
 
 pytestmark = pytest.mark.anyio

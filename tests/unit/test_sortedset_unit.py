@@ -13,11 +13,11 @@ import pytest
 from async_processor.config import SortedSetConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope, Request, Result, Routing
-from async_processor.transports import redis_keys
+from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Completion, Deferral, TransportContext
-from async_processor.transports.redis_claims import STALE_CLAIM_GRACE
-from async_processor.transports.redis_sortedset import SortedSetTransport
-from async_processor.transports.redis_upkeep import _every
+from async_processor.transports.redis_sortedset.claims import STALE_CLAIM_GRACE
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
+from async_processor.transports.redis_sortedset.upkeep import _every
 
 pytestmark = pytest.mark.anyio
 Q = "queue-a"

@@ -23,19 +23,19 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from async_processor import tracing
 from async_processor.config import TransformConfig
-from async_processor.dispatch import DispatchSettings
 from async_processor.httpclients.base import HttpClient
 from async_processor.messages import decode_envelope
 from async_processor.metrics import Metrics
-from async_processor.results import Op
-from async_processor.settle import Settler
+from async_processor.pipeline import tracing
+from async_processor.pipeline.dispatch import DispatchSettings
+from async_processor.pipeline.results import Op
+from async_processor.pipeline.settle import Settler
+from async_processor.pipeline.worker import Aborter, Worker
 from async_processor.transforms import build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports.base import Completion, Deferral, Delivery, QueueSpec, Transport
 from async_processor.work import PoolCapacity, Work
-from async_processor.worker import Aborter, Worker
 from tests.fixtures.inprocess import http_client
 from tests.fixtures.otlp import OtlpCollector
 from tests.fixtures.servers import free_port
@@ -243,7 +243,7 @@ async def test_disabled_tracing_adds_no_headers_and_no_spans(
 def test_disabled_path_never_imports_opentelemetry() -> None:
     code = (
         "import sys, anyio\n"
-        "from async_processor import processor, tracing\n"
+        "from async_processor.pipeline import processor, tracing\n"
         "assert tracing.setup({}) is False\n"
         "with tracing.process_request(None) as s:\n"
         "    s.settled(None)\n"

@@ -9,7 +9,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 from structlog.testing import capture_logs
 
-from async_processor.usage import MAX_TOKENS, USAGE_WINDOW, TokenAccounting, Usage, parse_usage
+from async_processor.pipeline.usage import (
+    MAX_TOKENS,
+    USAGE_WINDOW,
+    TokenAccounting,
+    Usage,
+    parse_usage,
+)
 
 
 def answer(usage: object, text: str = "hello", pad: int = 0) -> bytes:
@@ -162,6 +168,6 @@ def test_count_never_raises_into_the_result_path(monkeypatch: pytest.MonkeyPatch
     def broken(body: bytes) -> Usage:
         raise OverflowError("a bug")
 
-    monkeypatch.setattr("async_processor.usage.parse_usage", broken)
+    monkeypatch.setattr("async_processor.pipeline.usage.parse_usage", broken)
     accounting.count("q", "p", {"userid": "a"}, answer({"prompt_tokens": 1}))
     assert invalid_count(invalid) == 1

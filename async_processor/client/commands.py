@@ -1,0 +1,256 @@
+"""Producer and consumer commands on the client library: ``submit``, ``results``, ``cancel``.
+
+Input: JSONL request lines (our request format, or OpenAI batch-input lines
+``{custom_id, method, url, body}``), result lists, request ids. Output: requests on a
+Redis sorted set, results as JSONL, cancellation markers. Long work shows progress on
+stderr (a ``\\r`` bar on a terminal, periodic lines otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+import anyio
+
+from async_processor.cli.args import duration, parse, subcommand_parser
+from async_processor.client.redis_sortedset import SortedSetClient, as_request
+from async_processor.config import redis_connection_file
+from async_processor.config.redis import RedisConnection
+from async_processor.errors import ConfigError, TransportError
+from async_processor.messages import Request
+
+CHUNK = 1000
+LOCAL_REDIS = "redis://127.0.0.1:6379/0"
+
+
+class Progress:
+    """A small progress display on stderr (no dependency)."""
+
+    def __init__(self, label: str, total: int | None, stream: IO[str] = sys.stderr) -> None:
+        self.label, self.total, self.stream = label, total, stream
+        self.done = 0
+        self._tty = stream.isatty()
+        self._last = 0.0
+        self._started = time.monotonic()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self._last >= (0.1 if self._tty else 5.0):
+            self._last = now
+            self._show(end="\r" if self._tty else "\n")
+
+    def finish(self) -> None:
+        self._show(end="\n")
+
+    def _show(self, end: str) -> None:
+        rate = self.done / max(1e-6, time.monotonic() - self._started)
+        if self.total:
+            width = 30
+            filled = int(width * self.done / self.total)
+            bar = "#" * filled + "-" * (width - filled)
+            text = f"{self.label} [{bar}] {self.done}/{self.total} ({rate:.0f}/s)"
+        else:
+            text = f"{self.label} {self.done} ({rate:.0f}/s)"
+        self.stream.write(text + end)
+        self.stream.flush()
+
+
+def request_from_line(line: str, *, deadline: int, default_endpoint: str = "") -> dict[str, Any]:
+    """Our request object from a JSONL line; OpenAI batch-input lines are converted."""
+    obj = json.loads(line)
+    if not isinstance(obj, dict):
+        raise ValueError("each line must be a JSON object")
+    if "custom_id" in obj and "body" in obj:
+        request: dict[str, Any] = {"id": str(obj["custom_id"]), "payload": obj["body"]}
+        url = obj.get("url") or default_endpoint
+        if url:
+            request["endpoint"] = url
+        obj = request
+    obj.setdefault("deadline", deadline)
+    # When it was submitted: the daemon's submit-to-result histogram measures from it.
+    obj.setdefault("created", int(time.time()))
+    if default_endpoint and "endpoint" not in obj:
+        obj["endpoint"] = default_endpoint
+    return dict(obj)
+
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of the non-blank lines."""
+    with sys.stdin if path == "-" else open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                yield number, line
+
+
+def _requests(args: argparse.Namespace, deadline: int) -> list[Request]:
+    """Every line's request, read and validated (as the client validates) before anything
+    is submitted: a bad line, unreadable or invalid, is named (``<file>:<line>: why``) and
+    nothing is queued, not even the chunks before it."""
+    requests = []
+    for number, line in _lines(args.file):
+        try:
+            obj = request_from_line(line, deadline=deadline, default_endpoint=args.endpoint)
+            requests.append(as_request(obj))
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+            raise ValueError(f"{args.file}:{number}: {exc}") from None
+    return requests
+
+
+async def _submit(args: argparse.Namespace) -> int:
+    requests = _requests(args, int(time.time() + args.deadline_in))
+    progress = Progress("submitted", len(requests))
+    async with SortedSetClient(_connection(args), args.queue, args.result_queue) as client:
+        for start in range(0, len(requests), CHUNK):
+            chunk = requests[start : start + CHUNK]
+            await client.submit_many(chunk)
+            progress.advance(len(chunk))
+    progress.finish()
+    return 0
+
+
+async def _results(args: argparse.Namespace) -> int:
+    out: IO[str] = args.out
+    progress = Progress("results", args.count or None)
+    timeout = None if args.follow else args.timeout
+    try:
+        async with SortedSetClient(_connection(args), result_queue=args.result_queue) as client:
+            async for result in client.results(timeout=timeout):
+                out.write(json.dumps(result.to_obj(), ensure_ascii=False) + "\n")
+                out.flush()
+                progress.advance()
+                if args.count and progress.done >= args.count:
+                    break
+    finally:
+        progress.finish()
+    return 0
+
+
+async def _cancel(args: argparse.Namespace) -> int:
+    async with SortedSetClient(_connection(args)) as client:
+        marked = await client.cancel(args.ids, queue=args.queue)
+    print(f"cancelled {marked} of {len(args.ids)} (others were finished or unknown)")
+    return 0
+
+
+def _connection(args: argparse.Namespace) -> RedisConnection:
+    if args.transport_config_file:
+        return redis_connection_file(args.transport_config_file, _redis_url(args))
+    return RedisConnection(url=_redis_url(args))
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    p = subcommand_parser(f"async-processor {command}", DESCRIPTIONS[command])
+    p.add_argument(
+        "--redis-url",
+        default="",
+        metavar="URL",
+        help=f"the sorted-set transport's Redis (default: REDIS_URL, else {LOCAL_REDIS})",
+    )
+    p.add_argument(
+        "--transport-config-file",
+        default="",
+        metavar="FILE",
+        help="connect as the daemon does: url, mode, sentinels and TLS from its transport config",
+    )
+    if command == "submit":
+        p.add_argument(
+            "file",
+            metavar="FILE",
+            help="JSONL of requests or OpenAI batch-input lines ('-' = stdin)",
+        )
+        p.add_argument(
+            "--queue", default="request-sortedset", metavar="NAME", help="request sorted set"
+        )
+        p.add_argument(
+            "--result-queue",
+            default="result-list",
+            metavar="NAME",
+            help="result list named in each request's routing",
+        )
+        p.add_argument(
+            "--deadline-in",
+            type=duration,
+            default="1h",
+            metavar="DURATION",
+            help="deadline for lines without one, from now",
+        )
+        p.add_argument(
+            "--endpoint", default="", metavar="PATH", help="endpoint for lines without one"
+        )
+    elif command == "results":
+        p.add_argument(
+            "--result-queue", default="result-list", metavar="NAME", help="result list to read"
+        )
+        p.add_argument(
+            "--output",
+            "-o",
+            default="-",
+            metavar="FILE",
+            help="JSONL file to append to ('-' = stdout)",
+        )
+        p.add_argument("--follow", "-f", action="store_true", help="keep waiting for results")
+        p.add_argument(
+            "--timeout",
+            type=duration,
+            default="5s",
+            metavar="DURATION",
+            help="stop after this long with no result",
+        )
+        p.add_argument(
+            "--count",
+            "-n",
+            type=int,
+            default=0,
+            metavar="N",
+            help="stop after this many (0: no limit)",
+        )
+    else:
+        p.add_argument("ids", nargs="+", metavar="ID", help="request ids to cancel")
+        p.add_argument(
+            "--queue",
+            default="request-sortedset",
+            metavar="NAME",
+            help="the queue they were submitted to: only its submissions are cancelled",
+        )
+    return p  # fmt: skip
+
+
+DESCRIPTIONS = {
+    "submit": "Put requests from a JSONL file on a Redis sorted-set queue.",
+    "results": "Read results from a result list as JSONL.",
+    "cancel": "Cancel requests by id (those not yet finished).",
+}
+
+
+def _redis_url(args: argparse.Namespace) -> str:
+    # Not the parser's default: --help would print a password from REDIS_URL.
+    return str(args.redis_url or os.environ.get("REDIS_URL") or LOCAL_REDIS)
+
+
+COMMANDS = {"submit": _submit, "results": _results, "cancel": _cancel}
+
+
+def main(argv: list[str]) -> int:
+    """``argv[0]`` names the command (submit, results or cancel), as the CLI passes it."""
+    command, rest = argv[0], argv[1:]
+    args = parse(_parser(command), rest)
+    try:
+        with contextlib.ExitStack() as stack:
+            if command == "results":
+                args.out = (
+                    sys.stdout
+                    if args.output == "-"
+                    else stack.enter_context(open(args.output, "a", encoding="utf-8"))
+                )
+            return anyio.run(COMMANDS[command], args)
+    except (TransportError, ConfigError, OSError, ValueError) as exc:
+        print(f"async-processor {command}: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,1 @@
+"""Operator tools: ``status``, ``dead-letters``, ``exporter`` and ``check-config --probe``."""

@@ -1,0 +1,450 @@
+"""Processor: wires the stages in one task group; start, ready, drain, stop.
+
+Input: a validated ``AppConfig``. Output: a running daemon: pollers -> merge lanes ->
+workers -> result writer, plus /healthz, /readyz, /metrics and broker upkeep.
+
+Shutdown (SIGTERM): /readyz turns 503, pollers stop (handing back what they hold),
+merge lanes flush to the workers, which hand back anything not yet started and finish
+what is in flight within ``--drain-timeout``; past it, in-flight calls are cancelled
+and handed back at once. A second signal hands back at once.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from contextlib import AsyncExitStack, aclosing
+from dataclasses import dataclass
+
+import anyio
+import structlog
+from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
+
+from async_processor import __version__
+from async_processor.config import AppConfig, PoolConfig, SortedSetConfig
+from async_processor.gates.base import GateContext, GateOwner
+from async_processor.gates.owners import QueueGates, pool_gate
+from async_processor.headers import DEFAULT_FAIRNESS_ATTRIBUTE
+from async_processor.health import serve_health, serve_metrics
+from async_processor.httpclients import build_http_client
+from async_processor.httpclients.base import HttpClient
+from async_processor.merge import build_merge_policy
+from async_processor.merge.base import MergeContext, MergePolicy, Source
+from async_processor.metrics import Metrics
+from async_processor.pipeline import tracing
+from async_processor.pipeline.admission import PoolGate
+from async_processor.pipeline.cancels import CancelWatch
+from async_processor.pipeline.discovery import QueueRefresh
+from async_processor.pipeline.dispatch import DispatchSettings, stamped_header_names
+from async_processor.pipeline.poller import Poller
+from async_processor.pipeline.results import ResultWriter
+from async_processor.pipeline.settle import Settler
+from async_processor.pipeline.usage import TokenAccounting
+from async_processor.pipeline.worker import Aborter, Worker
+from async_processor.transforms import TransformChain, build_transform_chain
+from async_processor.transforms.base import TransformContext
+from async_processor.transports import build_transport
+from async_processor.transports.base import (
+    DiscoversQueues,
+    QueueSpec,
+    Transport,
+    TransportContext,
+)
+from async_processor.work import PoolCapacity, ShedPause, Work
+
+log = structlog.get_logger(__name__)
+
+WRITER_FLUSH_TIMEOUT = 30.0
+# The last resort of a stop, this long after its first signal past the drain timeout:
+# the stop's own bound (docs/operations.md: ~40 s with Redis hung) and room to spare.
+HARD_STOP_GRACE = 60.0
+HARD_STOP_EXIT = 124  # as timeout(1): the process was stopped, not drained
+# The most a pool prefetches: a round trip's worth of freed workers even at thousands of
+# requests in flight (at 10,000 workers a quarter was 2,500 messages held, ~25 MB, for
+# nothing: bench.in_flight).
+MAX_PREFETCH = 256
+
+
+def prefetch(workers: int) -> int:
+    """Messages a pool holds beyond its workers: a quarter of them, 1..MAX_PREFETCH."""
+    return min(max(1, workers // 4), MAX_PREFETCH)
+
+
+@dataclass(slots=True)
+class _Pool:
+    config: PoolConfig
+    queues: list[QueueSpec]
+    capacity: PoolCapacity
+    gate: PoolGate | None
+
+
+class Processor:
+    def __init__(
+        self,
+        config: AppConfig,
+        *,
+        metrics: Metrics | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.metrics.set_build_info(__version__, config.transport)
+        rt = config.runtime
+        self.transport = transport or build_transport(
+            config.transport,
+            config.transport_config,
+            TransportContext(
+                max_message_bytes=rt.max_message_bytes,
+                metrics=self.metrics,
+                gate_params=[pool.gate_params for pool in config.pools],
+            ),
+        )
+        self.gate_ctx = GateContext(
+            owner=GateOwner(),
+            metrics=self.metrics,
+            prometheus_url=rt.prometheus_url,
+            prometheus_cache_ttl=rt.prometheus_cache_ttl,
+            request_timeout=rt.request_timeout,
+        )
+        self.merge_policy: MergePolicy = build_merge_policy(
+            config.merge_policy, MergeContext(metrics=self.metrics)
+        )
+        self.queue_gates = QueueGates(self.gate_ctx)
+        for queue in [*config.queue_specs(), *_template(config)]:
+            self.queue_gates.of(queue)  # every gate built (and checked) at startup
+        self._discovery: QueueRefresh | None = None
+        self.pools = [self._pool(p, config.queue_specs()) for p in config.effective_pools()]
+        self.ready = False
+        self.stopping = anyio.Event()
+        self.health_port = 0
+        self.metrics_port = 0
+        self._stop_requested = anyio.Event()
+        self._force = anyio.Event()
+        self._aborter = Aborter()
+        self._cancels = CancelWatch(self.transport)
+        self._tokens = TokenAccounting(
+            self.metrics.tokens_total,
+            self.metrics.token_usage_invalid_total,
+            str(config.merge_policy.parameters.get("fairness_attribute") or "")
+            or DEFAULT_FAIRNESS_ATTRIBUTE,
+            rt.tenant_label_limit,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        rt = self.config.runtime
+        async with AsyncExitStack() as stack:
+            stack.push_async_callback(self._close_gates)
+            stack.push_async_callback(self.transport.aclose)
+            workers = sum(p.config.workers for p in self.pools)
+            http = build_http_client(rt.http_client, rt.tls, workers)
+            stack.push_async_callback(http.aclose)
+            transforms = await stack.enter_async_context(
+                build_transform_chain(
+                    self.config.transforms,
+                    TransformContext(max_message_bytes=rt.max_message_bytes),
+                ).opened()
+            )
+            async with anyio.create_task_group() as services:
+                await self._start_services(services)
+                await self._run_pipeline(http, transforms, task_status)
+                services.cancel_scope.cancel()
+        log.info("processor_stopped")
+
+    def request_stop(self, *, force: bool = False) -> None:
+        """Begin a graceful drain; ``force`` (a second signal) hands everything back now."""
+        if not self.stopping.is_set():
+            log.info("drain_started", drain_timeout=self.config.runtime.drain_timeout)
+        self.ready = False
+        self.stopping.set()
+        self._stop_requested.set()
+        if force:
+            self._force.set()
+
+    async def readiness(self) -> str | None:
+        if not self.ready:
+            return "draining" if self.stopping.is_set() else "starting"
+        try:
+            await self.transport.health()
+        except Exception as exc:
+            return f"transport unhealthy: {exc}"
+        return None
+
+    # ------------------------------------------------------------------ wiring
+
+    async def _start_services(self, tg: TaskGroup) -> None:
+        rt = self.config.runtime
+        self.health_port = await tg.start(
+            serve_health, rt.bind_address, rt.health_port, self.readiness
+        )
+        self.metrics_port = await tg.start(
+            _serve_metrics,
+            rt.bind_address,
+            rt.metrics_port,
+            self.metrics,
+            rt.metrics_bearer_token,
+        )
+        await tg.start(self.transport.run)
+        tg.start_soon(self._cancels.run)
+        if rt.metrics_backlog_poll_interval > 0:
+            tg.start_soon(self._backlog_loop, rt.metrics_backlog_poll_interval)
+
+    async def _run_pipeline(
+        self,
+        http: HttpClient,
+        transforms: TransformChain,
+        task_status: TaskStatus[None],
+    ) -> None:
+        writer = ResultWriter(self.transport, metrics=self.metrics)
+        async with anyio.create_task_group() as pipeline:
+            pipeline.start_soon(writer.run)
+            timer = anyio.CancelScope()
+            pipeline.start_soon(self._drain_timer, timer)
+            # Merge lanes and workers are never cancelled as a whole: at the drain timeout
+            # only in-flight calls are cut, so everything buffered is still handed back.
+            async with anyio.create_task_group() as work:
+                pollers = self._start_pools(work, writer, http, transforms)
+                async with anyio.create_task_group() as polling:
+                    for poller in pollers:
+                        polling.start_soon(poller.run)
+                    if self._discovery is not None:
+                        await self._discovery.refresh(polling)  # ready with what is listed
+                        polling.start_soon(self._discovery.run, polling)
+                    self.ready = True
+                    log.info(
+                        "processor_ready",
+                        queues=[q.name for q in self.transport.queues],
+                        pools=[p.config.id for p in self.pools],
+                        health_port=self.health_port,
+                        metrics_port=self.metrics_port,
+                    )
+                    task_status.started()
+                    await self._stop_requested.wait()
+                    polling.cancel_scope.cancel()
+            timer.cancel()
+            writer.close()
+            pipeline.cancel_scope.deadline = anyio.current_time() + WRITER_FLUSH_TIMEOUT
+
+    async def _drain_timer(self, scope: anyio.CancelScope) -> None:
+        """Past ``--drain-timeout`` (or at a second signal) cut what is still in flight."""
+        with scope:
+            await self._stop_requested.wait()
+            with anyio.move_on_after(self.config.runtime.drain_timeout):
+                await self._force.wait()
+            log.info("drain_timeout_reached", in_flight=len(self._aborter))
+            self._aborter.abort()
+
+    def _start_pools(
+        self,
+        tg: TaskGroup,
+        writer: ResultWriter,
+        http: HttpClient,
+        transforms: TransformChain,
+    ) -> list[Poller]:
+        rt = self.config.runtime
+        settings = DispatchSettings(
+            rt.request_timeout,
+            rt.deadline_header,
+            stamped_header_names(self.config.merge_policy.parameters),
+        )
+        pollers: list[Poller] = []
+        self._discovery = self._queue_refresh(writer)
+        for pool in self.pools:
+            # One message between the merge and the workers: the merge chooses at each free
+            # worker among every queue's offer (a buffer of one per queue held most of the
+            # pool's slots, so it chose among the few queues left with an offer).
+            sink, merged = anyio.create_memory_object_stream[Work](1)
+            sources: list[Source] = []
+            for queue in pool.queues:
+                source, poller = self._wire_queue(pool, queue, writer)
+                sources.append(source)
+                pollers.append(poller)
+            more = None
+            if self._discovery is not None:
+                self._discovery.feeds[pool.config.id], more = anyio.create_memory_object_stream[
+                    Source
+                ](1)
+            tg.start_soon(self.merge_policy.run, pool.config.id, sources, sink, more)
+            worker = Worker(
+                pool=pool.config.id,
+                settings=settings,
+                http=http,
+                transport=self.transport,
+                settler=self._settler(writer, pool.capacity),
+                transforms=transforms,
+                stopping=self.stopping,
+                aborter=self._aborter,
+                pool_gate=pool.gate,
+                shed_pause=ShedPause(rt.shed_pause),
+                cancels=self._cancels,
+                tokens=self._tokens,
+            )
+            tg.start_soon(_serve, worker, pool.config.workers, merged)
+        return pollers
+
+    def _queue_refresh(self, writer: ResultWriter) -> QueueRefresh | None:
+        transport_config = self.config.transport_config
+        discovery = getattr(transport_config, "queue_discovery", None)
+        if discovery is None or not isinstance(self.transport, DiscoversQueues):
+            return None
+        pools = {pool.config.id: pool for pool in self.pools}
+        return QueueRefresh(
+            self.transport.discover,
+            lambda queue: self._wire_queue(pools[queue.pool], queue, writer),
+            self._forget_queue,
+            {pool_id: pool.capacity for pool_id, pool in pools.items()},
+            discovery.refresh_seconds,
+        )
+
+    def _wire_queue(
+        self, pool: _Pool, queue: QueueSpec, writer: ResultWriter
+    ) -> tuple[Source, Poller]:
+        """A queue's lane (the merge's source) and its poller."""
+        # A fetch sized by free slots is admitted whole, so the next one starts at once.
+        # Otherwise the lanes share the pool's prefetch: a lane of one batch kept a pool's
+        # only poller blocked one batch ahead of the workers, most prefetch slots never
+        # fetched, and freed workers waiting for fetch round trips (issue 13, Little's law).
+        shared = prefetch(pool.config.workers) // max(1, len(pool.queues))
+        lane = pool.capacity.slots if queue.max_fetch else max(queue.batch_size, shared)
+        lane_in, lane_out = anyio.create_memory_object_stream[Work](lane)
+        poller = Poller(
+            queue=queue,
+            transport=self.transport,
+            gate=self.queue_gates.of(queue),
+            settler=self._settler(writer, pool.capacity),
+            lane=lane_in,
+            metrics=self.metrics.queue(queue.id, queue.name, pool.config.id),
+            bound_in_flight=self.config.runtime.budget_scope == "in-flight",
+        )
+        return Source(queue, lane_out), poller
+
+    def _forget_queue(self, queue: QueueSpec) -> None:
+        """A removed queue's poller has drained: free its gate entry and metric series."""
+        self.queue_gates.forget(queue.name)
+        self.metrics.forget_queue(queue.name)
+
+    def _settler(self, writer: ResultWriter, capacity: PoolCapacity) -> Settler:
+        return Settler(transport=self.transport, writer=writer.sender(), capacity=capacity)
+
+    def _pool(self, config: PoolConfig, queues: Sequence[QueueSpec]) -> _Pool:
+        self.metrics.pool_worker_limit.labels(config.id).set(config.workers)
+        gate = None
+        if config.gate_type:
+            gate = PoolGate(
+                pool_gate(config, self.gate_ctx),
+                self.metrics.pool(config.id),
+                self.config.runtime.effective_gate_wait_timeout,
+            )
+        # A little prefetch beyond the workers hides the fetch round trip. No more: every
+        # message held here is leased away from the other replicas, and with fetching
+        # driven by free slots, an urgent queue is served at the next free slot anyway.
+        # Plus one slot per further queue: a message for the merge from each backlogged
+        # queue (and, where the transport cannot signal messages, what an idle queue's
+        # poller holds while its fetch waits).
+        mine = [q for q in queues if q.pool == config.id]
+        slots = config.workers + prefetch(config.workers) + max(0, len(mine) - 1)
+        return _Pool(config, mine, PoolCapacity(slots), gate)
+
+    async def _backlog_loop(self, interval: float) -> None:
+        while True:
+            for queue in list(self.transport.queues):  # discovered ones too
+                try:
+                    depth = await self.transport.backlog(queue)
+                except Exception as exc:
+                    log.warning("backlog_poll_failed", queue=queue.name, error=str(exc))
+                    depth = None
+                if depth is not None:
+                    self.metrics.queue(queue.id, queue.name, queue.pool).broker_backlog.set(depth)
+            await anyio.sleep(interval)
+
+    async def _close_gates(self) -> None:
+        for close in self.gate_ctx.closers:
+            with anyio.CancelScope(shield=True):
+                await close()
+
+
+async def _serve_metrics(
+    host: str,
+    port: int,
+    metrics: Metrics,
+    token: str,
+    *,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    await serve_metrics(host, port, metrics.registry, bearer_token=token, task_status=task_status)
+
+
+def _template(config: AppConfig) -> list[QueueSpec]:
+    """The discovery template as a queue, so its gate is checked at startup."""
+    transport = config.transport_config
+    return transport.template_specs() if isinstance(transport, SortedSetConfig) else []
+
+
+def validate_plugins(config: AppConfig) -> None:
+    """Build every gate, merge policy, transform and transport, starting none (check-config)."""
+    Processor(config)
+    build_transform_chain(config.transforms, TransformContext())
+
+
+async def run(config: AppConfig) -> None:
+    """The daemon: run until SIGTERM/SIGINT, drain, exit (flushing spans if tracing)."""
+    tracing.setup()
+    try:
+        processor = Processor(config)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_signals, processor)
+            await processor.run()
+            tg.cancel_scope.cancel()
+    finally:
+        tracing.shutdown()
+
+
+async def _watch_signals(processor: Processor) -> None:
+    hard_stop: threading.Timer | None = None
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        try:
+            count = 0
+            async for signum in signals:
+                count += 1
+                log.info("signal_received", signal=signal.Signals(signum).name, count=count)
+                if hard_stop is None:
+                    drain = processor.config.runtime.drain_timeout
+                    hard_stop = hard_stop_after(drain + HARD_STOP_GRACE)
+                processor.request_stop(force=count > 1)
+        finally:
+            if hard_stop is not None:  # stopped in time
+                hard_stop.cancel()
+
+
+def hard_stop_after(seconds: float) -> threading.Timer:
+    """Exit the process in ``seconds`` unless the timer is cancelled first.
+
+    Every stage's stop is bounded, but one that is not (a loop that never saw its
+    cancellation hung the soak at exit) must not keep the process up for good. A thread,
+    so it fires even with the event loop stuck. Nothing is lost: what the process still
+    holds is leased, and comes back when the lease lapses (docs/architecture.md G1).
+    """
+    timer = threading.Timer(seconds, _hard_stop, args=(seconds,))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _hard_stop(seconds: float) -> None:
+    log.error("hard_stop", after_seconds=seconds, exit_code=HARD_STOP_EXIT)
+    faulthandler.dump_traceback(all_threads=True)  # where it hung, for the bug report
+    os._exit(HARD_STOP_EXIT)
+
+
+async def _serve(worker: Worker, tasks: int, stream: ObjectReceiveStream[Work]) -> None:
+    """A pool's ``tasks`` worker tasks, all taking from one stream with one ``Worker`` and
+    its settler. A stream clone, a settler and a Worker per task were ~0.9 KB each, 9 MB at
+    10,000 workers (issue 13). The stream, and the settler's sender of the result writer,
+    close once every task has ended, as each task's own did before."""
+    async with stream, aclosing(worker.settler), anyio.create_task_group() as tg:
+        for _ in range(tasks):
+            tg.start_soon(worker.run, stream)

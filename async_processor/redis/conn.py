@@ -1,0 +1,178 @@
+"""Redis connections: the one factory for the Redis transports, the Redis gates and the client.
+
+Input: a ``RedisConnection`` (``redis_settings``: URL, mode, sentinels, TLS files). Output:
+a ``redis.asyncio`` client whose failures the callers map to their own errors.
+
+- ``standalone`` (default): the URL names the server, as the Go reference.
+- ``sentinel``: the sentinels (``host:port``) name the master of ``sentinel_master``; the
+  URL carries only credentials, db and TLS. The pool asks the sentinels again whenever a
+  connection fails, so after a failover the next call reaches the new master, and while no
+  master is known every call fails (the daemon's /readyz turns 503).
+- ``cluster``: the URL names any node; redis-py's asyncio cluster client finds the rest
+  and follows slot moves (``redis_keyspace`` keeps each queue's keys in one slot).
+- TLS (``rediss://``) takes a CA file, a client certificate and key, or skips verification;
+  the sentinels are spoken to with the same TLS settings. ACL users and passwords come in
+  the URL (``redis://user:password@host``) and are masked wherever a URL is logged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import anyio
+import structlog
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import AbstractConnection, parse_url
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisClusterException, RedisError
+from redis.typing import EncodableT
+from redis.utils import HIREDIS_AVAILABLE
+
+from async_processor.config.redis import DEFAULT_URL, RedisConnection, host_port
+
+# "Redis is away": what a call raises when its server cannot be reached or answer. The
+# cluster client raises its own RedisClusterException (not a RedisError) when no node
+# answers or a slot is uncovered; catching RedisError alone turned a cluster outage into
+# a crash or an error result where a standalone one waits. TimeoutError is an OSError.
+REDIS_AWAY: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
+
+log = structlog.get_logger(__name__)
+
+CONNECT_TIMEOUT = 5.0
+# redis-py 8 caps a pool at 100 connections and fails the 101st caller ("Too many
+# connections"); a daemon with 200 queues has 200 pollers claiming at once. Its callers are
+# bounded by its queues and workers, so leave the limit to the server's maxclients.
+MAX_CONNECTIONS = 10_000
+
+
+def _pack_with_hiredis() -> None:
+    """Pack commands in C on every asyncio connection, as redis-py's sync ones already do.
+
+    redis-py's sync connections use hiredis's packer when hiredis is installed (it is our
+    dependency); its asyncio ones always pack in Python: 266 µs for one result batch's
+    complete script (16 results, 213 arguments) against hiredis's 31 µs, the largest single
+    cost of ours per message at a zero-latency gateway (issue 13). Same bytes on the wire.
+    hiredis is called directly: redis-py's sync wrapper first looks at every argument in a
+    Python loop (to copy memoryviews, which hiredis reads as they are): 38 µs against 18 for
+    an 11-result batch. What hiredis refuses (a bytearray, a bool, an IntEnum), and the
+    connections that encode text other than as strict UTF-8, go to redis-py's own packer,
+    so the patch (process-wide: the client library's users too) packs and refuses exactly
+    what redis-py does.
+    """
+    if not HIREDIS_AVAILABLE:
+        return
+    import hiredis
+
+    python_pack = AbstractConnection.pack_command
+
+    def pack(conn: AbstractConnection, *args: EncodableT) -> list[bytes]:
+        encoder = conn.encoder  # hiredis encodes text as UTF-8, strictly
+        if encoder.encoding != "utf-8" or encoder.encoding_errors != "strict":
+            return python_pack(conn, *args)
+        # As redis-py: a command name of several words ("SCRIPT LOAD") is sent as several.
+        if isinstance(args[0], str):
+            args = (*args[0].encode().split(), *args[1:])
+        elif b" " in args[0]:  # type: ignore[operator]
+            args = (*args[0].split(), *args[1:])  # type: ignore[union-attr]
+        try:
+            return [hiredis.pack_command(args)]  # type: ignore[arg-type]  # its stub: a 1-tuple
+        except TypeError:
+            return python_pack(conn, *args)
+
+    setattr(AbstractConnection, "pack_command", pack)  # noqa: B010
+
+
+_pack_with_hiredis()
+
+
+def connect(
+    conn: RedisConnection, *, socket_timeout: float | None = 30.0, retry_cap: float = 0.5
+) -> Redis:
+    """One client (and pool) for ``conn``; it connects lazily, on its first command.
+
+    One quick retry covers a pooled connection gone stale (a restart, a failover); longer
+    outages surface as errors so the callers' own backoff applies.
+    """
+    options: dict[str, Any] = {
+        "socket_connect_timeout": CONNECT_TIMEOUT,
+        "socket_timeout": socket_timeout,
+        "health_check_interval": 30,
+        "max_connections": MAX_CONNECTIONS,
+        "retry": Retry(ExponentialBackoff(cap=retry_cap, base=0.05), retries=1),
+        **conn.tls_options(),
+    }
+    if conn.mode == "sentinel":
+        return _sentinel_master(conn, options)
+    if conn.mode == "cluster":
+        # Typed as Redis: callers use only commands both clients have (keys, scripts,
+        # pipelines); the cluster tests run the transport and the client on a real cluster.
+        return cast(Redis, RedisCluster.from_url(conn.url, **options))
+    return Redis.from_url(conn.url or DEFAULT_URL, **options)
+
+
+async def warn_if_evicting(client: Redis) -> None:
+    """Log an error when Redis may evict keys at its ``maxmemory``: past a set limit (0 is
+    none), any policy but ``noeviction`` (managed Redis often defaults to ``volatile-lru``)
+    deletes keys with a TTL (dedup markers: duplicate results; result lists under
+    retention: every result in them), ``allkeys-*`` also queues and in-flight sets, so
+    messages vanish unanswered. Asked once at start (``INFO memory``); not knowing (an ACL
+    without INFO, Redis away) is only a debug line."""
+    try:
+        with anyio.fail_after(CONNECT_TIMEOUT):
+            info = await client.info("memory")
+    except REDIS_AWAY as exc:
+        log.debug("eviction_policy_unknown", error=str(exc))
+        return
+    # A cluster client answers per node: {node: {field: value}}.
+    nodes = (
+        [info] if "maxmemory_policy" in info else [v for v in info.values() if isinstance(v, dict)]
+    )
+    # maxmemory 0 is no limit: nothing is ever evicted, whatever the policy says.
+    limited = [n for n in nodes if _int(n.get("maxmemory")) > 0]
+    evicting = sorted({str(n.get("maxmemory_policy")) for n in limited} - {"noeviction"})
+    if evicting:
+        log.error(
+            "redis_may_evict",
+            maxmemory_policy=",".join(evicting),
+            advice="set maxmemory-policy noeviction: evicted keys are lost messages and results",
+        )
+
+
+def _int(value: object) -> int:
+    try:
+        return int(str(value))
+    except ValueError:  # absent or unreadable: assume a limit, so the policy is reported
+        return 1
+
+
+class _SentinelMaster(Redis):
+    """The master's client; closing it also closes the sentinel clients it asks."""
+
+    sentinel_manager: Sentinel | None = None
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        if self.sentinel_manager is not None:
+            for client in self.sentinel_manager.sentinels:
+                await client.aclose()
+
+
+def _sentinel_master(conn: RedisConnection, options: dict[str, Any]) -> Redis:
+    parsed = parse_url(conn.url)
+    credentials = {k: v for k, v in parsed.items() if k in ("username", "password", "db")}
+    sentinel_options = {k: v for k, v in options.items() if k != "health_check_interval"}
+    if conn.tls:
+        sentinel_options["ssl"] = True
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        [host_port(address) for address in conn.sentinels],
+        sentinel_kwargs=sentinel_options,
+        **options,
+        **credentials,
+        ssl=conn.tls,
+    )
+    client: _SentinelMaster = sentinel.master_for(conn.sentinel_master, redis_class=_SentinelMaster)
+    client.sentinel_manager = sentinel
+    return client

@@ -1,0 +1,586 @@
+"""redis-sortedset transport: leased claims from deadline-ordered sorted sets.
+
+Stage: broker I/O for ``--transport redis-sortedset``. Input: ``SortedSetConfig`` (queues
+are sorted sets of envelopes scored by deadline). Output: ``Delivery`` objects for the
+poller; results on Redis lists; hand-backs on the queue or the shared retry set.
+
+At-least-once (docs/architecture.md G1): a fetch moves members into ``<queue>:inflight`` under a
+lease (one Lua call); the heartbeat extends the leases this process holds; any replica's
+reaper puts expired claims back with their deadline score; ``complete``/``defer``/
+``dead_letter`` acknowledge a claim atomically with their write. ``kill -9`` loses nothing:
+a dead replica's claims come back after one lease.
+
+Exactly one result (G2): ``complete`` writes the result only if it sets the marker
+``request-done:<id>:<fp>`` (TTL ``dedup_ttl_seconds``) in the same script. ``fp`` is the
+envelope's ``request_token`` (the client sets a fresh one per submission, so a resubmitted
+id gets a new result), else a digest of the request itself (a resubmission that changes
+anything, e.g. its deadline, is new; a byte-identical one within the TTL is a duplicate),
+else (undecodable message) the id alone for the TTL. With ``wait_replicas`` the same
+pipeline ends in ``WAIT``, so a batch's results are on that many replicas before the
+next one is written (docs/transports.md has what that buys on a failover).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import structlog
+from redis.asyncio import Redis
+
+from async_processor.config import SortedSetConfig
+from async_processor.errors import PartialWrite, TransportError
+from async_processor.json_scan import id_from_prefix
+from async_processor.messages import (
+    LET_GO,
+    Envelope,
+    ErrorCode,
+    Result,
+    decode_envelope,
+    too_large,
+)
+from async_processor.redis import keys
+from async_processor.redis.conn import connect
+from async_processor.redis.keys import redis_errors as redis_errors
+from async_processor.redis.keyspace import KeySpace
+from async_processor.transports.base import (
+    TRANSPORTS,
+    Completion,
+    Deferral,
+    Delivery,
+    QueueSpec,
+    TransportContext,
+)
+from async_processor.transports.redis_sortedset.claims import (
+    Claim,
+    ClaimBook,
+    by_queue,
+    claim_of,
+    deadline_of,
+    token_of,
+)
+from async_processor.transports.redis_sortedset.discovery import (
+    queue_catalog,
+    transport_own_keys,
+)
+from async_processor.transports.redis_sortedset.fetch import Fetcher
+from async_processor.transports.redis_sortedset.markers import MarkerChecks
+from async_processor.transports.redis_sortedset.routing import ROUTE_REJECTIONS, ResultRouting
+from async_processor.transports.redis_sortedset.upkeep import SortedSetUpkeep
+
+log = structlog.get_logger(__name__)
+
+ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed", "hand_back_timeout")
+# A let-go member's first bytes kept to find it again in its queue after a lapsed lease
+# (lua/drop_returned.lua), and the most members sharing them and its score compared there.
+HEAD_BYTES = 128
+MOST_COMPARED = 10_000
+# Member bytes one call there reads before the next call goes on: each member is copied
+# into Lua and hashed (400 look-alikes of 256 KiB held Redis 321 ms in one call).
+BYTES_PER_CALL = 1 << 20
+ScriptCall = tuple[list[str], list[bytes | str | int]]  # one script's keys and arguments
+Written = tuple[int, int, int]  # a complete reply: (written, held, fell_back)
+# What ``_got_back`` found per delivery: its bytes held (again), its claim no longer held,
+# or its claim held without its bytes, and answered with a failure result.
+Back = Literal["held", "lapsed", "answered"]
+HELD: Back = "held"
+LAPSED: Back = "lapsed"
+ANSWERED: Back = "answered"
+BYTES_LOST_TEXT = "message bytes lost from the lease; cannot retry"
+
+
+class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
+    kind = "redis-sortedset"
+
+    def __init__(
+        self, config: SortedSetConfig, ctx: TransportContext, *, client: Redis | None = None
+    ) -> None:
+        self.config = config
+        self._ctx = ctx
+        self._redis = client if client is not None else connect(config.redis_connection())
+        discovery = config.queue_discovery
+        self._keys = KeySpace(cluster=config.mode == "cluster", queue_retry=discovery is not None)
+        self._scripts = self._keys.scripts(self._redis)
+        static = config.queue_specs()
+        self._claims = ClaimBook([q.name for q in static])  # the heartbeat extends what it holds
+        self._fetcher = Fetcher(
+            self._redis,
+            self._keys,
+            self._scripts,
+            self._claims,
+            self._check_markers,
+            owner=uuid.uuid4().hex,
+            lease=config.lease_seconds,
+            max_bytes=ctx.max_message_bytes,
+            metrics=ctx.metrics,
+        )
+        self._own = transport_own_keys(config, ctx.gate_params)
+        self._catalog = queue_catalog(config, self._redis, self._keys, self._own, ctx.metrics)
+        self.queues: Sequence[QueueSpec] = self._catalog.upkeep
+        self._gather()
+        self._routing = ResultRouting(config, self._keys, self._routed_own(), ctx.metrics)
+        if ctx.metrics is not None:  # every series at 0 from the start, so alerts see a rise
+            for queue in self.queues:
+                for reason in ROUTE_REJECTIONS:
+                    ctx.metrics.result_route_rejected_total.labels(queue.name, reason)
+                for reason in ABANDON_REASONS:
+                    ctx.metrics.abandoned_total.labels(queue.name, reason)
+                ctx.metrics.dead_letter_trimmed_total.labels(queue.name)
+            for result_list in config.result_ttls():
+                ctx.metrics.results_trimmed_total.labels(result_list)
+
+    def _gather(self) -> None:
+        """Rounds wait for other queues' claims only when there are other queues polled (a
+        removed queue draining its claims is in upkeep, but no fetch of its joins a round)."""
+        polled = len(self._catalog.static) + len(self._catalog.discovered)
+        self._fetcher.gather = self.config.claim_gather_ms / 1000 if polled > 1 else 0.0
+
+    def _routed_own(self) -> keys.OwnKeys:
+        """The keys no message may name as its result list: ours, and every queue's."""
+        names = self._catalog.names()
+        own = replace(self._own, exact=self._own.exact | keys.queue_keys(names))
+        return self._keys.own_keys(own, names)
+
+    async def discover(self) -> list[QueueSpec]:
+        """The discovered queues to poll now (``queue_discovery``); upkeep follows them,
+        and removed ones until they hold no claim and no retry."""
+        discovered = await self._catalog.refresh(self._redis)
+        self.queues = self._catalog.upkeep
+        self._claims.prune(self._catalog.names())
+        self._fetcher.served(set(self._catalog.names()))
+        self._gather()
+        self._routing.own = self._routed_own()
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.discovered_queues.set(len(discovered))
+        return discovered
+
+    # ------------------------------------------------------------------ fetch and decode
+
+    async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
+        """Claim up to ``limit`` earliest-deadline members, in a round with other queues'
+        claims; an empty queue waits up to ``wait`` s for the idle probe (redis_fetch.py)."""
+        return await self._fetcher.fetch(queue, limit, wait)
+
+    async def until_ready(self, queue: QueueSpec) -> None:
+        """Return once ``queue`` may hold members: at once unless its last claim found it
+        empty; then when the idle probe sees members in it."""
+        await self._fetcher.until_ready(queue)
+
+    def decode(self, delivery: Delivery) -> Envelope:
+        """The member's envelope with routing filled from the queue (queue labels win)."""
+        if delivery.envelope is not None:  # decoded at fetch time already
+            return delivery.envelope
+        limit = self._ctx.max_message_bytes
+        claim = delivery.handle
+        if isinstance(claim, Claim) and claim.digest:  # only a prefix was fetched
+            raise too_large(claim.size, limit, id_from_prefix(delivery.raw))
+        return keys.decode_delivery(delivery, limit)
+
+    # ------------------------------------------------------------------ the message's bytes
+
+    def let_go(self, delivery: Delivery) -> None:
+        """Drop the message's bytes as its request goes out (``LetsGo``): a request waits
+        seconds at the gateway, and its bytes (4.4 KB at 4 KiB payloads) were most of what
+        the daemon held per request in flight (issue 13). While the claim is held its
+        lease hash has the member, which a hand-back or a dead letter reads back
+        (``_got_back``); kept are its dedup fingerprint (a digest of the request, payload
+        included) and what finds it in its queue if the lease lapses (``_drop_returned``).
+        A member fetched as a prefix only (oversized) never gets this far."""
+        claim = claim_of(delivery)
+        envelope = delivery.envelope
+        if envelope is None or claim.sha1 or claim.digest:
+            return
+        raw = delivery.raw
+        claim.fingerprint = keys.fingerprint(delivery)
+        claim.head = raw[:HEAD_BYTES]
+        claim.sha1 = hashlib.sha1(raw, usedforsecurity=False).digest()
+        delivery.raw = b""
+        envelope.request.payload = LET_GO
+
+    async def _got_back(self, deliveries: Sequence[Delivery]) -> list[Back]:
+        """Per delivery, whether it holds its bytes again: those let go are read back from
+        their lease entries, in one round trip. ``LAPSED``: the claim is no longer held (its
+        lease lapsed, and the reaper put the message back on its queue). ``ANSWERED``: the
+        claim is still ours but its lease entry is gone (an eviction, a DEL of the hash):
+        no bytes to hand back, and the reaper would drop the claim without a trace, so the
+        message ends here with a failure result (``_answer_lost``)."""
+        gone = [d for d in deliveries if claim_of(d).sha1]
+        lost: list[Delivery] = []
+        if gone:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for delivery in gone:
+                    name, claim_id = delivery.queue.name, claim_of(delivery).id
+                    pipe.hget(self._keys.inflight_meta(name), claim_id)
+                    pipe.zscore(self._keys.inflight(name), claim_id)
+                replies = await pipe.execute()
+            for delivery, entry, score in zip(gone, replies[::2], replies[1::2], strict=True):
+                if entry is not None:  # "<score>|<member>", as claim.lua wrote it
+                    self._restore(delivery, entry[entry.index(b"|") + 1 :])
+                elif score is not None:
+                    lost.append(delivery)
+            await self._answer_lost(lost)
+        return [_back(d, lost) for d in deliveries]
+
+    async def _answer_lost(self, deliveries: list[Delivery]) -> None:
+        """A failure result for each held claim whose bytes are gone from its lease entry,
+        acknowledging the claim in the same script: the message cannot be retried or
+        parked, but it still ends as exactly one result (docs/architecture.md G2)."""
+        if not deliveries:
+            return
+        items = []
+        for delivery in deliveries:
+            request_id = delivery.envelope.id if delivery.envelope else claim_of(delivery).id
+            log.error("message_bytes_lost", queue=delivery.queue.name, request_id=request_id)
+            failure = Result.failure(request_id, ErrorCode.INFERENCE_ERROR, BYTES_LOST_TEXT)
+            items.append((delivery, failure))
+        replies = await self._write_results(items, queued=False)
+        for delivery, reply in zip(deliveries, replies, strict=True):
+            if isinstance(reply, TransportError):  # a key of the wrong type: left to its lease
+                log.error(
+                    "message_bytes_lost_unanswered", queue=delivery.queue.name, error=str(reply)
+                )
+
+    def _restore(self, delivery: Delivery, member: bytes) -> None:
+        """The member's bytes and payload back; routing stays as the worker left it (a
+        retry's count and last answer), the payload byte for byte as the producer wrote it."""
+        fresh = decode_envelope(member, max_bytes=self._ctx.max_message_bytes)
+        delivery.raw = member
+        if delivery.envelope is not None:
+            delivery.envelope.request.payload = fresh.request.payload
+        claim = claim_of(delivery)
+        claim.head, claim.sha1 = b"", b""
+
+    # ------------------------------------------------------------------ acknowledgements
+
+    async def complete(self, items: Sequence[Completion]) -> None:
+        """Per item, atomically: result + dedup marker + ack + cancellation cleanup (one
+        script per hash slot of the batch: one call outside cluster mode). An item whose
+        keys have the wrong type fails alone (``PartialWrite``) and stays held."""
+        if not items:
+            return
+        with self._claims.acking(d for d, _ in items):
+            try:
+                replies = await self._write_results(items, queued=False)
+                await self._drop_returned(self._settled(items, replies))
+            except TransportError:
+                # The scripts may have run (the reply lost, or the cleanup after them
+                # failed): the writer sends the batch again, see Claim.unsure.
+                for delivery, _ in items:
+                    claim_of(delivery).unsure = True
+                raise
+        failed = [i for i, reply in enumerate(replies) if isinstance(reply, TransportError)]
+        if failed:
+            raise PartialWrite(str(replies[failed[0]]), failed)
+
+    def _settled(
+        self, items: Sequence[Completion], replies: Sequence[Written | TransportError]
+    ) -> list[Delivery]:
+        """Forget the claims written; returns those no longer held (lease lapsed)."""
+        lost = []
+        for (delivery, _), reply in zip(items, replies, strict=True):
+            if isinstance(reply, TransportError):
+                continue  # still held: the writer tries it again, then leaves it to its lease
+            self._claims.release(delivery)
+            if not reply[1]:
+                lost.append(delivery)
+        return lost
+
+    async def _write_results(
+        self, items: Sequence[tuple[Delivery, Result]], *, queued: bool
+    ) -> list[Written | TransportError]:
+        """The complete script once per hash slot of the batch (all queues together
+        outside cluster mode), all in one round trip: for claims, or (``queued``) for
+        members still waiting in their queue. Replies, in the order of ``items``:
+        (written, held, fell_back), or the error of an item whose keys have the wrong type
+        (nothing of it written)."""
+        targets = [self._routing.target(delivery) for delivery, _ in items]
+        groups = self._slot_batches([delivery for delivery, _ in items])
+        calls = [self._complete_call(items, targets, g, queued=queued) for g in groups]
+        with redis_errors("complete"):
+            replies = await self._run_complete(calls)
+        self._check_replicas(replies[len(groups) :])
+        scripts: list[Written | TransportError] = [(0, 0, 0)] * len(items)
+        for group, group_replies in zip(groups, replies[: len(groups)], strict=True):
+            for index, reply in zip(group, group_replies, strict=True):
+                scripts[index] = _written(reply)
+        for (delivery, result), target, reply in zip(items, targets, scripts, strict=True):
+            if isinstance(reply, TransportError):
+                continue
+            written, held, fell_back = reply
+            # Not held, after a lost reply: our own write landed then (no duplicate).
+            if not written and (held or not (queued or claim_of(delivery).unsure)):
+                self._duplicate(delivery, result)
+            if fell_back:
+                self._routing.rejected(delivery, target, "wrong_type")
+        return scripts
+
+    def _slot_batches(self, deliveries: Sequence[Delivery]) -> list[list[int]]:
+        """Indexes of ``deliveries`` per complete call: a queue's items together, the
+        queues of one hash slot (all of them outside cluster mode) in one call."""
+        per_queue = by_queue(deliveries)
+        return [
+            [index for name in names for index in per_queue[name]]
+            for names in self._keys.slot_groups(list(per_queue))
+        ]
+
+    async def _run_complete(self, calls: list[ScriptCall]) -> list[Any]:
+        """The complete scripts in one round trip: a single one sent alone (a pipeline of
+        scripts first asks Redis whether it has them, a second round trip per batch);
+        several, or any followed by ``WAIT``, as one pipeline."""
+        script = self._scripts["complete"]
+        if len(calls) == 1 and not self.config.wait_replicas:
+            script_keys, args = calls[0]
+            return [await script(keys=script_keys, args=args)]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for script_keys, args in calls:
+                await script(keys=script_keys, args=args, client=pipe)
+            if self.config.wait_replicas:  # same round trip: WAIT follows the scripts
+                pipe.wait(self.config.wait_replicas, self.config.wait_timeout_ms)
+            return await pipe.execute()
+
+    def _complete_call(
+        self,
+        items: Sequence[tuple[Delivery, Result]],
+        targets: Sequence[str],
+        group: Sequence[int],
+        *,
+        queued: bool,
+    ) -> ScriptCall:
+        """Keys and arguments of one complete script for the items at ``group`` (one
+        hash slot)."""
+        script_keys: list[str] = []
+        args: list[bytes | str | int] = [
+            self.config.dedup_ttl_seconds,
+            "queued" if queued else "claim",
+        ]
+        for index in group:
+            delivery, result = items[index]
+            script_keys += self._complete_keys(delivery, result, targets[index], queued=queued)
+            member = delivery.raw if queued else claim_of(delivery).id
+            args += [member, result.encode(), token_of(delivery)]
+        return script_keys, args
+
+    def _duplicate(self, delivery: Delivery, result: Result) -> None:
+        """A second delivery of a submission already answered (a redelivery, or the same
+        bytes submitted again within ``dedup_ttl_seconds``): no second result, but never
+        silent (the producer may be resubmitting on purpose and waiting in vain)."""
+        queue = delivery.queue
+        log.warning("duplicate_suppressed", request_id=result.id, queue=queue.name)
+        self._ctx.count_duplicate(queue)
+
+    def _check_replicas(self, waited: list[int]) -> None:
+        """The results are written either way; fewer replicas than asked means a failover
+        now could lose them, which the operator should hear about."""
+        if waited and waited[0] < self.config.wait_replicas:
+            log.warning(
+                "results_not_replicated", replicas=waited[0], wanted=self.config.wait_replicas
+            )
+
+    def _complete_keys(
+        self, delivery: Delivery, result: Result, target: str, *, queued: bool
+    ) -> list[str]:
+        name = delivery.queue.name
+        return [
+            self._keys.done(name, result.id, _fingerprint(delivery)),
+            target,
+            name if queued else self._keys.inflight(name),
+            self._keys.inflight_meta(name),
+            self._keys.active(name, result.id),
+            self._keys.cancel(name, result.id),
+            self._routing.configured(delivery),
+            self._keys.live(name, result.id),
+            keys.result_side_key(target, "pushed"),
+            keys.result_side_key(self._routing.configured(delivery), "pushed"),
+        ]
+
+    async def _drop_returned(self, deliveries: list[Delivery]) -> None:
+        """A completed message whose lease had expired may be back on its queue: remove it
+        so no replica works on it again (the dedup marker already stops a second result).
+        One round trip, and one more per round of searches among look-alikes that read
+        ``BYTES_PER_CALL`` and go on (Redis serves the others in between)."""
+        if not deliveries:
+            return
+        # After a lost reply the claim is most likely gone by our own write: not warned,
+        # but removed all the same in case its lease had lapsed before that write.
+        if expired := sum(not claim_of(d).unsure for d in deliveries):
+            log.warning("lease_expired_before_complete", count=expired)
+        held = [d for d in deliveries if _known_by(d) is None]
+        searches = [
+            _Search(d.queue.name, [repr(claim_of(d).score), *known])
+            for d in deliveries
+            if (known := _known_by(d)) is not None
+        ]
+        not_found = 0
+        with redis_errors("complete"):
+            while held or searches:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for delivery in held:
+                        pipe.zrem(delivery.queue.name, delivery.raw)
+                    for search in searches:
+                        await self._scripts["drop_returned"](
+                            keys=[search.queue], args=search.args(), client=pipe
+                        )
+                    replies = (await pipe.execute())[len(held) :]
+                held = []
+                not_found += sum(r == -1 for r in replies)
+                searches = [
+                    s.going_on(r)
+                    for s, r in zip(searches, replies, strict=True)
+                    if isinstance(r, list)
+                ]
+        if not_found:  # not seen among MOST_COMPARED look-alikes, or they changed meanwhile
+            log.warning("returned_member_not_found", count=not_found)
+
+    async def defer(self, items: Sequence[Deferral]) -> None:
+        """Hand back: delay <= 0 to the queue at its deadline, else to the retry set."""
+        if not items:
+            return
+        with self._claims.acking(i.delivery for i in items), redis_errors("defer"):
+            backs = await self._got_back([i.delivery for i in items])
+            kept = [i for i, back in zip(items, backs, strict=True) if back == HELD]
+            replies = iter(await self._hand_back(kept))
+        for item, back in zip(items, backs, strict=True):
+            self._claims.release(item.delivery)
+            if back != ANSWERED and not (back == HELD and next(replies)):
+                log.warning("defer_skipped_lease_lost", queue=item.delivery.queue.name)
+
+    async def _hand_back(self, items: Sequence[Deferral]) -> list[int]:
+        """The defer script per item, in one round trip: 1 handed back, 0 claim not held."""
+        if not items:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for item in items:
+                await self._scripts["defer"](
+                    keys=self._ack_keys(item.delivery, self._defer_target(item)),
+                    args=[claim_of(item.delivery).id, *_defer_args(item)],
+                    client=pipe,
+                )
+            return list(await pipe.execute())
+
+    def _defer_target(self, item: Deferral) -> str:
+        queue = item.delivery.queue.name
+        return queue if item.delay <= 0 else self._keys.retry(queue, self.config.retry_queue_name)
+
+    async def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        """Park on ``<queue>:dead-letter`` as {reason, detail, raw, time, queue}; ack it."""
+        claim = claim_of(delivery)
+        target = self._keys.dead_letter(delivery.queue.name)
+        parked, trimmed = 0, 0
+        with self._claims.acking([delivery]), redis_errors("dead_letter"):
+            [back] = await self._got_back([delivery])
+            if back == HELD:
+                entry = keys.dead_letter_entry(
+                    delivery, reason, detail, size=claim.size, digest=claim.digest
+                )
+                parked, trimmed = await self._scripts["dead_letter"](
+                    keys=self._ack_keys(delivery, target),
+                    args=[claim.id, entry, self.config.dead_letter_max_entries],
+                )
+        self._claims.release(delivery)
+        if not parked and back != ANSWERED:
+            log.warning("dead_letter_skipped_lease_lost", queue=delivery.queue.name)
+        if trimmed:
+            log.warning("dead_letters_trimmed", queue=delivery.queue.name, count=trimmed)
+            if self._ctx.metrics is not None:
+                self._ctx.metrics.dead_letter_trimmed_total.labels(delivery.queue.name).inc(trimmed)
+
+    def _ack_keys(self, delivery: Delivery, target: str) -> list[str]:
+        name = delivery.queue.name
+        return [self._keys.inflight(name), self._keys.inflight_meta(name), target]
+
+    def abandon(self, delivery: Delivery, reason: str) -> None:
+        """Stop renewing a claim whose write was given up: its lease expires within
+        ``lease_seconds`` and any replica's reaper puts the message back
+        (docs/architecture.md G11)."""
+        self._claims.release(delivery)
+        queue = delivery.queue.name
+        request_id = delivery.envelope.id if delivery.envelope else None
+        log.warning("claim_abandoned", queue=queue, request_id=request_id, reason=reason)
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.abandoned_total.labels(queue, reason).inc()
+
+    # ------------------------------------------------------------------ queries
+
+    async def backlog(self, queue: QueueSpec) -> int | None:
+        """Members waiting in the queue (claimed ones not counted)."""
+        with redis_errors("backlog"):
+            return int(await self._redis.zcard(queue.name))
+
+    async def health(self) -> None:
+        with redis_errors("ping"):
+            await self._redis.ping()
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+
+def _written(reply: Any) -> Written | TransportError:
+    """One item's complete reply: (written, held, fell_back), or its WRONGTYPE text."""
+    if isinstance(reply, bytes):
+        return TransportError(f"redis complete failed: {reply.decode(errors='replace')}")
+    return int(reply[0]), int(reply[1]), int(reply[2])
+
+
+def _back(delivery: Delivery, lost: list[Delivery]) -> Back:
+    if any(delivery is d for d in lost):
+        return ANSWERED
+    return LAPSED if claim_of(delivery).sha1 else HELD
+
+
+def _fingerprint(delivery: Delivery) -> str:
+    """Kept by ``let_go`` (the request can no longer be digested without its payload),
+    else made now; a member the deadline sweep read has no claim."""
+    claim = delivery.handle
+    if isinstance(claim, Claim) and claim.fingerprint:
+        return claim.fingerprint
+    return keys.fingerprint(delivery)
+
+
+@dataclass
+class _Search:
+    """A member looked for among look-alikes by ``drop_returned.lua``: its queue, score,
+    first bytes, size and SHA-1, and where the last call stopped."""
+
+    queue: str
+    known: list[bytes | str | int]
+    most: int = MOST_COMPARED
+    place: int = 0
+    before: bytes = b""
+
+    def args(self) -> list[bytes | str | int]:
+        return [*self.known, self.most, BYTES_PER_CALL, self.place, self.before]
+
+    def going_on(self, reply: list[Any]) -> _Search:
+        """The search after a call that ran out of bytes: ``{place, SHA-1, compared}``."""
+        self.place, self.before, self.most = int(reply[0]), reply[1], self.most - int(reply[2])
+        return self
+
+
+def _known_by(delivery: Delivery) -> tuple[bytes, int, str] | None:
+    """What finds a member this process does not hold whole in its queue (first bytes,
+    size, SHA-1 in hex): one let go (``let_go``), or one over ``--max-message-bytes`` of
+    which only a prefix was fetched (its size and SHA-1 came with the claim). None: the
+    delivery holds the member, removed by its bytes."""
+    claim = claim_of(delivery)
+    if claim.sha1:
+        return claim.head, claim.size, claim.sha1.hex()
+    if claim.digest:
+        return delivery.raw[:HEAD_BYTES], claim.size, claim.digest
+    return None
+
+
+def _defer_args(item: Deferral) -> list[bytes | float | str]:
+    """(member, score, mode): the updated envelope at its deadline, or due after the delay."""
+    delivery = item.delivery
+    member = delivery.envelope.encode() if delivery.envelope else delivery.raw
+    if item.delay > 0:
+        return [member, item.delay, "delay", deadline_of(delivery)]
+    return [member, deadline_of(delivery), "at"]
+
+
+@TRANSPORTS.register("redis-sortedset", SortedSetConfig)
+def build(config: SortedSetConfig, ctx: TransportContext) -> SortedSetTransport:
+    return SortedSetTransport(config, ctx)
