@@ -1,7 +1,8 @@
-"""Header legality and stamping, shared by the merge policies, transforms and dispatch.
+"""Every HTTP header the daemon reads, writes or refuses, and the legality rules.
 
-Stage: merge (stamping) and dispatch (applying). Input: a message's envelope and the
-policy's header params. Output: ``(name, value)`` pairs for ``Work.stamped_headers``.
+Vocabulary for merge (stamping), transforms, dispatch (applying) and the HTTP clients
+(reading the gateway's answer). Input: names and values from config and messages. Output:
+the header names, legality checks and ``apply_stamped``.
 
 Header order on the wire (the Go reference's), later wins:
 
@@ -20,13 +21,37 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from async_processor.messages import Envelope
-
+# Stamped by the daemon (the Go reference's names); refused from a message.
+OBJECTIVE_HEADER = "x-gateway-inference-objective"  # the queue's inference_objective
 DEFAULT_FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
 DEFAULT_FAIRNESS_ATTRIBUTE = "userid"
 MAX_FAIRNESS_ID_BYTES = 256
+DEFAULT_PRIORITY_HEADER = "x-gateway-priority"  # tier-priority's
+DEFAULT_OBJECTIVE_HEADER = "x-llm-d-inference-objective"  # tier-priority's lane objective
+# The deadline sent to the gateway (--deadline-header; empty sends none).
+DEFAULT_DEADLINE_HEADER = "x-request-deadline"
+# Read from the gateway's answer: why llm-d dropped a request (a shed, retried).
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+
+# Never from a message (docs/architecture.md G10): framing and routing headers, and the
+# daemon's own (objective, fairness, priority; the deadline header and stamped names are
+# added per request). ``Proxy-*`` is refused by prefix.
+RESERVED_HEADERS = frozenset(
+    (
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "upgrade",
+        "te",
+        "trailer",
+        "keep-alive",
+        OBJECTIVE_HEADER,
+        DEFAULT_FAIRNESS_HEADER,
+        DEFAULT_PRIORITY_HEADER,
+        DEFAULT_OBJECTIVE_HEADER,
+    )
+)
 
 # RFC 7230 token: tchar = "!" / "#" / "$" / "%" / "&" / "'" / "*" / "+" / "-" / "." /
 # "^" / "_" / "`" / "|" / "~" / DIGIT / ALPHA
@@ -67,35 +92,6 @@ def apply_stamped(headers: dict[str, str], stamped: list[tuple[str, str]]) -> No
         for existing in [k for k in headers if k.lower() == folded]:
             del headers[existing]
         headers[name] = value
-
-
-class MergeParams(BaseModel):
-    """Params every merge policy takes: the fairness pair. Unknown fields are errors."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # None (absent or JSON null) means the default header; "" turns stamping off.
-    fairness_header: str | None = Field(default=None, validate_default=True)
-    fairness_attribute: str = DEFAULT_FAIRNESS_ATTRIBUTE
-
-    @field_validator("fairness_header")
-    @classmethod
-    def _fairness_header(cls, value: str | None) -> str:
-        if value is None:
-            return DEFAULT_FAIRNESS_HEADER
-        return check_header_name(value) if value else ""
-
-    @field_validator("fairness_attribute")
-    @classmethod
-    def _fairness_attribute(cls, value: str) -> str:
-        return value or DEFAULT_FAIRNESS_ATTRIBUTE
-
-    def fairness_stamp(self, envelope: Envelope) -> tuple[str, str] | None:
-        """The fairness header for this message, or None to leave caller headers alone."""
-        if not self.fairness_header:
-            return None
-        value = fairness_id(envelope.request.metadata, self.fairness_attribute)
-        return None if value is None else (self.fairness_header, value)
 
 
 def fairness_id(metadata: Mapping[str, str], attribute: str) -> str | None:

@@ -378,3 +378,18 @@ def _dumps(value: object) -> bytes:
     # backslashreplace writes it back as that same JSON escape, so the text round-trips.
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     return text.encode("utf-8", "backslashreplace")
+
+
+# The label a classifying ``redis-quota`` stamps on each message it judges; read by the
+# ``tier-priority`` merge and admission, and by the gate-decision metric of a refusal.
+CLASSIFICATION_LABEL = "classification"
+RESERVED, OVERFLOW = "reserved", "overflow"
+
+
+def classification(message: Envelope) -> str | None:
+    """``reserved`` (within its quota), ``overflow`` (over it) or None (not classified)."""
+    return message.routing.labels.get(CLASSIFICATION_LABEL)
+
+
+def classify(message: Envelope, *, reserved: bool) -> None:
+    message.routing.labels[CLASSIFICATION_LABEL] = RESERVED if reserved else OVERFLOW

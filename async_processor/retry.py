@@ -26,7 +26,6 @@ from async_processor.messages import DEADLINE_EXCEEDED_TEXT, ErrorCode, Result, 
 
 BACKOFF_BASE = 2.0
 BACKOFF_CAP = 60.0
-DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 LAST_BODY_LIMIT = 64 * 1024
 # A message a gate refused comes back after this long (never a hot re-pop loop,
 # docs/architecture.md G5).
@@ -79,6 +78,17 @@ class Final:
 @dataclass(frozen=True, slots=True)
 class Retry:
     delay: float
+
+
+@dataclass(frozen=True, slots=True)
+class HandBack:
+    """Back to the broker without counting a retry, due after ``delay`` seconds."""
+
+    delay: float
+
+
+# What one message's trip through a worker ends in: settled by ``pipeline.settle``.
+Outcome = Final | Retry | HandBack
 
 
 def decide(

@@ -15,10 +15,11 @@ import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from async_processor.config.queues import QueueSpec
 from async_processor.gates.base import Releases
 from async_processor.messages import Envelope
 from async_processor.metrics import QueueMetrics
-from async_processor.transports.base import Delivery, QueueSpec
+from async_processor.transports.base import Delivery
 
 T = TypeVar("T")
 

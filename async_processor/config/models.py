@@ -25,9 +25,10 @@ from async_processor.config.base import (
     check_http_url,
     require_unique,
 )
+from async_processor.config.queues import QueueSpec
 from async_processor.config.transports import SortedSetConfig, TransportConfig
 from async_processor.durations import Duration
-from async_processor.transports.base import QueueSpec
+from async_processor.headers import DEFAULT_DEADLINE_HEADER
 
 # RFC 7230 token: what a header name may be made of.
 _HEADER_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -107,7 +108,7 @@ class RuntimeConfig(Strict):
     health_port: Port = 8081
     metrics_port: Port = 9090
     bind_address: str = "0.0.0.0"  # noqa: S104 - a pod's probes and scrapes come from outside
-    deadline_header: str = "x-request-deadline"  # empty: no deadline header
+    deadline_header: str = DEFAULT_DEADLINE_HEADER  # empty: no deadline header
     max_message_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
     metrics_bearer_token: str = ""
     # Distinct tenants counted in tokens_total per process; the rest count as "other".

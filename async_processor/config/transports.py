@@ -21,6 +21,7 @@ from async_processor.config.base import (
     require_unique,
     zero_is_default,
 )
+from async_processor.config.queues import QueueSpec
 from async_processor.config.redis import (
     DEFAULT_URL,
     Mode,
@@ -29,7 +30,6 @@ from async_processor.config.redis import (
     check_url,
     cluster_problem,
 )
-from async_processor.transports.base import QueueSpec
 
 
 class QueueEntry(Strict):

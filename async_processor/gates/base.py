@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
-from async_processor.messages import Envelope, Result
+from async_processor.messages import OVERFLOW, Envelope, Result, classification
 from async_processor.registry import Registry
 
 if TYPE_CHECKING:  # annotations only, as the other seams do
@@ -38,20 +38,6 @@ class Verdict:
 CONTINUE = Verdict(Action.CONTINUE)
 REFUSE = Verdict(Action.REFUSE)
 WAIT = Verdict(Action.WAIT)
-
-# The label a classifying ``redis-quota`` stamps on each message it judges; read by the
-# ``tier-priority`` merge and admission, and by the gate-decision metric of a refusal.
-CLASSIFICATION_LABEL = "classification"
-RESERVED, OVERFLOW = "reserved", "overflow"
-
-
-def classification(message: Envelope) -> str | None:
-    """``reserved`` (within its quota), ``overflow`` (over it) or None (not classified)."""
-    return message.routing.labels.get(CLASSIFICATION_LABEL)
-
-
-def classify(message: Envelope, *, reserved: bool) -> None:
-    message.routing.labels[CLASSIFICATION_LABEL] = RESERVED if reserved else OVERFLOW
 
 
 def refusal_decision(message: Envelope) -> str:

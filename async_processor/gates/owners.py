@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from async_processor.config import PoolConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import ConfigError
 from async_processor.gates.base import Gate, GateContext, GateOwner, build_gate
-from async_processor.transports.base import QueueSpec
 
 
 class QueueGates:

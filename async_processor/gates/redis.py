@@ -21,19 +21,10 @@ from pydantic import AfterValidator, Field, model_validator
 
 from async_processor.config.redis import Mode, RedisConnection, RedisConnectionFields
 from async_processor.errors import GateError
-from async_processor.gates.base import (
-    CONTINUE,
-    GATES,
-    REFUSE,
-    Gate,
-    GateContext,
-    Releases,
-    Verdict,
-    classify,
-)
+from async_processor.gates.base import CONTINUE, GATES, REFUSE, Gate, GateContext, Releases, Verdict
 from async_processor.gates.params import Duration, Int, Params, Str
 from async_processor.gates.shared import Throttle, shielded
-from async_processor.messages import Envelope
+from async_processor.messages import Envelope, classify
 from async_processor.redis.conn import REDIS_AWAY, connect
 from async_processor.redis.keys import lua_source
 

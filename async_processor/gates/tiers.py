@@ -15,21 +15,18 @@ from pydantic import BeforeValidator, Field
 from async_processor.gates.base import (
     CONTINUE,
     GATES,
-    OVERFLOW,
     REFUSE,
-    RESERVED,
     WAIT,
     Action,
     Gate,
     GateContext,
     Releases,
     Verdict,
-    classification,
 )
 from async_processor.gates.basic import build_inner
 from async_processor.gates.params import GateSpec, Params, Str, json_object
 from async_processor.gates.shared import InnerGate
-from async_processor.messages import Envelope, Result
+from async_processor.messages import OVERFLOW, RESERVED, Envelope, Result, classification
 
 # Exactly the reference's payload, spaces included.
 TOO_MANY_REQUESTS = '{"error": "Too Many Requests", "code": 429}'

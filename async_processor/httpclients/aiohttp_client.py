@@ -12,6 +12,7 @@ import aiohttp
 
 from async_processor.config import TLSConfig
 from async_processor.errors import NoAnswer
+from async_processor.headers import DROPPED_REASON_HEADER
 from async_processor.httpclients.base import (
     Answer,
     AttemptTimeout,
@@ -20,7 +21,6 @@ from async_processor.httpclients.base import (
     ssl_context,
     too_large,
 )
-from async_processor.retry import DROPPED_REASON_HEADER
 
 CHUNK = 1 << 16
 

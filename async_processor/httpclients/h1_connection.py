@@ -17,8 +17,8 @@ from typing import cast
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
 from async_processor.errors import NoAnswer
+from async_processor.headers import DROPPED_REASON_HEADER
 from async_processor.httpclients.base import Answer, AttemptTimeout, too_large
-from async_processor.retry import DROPPED_REASON_HEADER
 
 Origin = tuple[str, str, int]  # scheme, host, port: the pool's key
 _RETRY_AFTER = b"retry-after"

@@ -21,6 +21,7 @@ from pyreqwest.response import Response
 
 from async_processor.config import TLSConfig
 from async_processor.errors import ConfigError, NoAnswer
+from async_processor.headers import DROPPED_REASON_HEADER
 from async_processor.httpclients.base import (
     Answer,
     AttemptTimeout,
@@ -29,7 +30,6 @@ from async_processor.httpclients.base import (
     read_pem,
     too_large,
 )
-from async_processor.retry import DROPPED_REASON_HEADER
 
 
 class PyreqwestClient:

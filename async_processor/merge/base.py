@@ -13,13 +13,50 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from async_processor.config.queues import QueueSpec
+from async_processor.headers import (
+    DEFAULT_FAIRNESS_ATTRIBUTE,
+    DEFAULT_FAIRNESS_HEADER,
+    check_header_name,
+    fairness_id,
+)
+from async_processor.messages import Envelope
 from async_processor.registry import Registry
-from async_processor.transports.base import QueueSpec
 from async_processor.work import Work, put
 
 if TYPE_CHECKING:
     from async_processor.metrics import Metrics
+
+
+class MergeParams(BaseModel):
+    """Params every merge policy takes: the fairness pair. Unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # None (absent or JSON null) means the default header; "" turns stamping off.
+    fairness_header: str | None = Field(default=None, validate_default=True)
+    fairness_attribute: str = DEFAULT_FAIRNESS_ATTRIBUTE
+
+    @field_validator("fairness_header")
+    @classmethod
+    def _fairness_header(cls, value: str | None) -> str:
+        if value is None:
+            return DEFAULT_FAIRNESS_HEADER
+        return check_header_name(value) if value else ""
+
+    @field_validator("fairness_attribute")
+    @classmethod
+    def _fairness_attribute(cls, value: str) -> str:
+        return value or DEFAULT_FAIRNESS_ATTRIBUTE
+
+    def fairness_stamp(self, envelope: Envelope) -> tuple[str, str] | None:
+        """The fairness header for this message, or None to leave caller headers alone."""
+        if not self.fairness_header:
+            return None
+        value = fairness_id(envelope.request.metadata, self.fairness_attribute)
+        return None if value is None else (self.fairness_header, value)
 
 
 @dataclass(frozen=True, slots=True)

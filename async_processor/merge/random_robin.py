@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from async_processor.headers import MergeParams
 from async_processor.merge.base import (
     MERGE_POLICIES,
     MergeContext,
+    MergeParams,
     MergePolicy,
     Source,
     admit_sources,

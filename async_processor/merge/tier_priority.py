@@ -21,16 +21,22 @@ import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from pydantic import Field, field_validator
 
-from async_processor.gates.base import CLASSIFICATION_LABEL, RESERVED
-from async_processor.headers import MergeParams, check_header_name, check_header_value
+from async_processor.headers import (
+    DEFAULT_OBJECTIVE_HEADER,
+    DEFAULT_PRIORITY_HEADER,
+    check_header_name,
+    check_header_value,
+)
 from async_processor.merge.base import (
     MERGE_POLICIES,
     MergeContext,
+    MergeParams,
     MergePolicy,
     Source,
     admit_sources,
     emit,
 )
+from async_processor.messages import CLASSIFICATION_LABEL, RESERVED
 from async_processor.work import Work
 
 LANES = (
@@ -43,8 +49,6 @@ LANES = (
 )
 TIERS = {"interactive": 0, "async": 1}
 BATCH_TIER = 2
-DEFAULT_PRIORITY_HEADER = "x-gateway-priority"
-DEFAULT_OBJECTIVE_HEADER = "x-llm-d-inference-objective"
 DEFAULT_TIER_LABEL = "tier"
 
 

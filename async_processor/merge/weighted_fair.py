@@ -24,9 +24,9 @@ from typing import Annotated
 
 from pydantic import Field
 
+from async_processor.config.queues import QueueSpec
 from async_processor.merge.base import MERGE_POLICIES, MergeContext, MergePolicy
 from async_processor.merge.random_robin import RandomRobin, RandomRobinParams, _Offer, _Offers
-from async_processor.transports.base import QueueSpec
 
 # Weights are bounded because virtual time is a float: a weight near 0 (1e-300) moves a pool's
 # virtual time so far that later steps of 1 / weight vanish in rounding (every queue then ties

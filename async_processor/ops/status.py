@@ -32,6 +32,7 @@ from redis.asyncio import Redis
 
 from async_processor.cli.args import daemon_config
 from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig, SortedSetConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.durations import format_duration
 from async_processor.errors import TransportError
 from async_processor.redis.conn import connect
@@ -41,7 +42,6 @@ from async_processor.redis.keys import (
     result_side_key,
 )
 from async_processor.redis.keyspace import KeySpace
-from async_processor.transports.base import QueueSpec
 from async_processor.transports.redis_sortedset.discovery import (
     SCAN_COUNT,
     queue_catalog,

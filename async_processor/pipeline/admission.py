@@ -7,10 +7,11 @@ gate error, deadline) or a ``HandBack`` (refused, waited too long, shutting down
 Wait parks the worker without spinning. A gate that can signal a change
 (``gates.base.WaitsForChange``: a freed slot, a new reading) wakes its parked workers
 itself, and they re-check on their own only every ``WAIT_FALLBACK`` (a wake-up lost to a
-race costs at most that); a gate that cannot is re-asked every ``WAIT_STEP``. Re-asking
-every 50 ms regardless cost 8-16 % of a core with 72 workers parked. Past
-``--gate-wait-timeout`` the message goes back to the broker instead of failing, since
-its deadline may be hours away (the reference failed it with DEADLINE_EXCEEDED).
+race costs at most that); a gate that cannot is re-asked every
+``gates.base.WAIT_POLL_INTERVAL``. Re-asking every 50 ms regardless cost 8-16 % of a core
+with 72 workers parked. Past ``--gate-wait-timeout`` the message goes back to the broker
+instead of failing, since its deadline may be hours away (the reference failed it with
+DEADLINE_EXCEEDED).
 """
 
 from __future__ import annotations
@@ -21,27 +22,26 @@ from dataclasses import dataclass
 import anyio
 import structlog
 
-from async_processor.gates.base import Action, Gate, Releases, WaitsForChange, refusal_decision
+from async_processor.gates.base import (
+    WAIT_POLL_INTERVAL,
+    Action,
+    Gate,
+    Releases,
+    WaitsForChange,
+    refusal_decision,
+)
 from async_processor.messages import (
     GATE_DROPPED_TEXT,
     ErrorCode,
     Result,
 )
 from async_processor.metrics import QueueMetrics
-from async_processor.retry import REFUSE_DELAY, Final, expired, last_answer
+from async_processor.retry import REFUSE_DELAY, Final, HandBack, expired, last_answer
 from async_processor.work import Work
 
 log = structlog.get_logger(__name__)
 
-WAIT_STEP = 0.05  # re-asking a gate that cannot signal a change
 WAIT_FALLBACK = 1.0  # re-asking a gate that can, in case a wake-up was missed
-
-
-@dataclass(frozen=True, slots=True)
-class HandBack:
-    """Back to the broker without counting a retry, due after ``delay`` seconds."""
-
-    delay: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,7 @@ async def admit(
 
 async def _park(gate: Gate, left: float, stopping: anyio.Event) -> None:
     if not isinstance(gate, WaitsForChange):
-        await anyio.sleep(min(WAIT_STEP, left))
+        await anyio.sleep(min(WAIT_POLL_INTERVAL, left))
         return
     timeout = min(WAIT_FALLBACK, left)
     async with anyio.create_task_group() as tg:

@@ -19,10 +19,10 @@ import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import TransportError
 from async_processor.merge.base import Source
 from async_processor.pipeline.poller import Poller
-from async_processor.transports.base import QueueSpec
 from async_processor.work import PoolCapacity
 
 log = structlog.get_logger(__name__)

@@ -18,13 +18,14 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from async_processor.errors import InvalidMessage, NoAnswer
 from async_processor.headers import (
-    DEFAULT_FAIRNESS_HEADER,
+    DEFAULT_DEADLINE_HEADER,
+    OBJECTIVE_HEADER,
+    RESERVED_HEADERS,
     apply_stamped,
     is_valid_header_name,
     is_valid_header_value,
 )
 from async_processor.httpclients.base import AttemptTimeout, HttpClient
-from async_processor.merge.tier_priority import DEFAULT_OBJECTIVE_HEADER, DEFAULT_PRIORITY_HEADER
 from async_processor.messages import Payload
 from async_processor.retry import (
     Attempt,
@@ -33,33 +34,13 @@ from async_processor.retry import (
 from async_processor.transforms.base import Outgoing
 from async_processor.work import Work
 
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
-# Never from a message (docs/architecture.md G10): framing and routing headers, and the daemon's own
-# (objective, fairness, priority; the deadline header and stamped names are added per
-# request). ``Proxy-*`` is refused by prefix.
-RESERVED_HEADERS = frozenset(
-    (
-        "host",
-        "content-length",
-        "transfer-encoding",
-        "connection",
-        "upgrade",
-        "te",
-        "trailer",
-        "keep-alive",
-        OBJECTIVE_HEADER,
-        DEFAULT_FAIRNESS_HEADER,
-        DEFAULT_PRIORITY_HEADER,
-        DEFAULT_OBJECTIVE_HEADER,
-    )
-)
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
 class DispatchSettings:
     request_timeout: float = 300.0
-    deadline_header: str = "x-request-deadline"
+    deadline_header: str = DEFAULT_DEADLINE_HEADER
     # Header names the merge policy is configured to stamp (its ``*_header`` parameters),
     # refused from messages like the default names even when not stamped on one.
     stamped_names: frozenset[str] = frozenset()

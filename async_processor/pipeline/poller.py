@@ -28,6 +28,7 @@ import anyio
 import structlog
 from anyio.abc import ObjectSendStream
 
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.gates.base import Action, Gate, Releases, refusal_decision
 from async_processor.messages import (
@@ -40,13 +41,7 @@ from async_processor.messages import (
 from async_processor.metrics import QueueMetrics
 from async_processor.pipeline.settle import Settler
 from async_processor.retry import REFUSE_DELAY, expired, last_answer
-from async_processor.transports.base import (
-    Delivery,
-    QueueSpec,
-    SignalsMessages,
-    Transport,
-    abandon,
-)
+from async_processor.transports.base import Delivery, SignalsMessages, Transport, abandon
 from async_processor.work import Work, put
 
 log = structlog.get_logger(__name__)

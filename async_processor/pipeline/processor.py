@@ -25,6 +25,7 @@ from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
 
 from async_processor import __version__
 from async_processor.config import AppConfig, PoolConfig, SortedSetConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.gates.base import GateContext, GateOwner
 from async_processor.gates.owners import QueueGates, pool_gate
 from async_processor.headers import DEFAULT_FAIRNESS_ATTRIBUTE
@@ -47,12 +48,7 @@ from async_processor.pipeline.worker import Aborter, Worker
 from async_processor.transforms import TransformChain, build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports import build_transport
-from async_processor.transports.base import (
-    DiscoversQueues,
-    QueueSpec,
-    Transport,
-    TransportContext,
-)
+from async_processor.transports.base import DiscoversQueues, Transport, TransportContext
 from async_processor.work import PoolCapacity, ShedPause, Work
 
 log = structlog.get_logger(__name__)

@@ -10,20 +10,15 @@ ends (a pool's workers: when the last of its tasks has).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import structlog
 from anyio.abc import ObjectSendStream
 
 from async_processor.errors import TransportError
 from async_processor.messages import Result
 from async_processor.pipeline.results import Op
-from async_processor.retry import Counter, Final
+from async_processor.retry import Counter, Final, Outcome
 from async_processor.transports.base import Completion, Deferral, Delivery, Transport, abandon
 from async_processor.work import PoolCapacity, Work, put, put_nowait
-
-if TYPE_CHECKING:
-    from async_processor.pipeline.worker import Outcome
 
 log = structlog.get_logger(__name__)
 

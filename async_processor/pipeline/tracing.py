@@ -24,8 +24,7 @@ import structlog
 
 from async_processor.logs import mask_url
 from async_processor.messages import ErrorCode
-from async_processor.pipeline.admission import HandBack
-from async_processor.retry import Attempt, Final, Retry
+from async_processor.retry import Attempt, Final, HandBack, Retry
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

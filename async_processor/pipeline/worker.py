@@ -20,7 +20,7 @@ from async_processor.gates.base import Observes
 from async_processor.httpclients.base import HttpClient
 from async_processor.messages import CANCELLED_TEXT, Envelope, ErrorCode, Result
 from async_processor.pipeline import tracing
-from async_processor.pipeline.admission import HandBack, PoolGate, admit
+from async_processor.pipeline.admission import PoolGate, admit
 from async_processor.pipeline.cancels import CancelWatch
 from async_processor.pipeline.dispatch import DispatchSettings, attempt_timeout, build_request, send
 from async_processor.pipeline.settle import Settler
@@ -29,6 +29,8 @@ from async_processor.retry import (
     Attempt,
     Counter,
     Final,
+    HandBack,
+    Outcome,
     Retry,
     decide,
     expired,
@@ -37,20 +39,13 @@ from async_processor.retry import (
 )
 from async_processor.transforms import TransformChain
 from async_processor.transforms.base import Outgoing
-from async_processor.transports.base import LetsGo, Transport, abandon
+from async_processor.transports.base import LetsGo, LimitsResults, Transport, abandon
 from async_processor.work import ShedPause, Work, take
 
 log = structlog.get_logger(__name__)
 
-Outcome = Final | Retry | HandBack
 CANCEL_RECHECK = 1.0  # s since fetch after which the worker asks the broker again
 SETTLE_TIMEOUT = 10.0
-# The largest encoded result a transport can carry, where that is less than
-# ``dispatch.MAX_RESPONSE_BYTES``.
-# Pub/Sub refuses publish requests over 10 MB (10^7 bytes); the headroom is for the
-# request's own fields. A bigger answer becomes an INFERENCE_ERROR naming its size
-# instead of a publish that fails on every retry until the deadline.
-RESULT_LIMITS = {"gcp-pubsub": 10_000_000 - 64 * 1024}
 
 
 class Aborter:
@@ -101,11 +96,14 @@ class Worker:
     # Asked once: isinstance on a runtime-checkable Protocol costs ~8 us per message.
     observer: Observes | None = field(init=False, default=None)
     lets_go: LetsGo | None = field(init=False, default=None)
+    result_limit: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         gate = self.pool_gate.gate if self.pool_gate else None
         self.observer = gate if isinstance(gate, Observes) else None
         self.lets_go = self.transport if isinstance(self.transport, LetsGo) else None
+        if isinstance(self.transport, LimitsResults):
+            self.result_limit = self.transport.max_result_bytes
 
     async def run(self, stream: ObjectReceiveStream[Work]) -> None:
         """One worker task: a message at a time until the stream ends. A pool's tasks share
@@ -207,7 +205,7 @@ class Worker:
         timeout = attempt_timeout(request.deadline, self.settings.request_timeout)
         if timeout <= 0:
             return expired(request.id, last_answer(envelope.routing))
-        limit = RESULT_LIMITS.get(self.transport.kind)
+        limit = self.result_limit
         if self.lets_go is not None:  # its bytes wait in the broker, not here (issue 13)
             self.lets_go.let_go(work.delivery)
         started = time.monotonic()

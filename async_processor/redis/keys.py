@@ -55,8 +55,7 @@ from redis.commands.core import AsyncScript
 
 from async_processor.config.redis import result_side_key as result_side_key
 from async_processor.errors import TransportError
-from async_processor.gates.base import CLASSIFICATION_LABEL
-from async_processor.messages import Envelope, decode_envelope
+from async_processor.messages import CLASSIFICATION_LABEL, Envelope, decode_envelope
 from async_processor.redis.conn import REDIS_AWAY
 from async_processor.transports.base import Delivery
 

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from async_processor.cli.args import duration, parse, subcommand_parser
 from async_processor.durations import format_duration
+from async_processor.headers import DROPPED_REASON_HEADER
 from async_processor.health import listening
 from async_processor.sim.admin import JSON, add_admin_routes, error_response
 from async_processor.sim.capacity import Occupancy, Slots
@@ -44,7 +45,6 @@ from async_processor.sim.serving import (
 )
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
-DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 RECORDED_REQUESTS = 1000
 DEFAULT_MAX_TOKENS = 16
 

@@ -25,17 +25,21 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from async_processor.cli.args import duration
+from async_processor.headers import (
+    DEFAULT_OBJECTIVE_HEADER,
+    DEFAULT_PRIORITY_HEADER,
+    OBJECTIVE_HEADER,
+)
 from async_processor.sim.pool import BATCH, CLASSES, INTERACTIVE, Job, Pool, PoolConfig
 
-PRIORITY_HEADER = "x-gateway-priority"
-OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
+OBJECTIVE_HEADERS = (OBJECTIVE_HEADER, DEFAULT_OBJECTIVE_HEADER)
 BATCH_OBJECTIVES = frozenset({"batch", "sheddable"})
 TIMING_HEADER = "x-sim-ttft-seconds"  # the model's TTFT, for benchmarks (no streaming here)
 
 
 def request_class(headers: Mapping[str, str]) -> str:
     """Batch (sheddable) when the priority is negative or the objective names batch work."""
-    priority = headers.get(PRIORITY_HEADER, "").strip()
+    priority = headers.get(DEFAULT_PRIORITY_HEADER, "").strip()
     try:
         if priority and int(priority) < 0:
             return BATCH

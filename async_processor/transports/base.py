@@ -19,37 +19,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 import anyio
 from anyio.abc import TaskStatus
 
+from async_processor.config.queues import QueueSpec
 from async_processor.messages import Envelope, Result
 from async_processor.registry import Registry
 
 if TYPE_CHECKING:
     from async_processor.metrics import Metrics
-
-
-@dataclass(frozen=True, slots=True)
-class QueueSpec:
-    """One configured queue (sorted set, channel or subscription), transport-neutral."""
-
-    id: str
-    name: str
-    pool: str = "default"
-    igw_base_url: str = ""
-    request_path_url: str = "/v1/completions"
-    inference_objective: str = ""
-    labels: Mapping[str, str] = field(default_factory=dict)
-    gate_type: str = ""
-    gate_params: Mapping[str, Any] = field(default_factory=dict)
-    gate_group: str = ""  # queues of one group share one queue gate
-    result_queue_name: str = ""
-    batch_size: int = 10
-    poll_interval: float = 1.0
-    # 0: a fetch asks for at most min(free slots, batch_size x budget) (the Redis
-    # transports). n > 0: it asks for the free slots x budget, at most n (gcp-pubsub:
-    # Pub/Sub's 1,000 per pull), and the queue's lane holds a whole fetch.
-    max_fetch: int = 0
-    # Fetches of this queue that may be in flight at once (each sized as above): a broker
-    # that answers a fetch with fewer messages than asked (Pub/Sub) needs several.
-    fetches_in_flight: int = 1
 
 
 @dataclass(slots=True, eq=False)
@@ -162,6 +137,15 @@ class LetsGo(Protocol):
         """Drop the delivery's bytes and its payload's view of them. Called with its
         request about to be written: the HTTP client holds the body until it is."""
         ...
+
+
+@runtime_checkable
+class LimitsResults(Protocol):
+    """A transport that carries a result only up to ``max_result_bytes`` encoded, less than
+    ``dispatch.MAX_RESPONSE_BYTES``: a bigger answer becomes an INFERENCE_ERROR naming its
+    size instead of a write that fails on every retry until the deadline."""
+
+    max_result_bytes: int
 
 
 @runtime_checkable

@@ -37,6 +37,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from async_processor.config import RedisPubSubConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope, Result
 from async_processor.redis import keys
@@ -47,7 +48,6 @@ from async_processor.transports.base import (
     Completion,
     Deferral,
     Delivery,
-    QueueSpec,
     TransportContext,
 )
 

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import anyio
 from anyio.abc import TaskStatus
 
+from async_processor.config.queues import QueueSpec
 from async_processor.messages import Envelope, Result, decode_envelope
-from async_processor.transports.base import Completion, Deferral, Delivery, QueueSpec
+from async_processor.transports.base import Completion, Deferral, Delivery
 
 MOVE_INTERVAL = 0.01
 

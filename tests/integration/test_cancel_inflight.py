@@ -20,11 +20,12 @@ import pytest
 from aiohttp import web
 
 from async_processor.config import PoolConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.health import listening
 from async_processor.messages import Envelope, Request, Routing
 from async_processor.pipeline.cancels import CancelWatch
 from async_processor.pipeline.worker import CANCEL_RECHECK
-from async_processor.transports.base import Delivery, QueueSpec
+from async_processor.transports.base import Delivery
 from async_processor.transports.redis_pubsub import RedisPubSubTransport
 from tests.fixtures.inprocess import KEEPS_CANCELLED_CALLS, running, sortedset_config, submit
 from tests.integration.test_redis_pubsub import transport_for

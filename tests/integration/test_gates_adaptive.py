@@ -18,8 +18,8 @@ import pytest
 from async_processor.config import PoolConfig
 from async_processor.gates.adaptive import AdaptiveConcurrencyGate
 from async_processor.gates.base import Action, GateContext, GateOwner, Releases, build_gate
+from async_processor.headers import DROPPED_REASON_HEADER
 from async_processor.messages import Envelope, Request
-from async_processor.sim.app import DROPPED_REASON_HEADER
 from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.fixtures.simulator import SimulatorProcess
 from tests.integration.test_pipeline import _req

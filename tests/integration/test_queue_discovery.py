@@ -15,10 +15,11 @@ from redis.asyncio import Redis, RedisCluster
 
 from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import AppConfig, PoolConfig, SortedSetConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.messages import Result
 from async_processor.metrics import Metrics
 from async_processor.redis import keys as redis_keys
-from async_processor.transports.base import Deferral, QueueSpec, TransportContext
+from async_processor.transports.base import Deferral, TransportContext
 from async_processor.transports.redis_sortedset.discovery import (
     PREFIX_SCAN_CALLS,
     PREFIX_SCAN_COUNT,

@@ -28,6 +28,7 @@ from async_processor.cli.main import main as cli_main
 from async_processor.client.commands import main as producer_main
 from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import SortedSetConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.config.redis import RedisConnection
 from async_processor.gates.base import (
     CONTINUE,
@@ -43,7 +44,7 @@ from async_processor.pipeline.processor import Processor
 from async_processor.redis import keyspace as redis_keyspace
 from async_processor.redis.conn import connect
 from async_processor.redis.keyspace import KeySpace
-from async_processor.transports.base import Completion, Delivery, QueueSpec, TransportContext
+from async_processor.transports.base import Completion, Delivery, TransportContext
 from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.inprocess import running, sortedset_config
 from tests.fixtures.redis_modes import (

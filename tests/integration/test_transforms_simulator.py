@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 from async_processor.config import TransformConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.merge.base import Source
 from async_processor.merge.tier_priority import TierPriority, TierPriorityParams
 from async_processor.messages import Envelope, Request, Routing
@@ -15,7 +16,7 @@ from async_processor.metrics import Metrics
 from async_processor.pipeline.dispatch import DispatchSettings, build_request, send
 from async_processor.transforms import build_transform_chain
 from async_processor.transforms.base import TransformContext
-from async_processor.transports.base import Delivery, QueueSpec
+from async_processor.transports.base import Delivery
 from async_processor.work import Work
 from tests.fixtures.inprocess import http_client
 from tests.fixtures.simulator import SimulatorProcess

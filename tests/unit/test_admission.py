@@ -136,7 +136,7 @@ async def test_a_worker_parked_on_a_signalling_gate_sleeps_until_signalled(
     async with gated(gate) as (transport, _sim):
         transport.put(QUEUE, message("s", time.time() + 60))
         await until(lambda: gate.asked == 1)
-        await anyio.sleep(0.3)  # six of the WAIT_STEP re-asks a polling gate gets
+        await anyio.sleep(0.3)  # six of the WAIT_POLL_INTERVAL re-asks a polling gate gets
         assert gate.asked == 1
         gate.changed.notify(1)
         results = await transport.wait_results(1)

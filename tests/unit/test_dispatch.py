@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import InvalidMessage
 from async_processor.messages import decode_envelope
 from async_processor.metrics import Metrics
 from async_processor.pipeline.dispatch import DispatchSettings, build_request, join_url
-from async_processor.transports.base import Delivery, QueueSpec
+from async_processor.transports.base import Delivery
 from async_processor.work import Work
 from tests.fixtures.inprocess import http_client
 

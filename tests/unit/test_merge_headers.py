@@ -7,12 +7,12 @@ from pydantic import ValidationError
 
 from async_processor.headers import (
     DEFAULT_FAIRNESS_HEADER,
-    MergeParams,
     apply_stamped,
     fairness_id,
     is_valid_header_name,
     is_valid_header_value,
 )
+from async_processor.merge.base import MergeParams
 from async_processor.messages import Envelope, Request
 
 

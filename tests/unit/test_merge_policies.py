@@ -11,6 +11,7 @@ import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from async_processor.config import MergePolicyConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import ConfigError
 from async_processor.merge import build_merge_policy
 from async_processor.merge.base import MergeContext, MergePolicy, Source
@@ -19,7 +20,7 @@ from async_processor.merge.tier_priority import TierPriority, TierPriorityParams
 from async_processor.merge.weighted_fair import WeightedFair, WeightedFairParams
 from async_processor.messages import Envelope, Request, Routing
 from async_processor.metrics import Metrics
-from async_processor.transports.base import Delivery, QueueSpec
+from async_processor.transports.base import Delivery
 from async_processor.work import Work
 
 pytestmark = pytest.mark.anyio

@@ -12,10 +12,11 @@ import anyio
 import pytest
 
 from async_processor.config import MergePolicyConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.merge import build_merge_policy
 from async_processor.merge.base import MergeContext, Source
 from async_processor.merge.weighted_fair import WeightedFair, WeightedFairParams
-from async_processor.transports.base import Delivery, QueueSpec
+from async_processor.transports.base import Delivery
 from tests.unit.test_merge_policies import queue, sink, take, work
 
 pytestmark = pytest.mark.anyio

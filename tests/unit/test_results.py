@@ -8,11 +8,12 @@ from collections.abc import Sequence
 import anyio
 import pytest
 
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import PartialWrite, TransportError
 from async_processor.messages import Result, decode_envelope
 from async_processor.pipeline import results as results_mod
 from async_processor.pipeline.results import ResultWriter
-from async_processor.transports.base import Completion, Deferral, Delivery, QueueSpec
+from async_processor.transports.base import Completion, Deferral, Delivery
 
 pytestmark = pytest.mark.anyio
 

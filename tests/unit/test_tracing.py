@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from async_processor.config import TransformConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.httpclients.base import HttpClient
 from async_processor.messages import decode_envelope
 from async_processor.metrics import Metrics
@@ -34,7 +35,7 @@ from async_processor.pipeline.settle import Settler
 from async_processor.pipeline.worker import Aborter, Worker
 from async_processor.transforms import build_transform_chain
 from async_processor.transforms.base import TransformContext
-from async_processor.transports.base import Completion, Deferral, Delivery, QueueSpec, Transport
+from async_processor.transports.base import Completion, Deferral, Delivery, Transport
 from async_processor.work import PoolCapacity, Work
 from tests.fixtures.inprocess import http_client
 from tests.fixtures.otlp import OtlpCollector

@@ -29,8 +29,9 @@ from google.api_core import exceptions as gexc
 from google.pubsub_v1 import SubscriberAsyncClient
 from google.pubsub_v1.types import PullResponse
 
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import TransportError
-from async_processor.transports.base import Delivery, QueueSpec
+from async_processor.transports.base import Delivery
 from async_processor.transports.gcp_pubsub.leases import Leases, Receipt
 from async_processor.transports.gcp_pubsub.publish import RPC_TIMEOUT, RpcScope
 

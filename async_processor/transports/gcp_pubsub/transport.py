@@ -47,6 +47,7 @@ from google.pubsub_v1.types import (
 from prometheus_client import Histogram
 
 from async_processor.config import GcpPubSubConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import TransportError
 from async_processor.messages import Envelope, Routing, decode_request
 from async_processor.transports.base import (
@@ -54,7 +55,6 @@ from async_processor.transports.base import (
     Completion,
     Deferral,
     Delivery,
-    QueueSpec,
     TransportContext,
 )
 from async_processor.transports.gcp_pubsub.backlog import BacklogReader
@@ -95,6 +95,9 @@ def resource_path(project: str, kind: str, name: str) -> str:
 
 class GcpPubSubTransport:
     kind = "gcp-pubsub"
+    # Pub/Sub refuses publish requests over 10 MB (10^7 bytes); the headroom is for the
+    # request's own fields (transports.base.LimitsResults).
+    max_result_bytes = 10_000_000 - 64 * 1024
     # Results per complete() call: with tens of ms per publish and per ack, one call per
     # 64 results would cap a replica near 400 results/s; batches grow to what is ready.
     write_batch = PUBLISH_CHUNK_COUNT

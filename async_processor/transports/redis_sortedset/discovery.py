@@ -31,6 +31,7 @@ import structlog
 from redis.asyncio import Redis
 
 from async_processor.config import SortedSetConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.config.transports import QueueDiscovery
 from async_processor.redis.keys import (
     EMPTY_SINCE_KEY,
@@ -40,7 +41,6 @@ from async_processor.redis.keys import (
     redis_errors,
 )
 from async_processor.redis.keyspace import KeySpace
-from async_processor.transports.base import QueueSpec
 from async_processor.transports.redis_sortedset.names import NameRules, text
 from async_processor.transports.redis_sortedset.scan import PrefixScan
 

@@ -40,11 +40,12 @@ import structlog
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import TransportError
 from async_processor.messages import ID_PREFIX_BYTES
 from async_processor.redis.keys import redis_errors, transport_error
 from async_processor.redis.keyspace import KeySpace
-from async_processor.transports.base import Delivery, QueueSpec
+from async_processor.transports.base import Delivery
 from async_processor.transports.redis_sortedset.claims import Claim, ClaimBook
 
 if TYPE_CHECKING:

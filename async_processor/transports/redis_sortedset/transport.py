@@ -32,6 +32,7 @@ import structlog
 from redis.asyncio import Redis
 
 from async_processor.config import SortedSetConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import PartialWrite, TransportError
 from async_processor.json_scan import id_from_prefix
 from async_processor.messages import (
@@ -51,7 +52,6 @@ from async_processor.transports.base import (
     Completion,
     Deferral,
     Delivery,
-    QueueSpec,
     TransportContext,
 )
 from async_processor.transports.redis_sortedset.claims import (

@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from async_processor.config import SortedSetConfig
+from async_processor.config.queues import QueueSpec
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope, Result
 from async_processor.redis import keys
@@ -28,7 +29,7 @@ from async_processor.redis.conn import warn_if_evicting
 from async_processor.redis.keys import redis_errors
 from async_processor.redis.keyspace import KeySpace
 from async_processor.retry import expired, last_answer
-from async_processor.transports.base import Delivery, QueueSpec, TransportContext
+from async_processor.transports.base import Delivery, TransportContext
 from async_processor.transports.redis_sortedset.claims import ClaimBook
 from async_processor.transports.redis_sortedset.discovery import QueueCatalog
 
