@@ -42,8 +42,7 @@ from async_processor.config.redis import RedisConnection, cluster_problem
 from async_processor.errors import InvalidMessage
 from async_processor.messages import Envelope, Request, Result, Routing, decode_request
 from async_processor.redis import keys
-from async_processor.redis.conn import connect
-from async_processor.redis.keys import redis_errors
+from async_processor.redis.conn import connect, redis_errors
 from async_processor.redis.keyspace import KeySpace
 
 SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many

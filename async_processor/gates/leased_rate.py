@@ -24,10 +24,11 @@ from async_processor.config.redis import slot
 from async_processor.errors import ConfigError
 from async_processor.gates.base import CONTINUE, GATES, REFUSE, Gate, GateContext, Releases, Verdict
 from async_processor.gates.params import Float, Str
-from async_processor.gates.redis import RedisAddress, gate_lua, redis_client
+from async_processor.gates.redis import RedisAddress, redis_client
 from async_processor.gates.shared import Throttle, owner_gauge
 from async_processor.messages import Envelope
 from async_processor.redis.conn import REDIS_AWAY
+from async_processor.redis.scripts import lua_source
 
 log = structlog.get_logger(__name__)
 
@@ -86,7 +87,7 @@ class LeasedRateGate:
         self.params = params
         self.pool_id = pool_id
         self._client = client
-        self._take = client.register_script(gate_lua("leased_rate_take"))
+        self._take = client.register_script(lua_source("leased_rate_take"))
         self._warn = Throttle()
         self._rps = owner_gauge(ctx, "drain_limit_rps", "Leased dispatch-rate ceiling (req/s).")
         self._valid = owner_gauge(ctx, "drain_limit_lease_valid", "1 while a lease is valid.")

@@ -26,7 +26,7 @@ from async_processor.gates.params import Duration, Int, Params, Str
 from async_processor.gates.shared import Throttle, shielded
 from async_processor.messages import Envelope, classify
 from async_processor.redis.conn import REDIS_AWAY, connect
-from async_processor.redis.keys import lua_source
+from async_processor.redis.scripts import lua_source
 
 log = structlog.get_logger(__name__)
 
@@ -124,11 +124,6 @@ def _redis(params: RedisBudgetParams, ctx: GateContext) -> Gate:
     return RedisBudgetGate(redis_client(ctx, params), params.budget_key)
 
 
-def gate_lua(name: str) -> str:
-    """A gate's Lua script, ``gates/lua/<name>.lua``."""
-    return lua_source(name, "async_processor.gates")
-
-
 # ------------------------------------------------------------------------ redis-quota
 
 
@@ -151,11 +146,11 @@ class RedisQuotaGate:
         window = int(params.window)
         if self._concurrency:
             self._ttl = window if window > 0 else 300
-            self._acquire = client.register_script(gate_lua("quota_concurrency_acquire"))
-            self._release = client.register_script(gate_lua("quota_concurrency_release"))
+            self._acquire = client.register_script(lua_source("quota_concurrency_acquire"))
+            self._release = client.register_script(lua_source("quota_concurrency_release"))
         else:
             self._ttl = window * 2 if window > 0 else 3600
-            self._acquire = client.register_script(gate_lua("quota_rate_acquire"))
+            self._acquire = client.register_script(lua_source("quota_rate_acquire"))
 
     def key(self, value: str) -> str:
         return f"{self.params.prefix}{self.params.attribute}:{value}"

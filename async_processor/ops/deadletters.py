@@ -41,29 +41,15 @@ from async_processor.errors import ConfigError, InvalidMessage, TransportError
 from async_processor.json_scan import peek_id
 from async_processor.messages import decode_envelope
 from async_processor.ops.status import served_queues
-from async_processor.redis.conn import connect
-from async_processor.redis.keys import redis_errors
+from async_processor.redis.conn import connect, redis_errors
 from async_processor.redis.keyspace import KeySpace
+from async_processor.redis.scripts import lua_source
 
 log = structlog.get_logger(__name__)
 
 ACTIONS = ("list", "show", "replay", "purge")
 DETAIL_WIDTH = 60
 ID_BYTES = 5  # 10 hex digits: unique enough among one queue's dead letters
-
-# Replay one entry if it is still on the list. KEYS[1] dead-letter list, KEYS[2] the queue
-# (sorted set) or channel; ARGV[1] the entry, ARGV[2] the message, ARGV[3] its score,
-# ARGV[4] "zadd" or "publish". Returns 1 replayed, 0 no longer listed, -1 no subscriber.
-REPLAY = """
-if not redis.call('LPOS', KEYS[1], ARGV[1]) then return 0 end
-if ARGV[4] == 'publish' then
-  if redis.call('PUBLISH', KEYS[2], ARGV[2]) == 0 then return -1 end
-else
-  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
-end
-redis.call('LREM', KEYS[1], 1, ARGV[1])
-return 1
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +93,7 @@ class DeadLetters:
         self.redis = client
         self.sorted_set = isinstance(config, SortedSetConfig)
         self._keys = KeySpace(cluster=config.mode == "cluster")  # the daemon's key names
-        self._replay = client.register_script(REPLAY)
+        self._replay = client.register_script(lua_source("replay_dead_letter"))
         self.queues = [q.queue_name for q in config.queues]
 
     async def load(self, pool_gate_params: Sequence[Mapping[str, Any]] = ()) -> None:

@@ -35,12 +35,8 @@ from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig
 from async_processor.config.queues import QueueSpec
 from async_processor.durations import format_duration
 from async_processor.errors import TransportError
-from async_processor.redis.conn import connect
-from async_processor.redis.keys import (
-    REMOVED_QUEUES_KEY,
-    redis_errors,
-    result_side_key,
-)
+from async_processor.redis.conn import connect, redis_errors
+from async_processor.redis.keys import REMOVED_QUEUES_KEY, result_side_key
 from async_processor.redis.keyspace import KeySpace
 from async_processor.transports.redis_sortedset.discovery import (
     SCAN_COUNT,

@@ -1,7 +1,8 @@
 """Redis connections: the one factory for the Redis transports, the Redis gates and the client.
 
-Input: a ``RedisConnection`` (``redis_settings``: URL, mode, sentinels, TLS files). Output:
-a ``redis.asyncio`` client whose failures the callers map to their own errors.
+Input: a ``RedisConnection`` (``config.redis``: URL, mode, sentinels, TLS files). Output:
+a ``redis.asyncio`` client, and ``redis_errors``, which turns its failures into the
+``TransportError`` callers retry.
 
 - ``standalone`` (default): the URL names the server, as the Go reference.
 - ``sentinel``: the sentinels (``host:port``) name the master of ``sentinel_master``; the
@@ -17,6 +18,10 @@ a ``redis.asyncio`` client whose failures the callers map to their own errors.
 
 from __future__ import annotations
 
+import os
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import anyio
@@ -32,6 +37,7 @@ from redis.typing import EncodableT
 from redis.utils import HIREDIS_AVAILABLE
 
 from async_processor.config.redis import DEFAULT_URL, RedisConnection, host_port
+from async_processor.errors import TransportError
 
 # "Redis is away": what a call raises when its server cannot be reached or answer. The
 # cluster client raises its own RedisClusterException (not a RedisError) when no node
@@ -176,3 +182,33 @@ def _sentinel_master(conn: RedisConnection, options: dict[str, Any]) -> Redis:
     client: _SentinelMaster = sentinel.master_for(conn.sentinel_master, redis_class=_SentinelMaster)
     client.sentinel_manager = sentinel
     return client
+
+
+@contextmanager
+def redis_errors(action: str) -> Iterator[None]:
+    """Turn a Redis or socket failure into ``TransportError`` (retryable by callers)."""
+    try:
+        yield
+    except REDIS_AWAY as exc:
+        raise transport_error(action, exc) from exc
+    except (AttributeError, TypeError) as exc:
+        # redis-py 8.1 lets these escape when a connection is closed under a write (its
+        # writer gone; redis/redis-py#4287), e.g. the cluster client dropping connections
+        # while it refreshes its slot map. They are a lost connection, nothing more.
+        if not _raised_in_redis_connection(exc):
+            raise
+        raise TransportError(f"redis {action} failed: connection closed: {exc}") from exc
+
+
+def transport_error(action: str, exc: BaseException) -> TransportError:
+    """``exc`` (a Redis or socket failure) as the ``TransportError`` callers retry; also
+    for one command's error in a pipeline run with ``raise_on_error=False``."""
+    return TransportError(f"redis {action} failed: {type(exc).__name__}: {exc}")
+
+
+def _raised_in_redis_connection(exc: BaseException) -> bool:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(frame.filename.endswith(_REDIS_CONNECTION) for frame in frames)
+
+
+_REDIS_CONNECTION = os.path.join("redis", "asyncio", "connection.py")

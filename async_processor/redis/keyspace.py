@@ -27,7 +27,7 @@ from redis.asyncio.cluster import ClusterPipeline
 from redis.commands.core import AsyncScript
 
 from async_processor.config.redis import hash_tag, shares_slot, slot
-from async_processor.redis import keys
+from async_processor.redis import keys, scripts
 
 UPKEEP_GROUP = 256  # queues per upkeep script call (each call stays well under a ms)
 RELOAD_EVERY = 10.0  # seconds between script loads on every primary (cluster pipelines)
@@ -118,9 +118,10 @@ class KeySpace:
     def scripts(self, client: Redis) -> dict[str, AsyncScript]:
         """Every script on ``client``; in cluster mode they also run inside a pipeline."""
         if not self.cluster:
-            return keys.register_scripts(client)
+            return scripts.register_scripts(client)
         return {
-            name: _ClusterScript(client, keys.script_source(name)) for name in keys.SCRIPT_NAMES
+            name: _ClusterScript(client, scripts.script_source(name))
+            for name in scripts.SCRIPT_NAMES
         }
 
 

@@ -40,9 +40,9 @@ from async_processor.config import RedisPubSubConfig
 from async_processor.config.queues import QueueSpec
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope, Result
-from async_processor.redis import keys
-from async_processor.redis.conn import REDIS_AWAY, connect, warn_if_evicting
-from async_processor.redis.keys import redis_errors
+from async_processor.redis import entries, keys
+from async_processor.redis.conn import REDIS_AWAY, connect, redis_errors, warn_if_evicting
+from async_processor.redis.scripts import lua_source
 from async_processor.transports.base import (
     TRANSPORTS,
     Completion,
@@ -80,10 +80,10 @@ class RedisPubSubTransport:
         self.queues: Sequence[QueueSpec] = config.queue_specs()
         self._ctx = ctx
         self._redis = client if client is not None else connect(config.redis_connection())
-        self._publish_result = self._redis.register_script(keys.lua_source("pubsub_publish_result"))
-        self._defer = self._redis.register_script(keys.lua_source("pubsub_defer"))
+        self._publish_result = self._redis.register_script(lua_source("pubsub_publish_result"))
+        self._defer = self._redis.register_script(lua_source("pubsub_defer"))
         self._pop_due = self._redis.register_script(
-            keys.lua_source("lib") + keys.lua_source("pubsub_pop_due")
+            lua_source("lib") + lua_source("pubsub_pop_due")
         )
         self._by_name = {q.name: q for q in self.queues}
         self._buffers: dict[str, _Buffer] = {}
@@ -108,7 +108,10 @@ class RedisPubSubTransport:
 
     def decode(self, delivery: Delivery) -> Envelope:
         """The envelope; its channel is where it came from (and where retries return)."""
-        return keys.decode_delivery(delivery, self._ctx.max_message_bytes)
+        delivery.envelope = entries.decode_queued(
+            delivery.raw, delivery.queue, self._ctx.max_message_bytes
+        )
+        return delivery.envelope
 
     # ------------------------------------------------------------------ writes
 
@@ -121,7 +124,7 @@ class RedisPubSubTransport:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for delivery, result in items:
                     await self._publish_result(
-                        keys=[keys.done_key(result.id, keys.fingerprint(delivery))],
+                        keys=[keys.done_key(result.id, entries.fingerprint(delivery.envelope))],
                         args=[channel, result.encode(), DEDUP_TTL_SECONDS],
                         client=pipe,
                     )
@@ -176,8 +179,9 @@ class RedisPubSubTransport:
             if await self.write_held():
                 break
             await anyio.sleep(RETRY_CHECK_INTERVAL)
-        self._held.append((keys.dead_letter_key(delivery.queue.name),
-                           keys.dead_letter_entry(delivery, reason, detail)))  # fmt: skip
+        name = delivery.queue.name
+        entry = entries.dead_letter_entry(delivery.raw, name, reason, detail)
+        self._held.append((keys.dead_letter_key(name), entry))
         await self.write_held()
 
     async def write_held(self) -> bool:
@@ -208,7 +212,7 @@ class RedisPubSubTransport:
             else ("", "")
             for d in deliveries
         ]
-        return await keys.marked_cancelled(self._redis, markers)
+        return await entries.marked_cancelled(self._redis, markers)
 
     async def backlog(self, queue: QueueSpec) -> int | None:
         return None  # a channel has no backlog to count

@@ -18,6 +18,7 @@ from async_processor.config import SortedSetConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import ID_PREFIX_BYTES, Envelope, ErrorCode, Request, Result, Routing
 from async_processor.metrics import Metrics
+from async_processor.redis import entries
 from async_processor.redis import keys as redis_keys
 from async_processor.transports import build_transport
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
@@ -777,7 +778,7 @@ async def test_complete_changes_nothing_when_a_key_has_the_wrong_type(make_confi
         with pytest.raises(TransportError, match="WRONGTYPE"):
             await transport.complete([Completion(delivery, Result.http("half", 200, b"{}"))])
     assert await r.llen(config.result_queue_name) == 0
-    assert not await r.exists(redis_keys.done_key("half", redis_keys.fingerprint(delivery)))
+    assert not await r.exists(redis_keys.done_key("half", entries.fingerprint(delivery.envelope)))
     assert await r.zcard(redis_keys.inflight_key(q)) == 1
 
 
@@ -889,7 +890,7 @@ async def test_a_huge_dead_letter_keeps_a_prefix_its_size_and_hash(make_config, 
     [raw] = await r.lrange(redis_keys.dead_letter_key(q), 0, -1)
     entry = json.loads(raw)
     assert len(raw) < 8192
-    assert entry["raw"] == huge[: redis_keys.DEAD_LETTER_RAW_BYTES].decode()
+    assert entry["raw"] == huge[: entries.DEAD_LETTER_RAW_BYTES].decode()
     assert (entry["size"], entry["truncated"]) == (len(huge), True)
     assert entry["sha1"] == hashlib.sha1(huge).hexdigest()
 

@@ -18,8 +18,7 @@ from async_processor.demo.local_servers import free_port
 from async_processor.errors import ConfigError, TransportError
 from async_processor.gates.leased_rate import LeasedRateParams
 from async_processor.gates.redis import QuotaParams, RedisBudgetParams
-from async_processor.redis.conn import connect
-from async_processor.redis.keys import redis_errors
+from async_processor.redis.conn import connect, redis_errors
 
 QUEUES = [{"queue_name": "q", "igw_base_url": "http://gw"}]
 SENTINEL = {"mode": "sentinel", "sentinels": ["127.0.0.1:26379"], "sentinel_master": "m"}

@@ -13,6 +13,7 @@ import pytest
 from async_processor.config import SortedSetConfig
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope, Request, Result, Routing
+from async_processor.redis import entries, scripts
 from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Completion, Deferral, TransportContext
 from async_processor.transports.redis_sortedset.claims import STALE_CLAIM_GRACE
@@ -213,14 +214,10 @@ def test_fingerprint_prefers_the_token_then_the_request() -> None:
     bare = Envelope(Request(id="i", deadline=5))
     later = Envelope(Request(id="i", deadline=6))
 
-    class D:  # only the envelope matters to the fingerprint
-        def __init__(self, envelope: Envelope | None) -> None:
-            self.envelope = envelope
-
-    assert redis_keys.fingerprint(D(with_token)) == "tok"  # type: ignore[arg-type]
-    assert redis_keys.fingerprint(D(bare)).startswith("sha-")  # type: ignore[arg-type]
-    assert redis_keys.fingerprint(D(bare)) != redis_keys.fingerprint(D(later))  # type: ignore[arg-type]
-    assert redis_keys.fingerprint(D(None)) == ""  # type: ignore[arg-type]
+    assert entries.fingerprint(with_token) == "tok"
+    assert entries.fingerprint(bare).startswith("sha-")
+    assert entries.fingerprint(bare) != entries.fingerprint(later)
+    assert entries.fingerprint(None) == ""
 
 
 def test_keys_and_scripts() -> None:
@@ -230,9 +227,9 @@ def test_keys_and_scripts() -> None:
     assert redis_keys.done_key("a:b") != redis_keys.done_key("a", "b")
     assert redis_keys.active_key("i") == "request-active:i"
     assert redis_keys.cancel_key("i") == "request-cancel:i"
-    assert "ZPOPMIN" in redis_keys.script_source("claim")
+    assert "ZPOPMIN" in scripts.script_source("claim")
     with pytest.raises(KeyError, match="known"):
-        redis_keys.script_source("nope")
+        scripts.script_source("nope")
 
 
 async def test_upkeep_loop_backs_off_and_keeps_going() -> None:

@@ -33,13 +33,8 @@ from redis.asyncio import Redis
 from async_processor.config import SortedSetConfig
 from async_processor.config.queues import QueueSpec
 from async_processor.config.transports import QueueDiscovery
-from async_processor.redis.keys import (
-    EMPTY_SINCE_KEY,
-    REMOVED_QUEUES_KEY,
-    OwnKeys,
-    own_keys,
-    redis_errors,
-)
+from async_processor.redis.conn import redis_errors
+from async_processor.redis.keys import EMPTY_SINCE_KEY, REMOVED_QUEUES_KEY, OwnKeys, own_keys
 from async_processor.redis.keyspace import KeySpace
 from async_processor.transports.redis_sortedset.names import NameRules, text
 from async_processor.transports.redis_sortedset.scan import PrefixScan

@@ -43,7 +43,7 @@ from redis.commands.core import AsyncScript
 from async_processor.config.queues import QueueSpec
 from async_processor.errors import TransportError
 from async_processor.messages import ID_PREFIX_BYTES
-from async_processor.redis.keys import redis_errors, transport_error
+from async_processor.redis.conn import redis_errors, transport_error
 from async_processor.redis.keyspace import KeySpace
 from async_processor.transports.base import Delivery
 from async_processor.transports.redis_sortedset.claims import Claim, ClaimBook

@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope
-from async_processor.redis.keys import redis_errors
+from async_processor.redis.conn import redis_errors
 from async_processor.redis.keyspace import KeySpace
 from async_processor.transports.base import Delivery, TransportContext
 from async_processor.transports.redis_sortedset.claims import (

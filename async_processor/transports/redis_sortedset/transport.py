@@ -43,9 +43,9 @@ from async_processor.messages import (
     decode_envelope,
     too_large,
 )
-from async_processor.redis import keys
+from async_processor.redis import entries, keys
 from async_processor.redis.conn import connect
-from async_processor.redis.keys import redis_errors as redis_errors
+from async_processor.redis.conn import redis_errors as redis_errors
 from async_processor.redis.keyspace import KeySpace
 from async_processor.transports.base import (
     TRANSPORTS,
@@ -177,7 +177,8 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         claim = delivery.handle
         if isinstance(claim, Claim) and claim.digest:  # only a prefix was fetched
             raise too_large(claim.size, limit, id_from_prefix(delivery.raw))
-        return keys.decode_delivery(delivery, limit)
+        delivery.envelope = entries.decode_queued(delivery.raw, delivery.queue, limit)
+        return delivery.envelope
 
     # ------------------------------------------------------------------ the message's bytes
 
@@ -194,7 +195,7 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         if envelope is None or claim.sha1 or claim.digest:
             return
         raw = delivery.raw
-        claim.fingerprint = keys.fingerprint(delivery)
+        claim.fingerprint = entries.fingerprint(envelope)
         claim.head = raw[:HEAD_BYTES]
         claim.sha1 = hashlib.sha1(raw, usedforsecurity=False).digest()
         delivery.raw = b""
@@ -472,8 +473,13 @@ class SortedSetTransport(MarkerChecks, SortedSetUpkeep):
         with self._claims.acking([delivery]), redis_errors("dead_letter"):
             [back] = await self._got_back([delivery])
             if back == HELD:
-                entry = keys.dead_letter_entry(
-                    delivery, reason, detail, size=claim.size, digest=claim.digest
+                entry = entries.dead_letter_entry(
+                    delivery.raw,
+                    delivery.queue.name,
+                    reason,
+                    detail,
+                    size=claim.size,
+                    digest=claim.digest,
                 )
                 parked, trimmed = await self._scripts["dead_letter"](
                     keys=self._ack_keys(delivery, target),
@@ -536,7 +542,7 @@ def _fingerprint(delivery: Delivery) -> str:
     claim = delivery.handle
     if isinstance(claim, Claim) and claim.fingerprint:
         return claim.fingerprint
-    return keys.fingerprint(delivery)
+    return entries.fingerprint(delivery.envelope)
 
 
 @dataclass

@@ -25,8 +25,7 @@ from async_processor.config.queues import QueueSpec
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope, Result
 from async_processor.redis import keys
-from async_processor.redis.conn import warn_if_evicting
-from async_processor.redis.keys import redis_errors
+from async_processor.redis.conn import redis_errors, warn_if_evicting
 from async_processor.redis.keyspace import KeySpace
 from async_processor.retry import expired, last_answer
 from async_processor.transports.base import Delivery, TransportContext
