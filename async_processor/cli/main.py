@@ -2,7 +2,7 @@
 
 Input: argv and the environment. Output: an exit code. ``run`` (also the default when
 only flags are given, as with the Go binary) loads the config and hands it to
-``processor.run``; ``check-config`` prints the effective config with secrets masked.
+``pipeline.daemon.run``; ``check-config`` prints the effective config with secrets masked.
 The other subcommands live in their own modules, imported only when used, and get the
 rest of argv (``submit``/``results``/``cancel`` share ``producer_cli`` and get the
 subcommand name first). Any ``ConfigError`` at startup is one stderr line and exit 2;
@@ -91,12 +91,12 @@ def run(argv: Sequence[str], env: Mapping[str, str]) -> int:
     configure_logging(settings.log_level, settings.log_format)
     config = build_config(settings, env)
     log.info("starting", version=_version(), config=effective_config(config))
-    processor = _import("pipeline.processor", "run")
+    daemon = _import("pipeline.daemon", "run")
     _tune_gc()
     # uvloop: in 3 paired runs (bench.overhead, 20,000 messages, 256 workers, zero-latency
     # gateway) the daemon's throughput was 0.89-1.16x the baseline loop's on it, against
     # 0.56-0.71x on asyncio's own loop, at 0.38-0.46 vs 0.42-0.48 CPU ms per message.
-    anyio.run(processor.run, config, backend_options={"use_uvloop": True})
+    anyio.run(daemon.run, config, backend_options={"use_uvloop": True})
     return 0
 
 
@@ -118,7 +118,7 @@ def check_config(argv: Sequence[str], env: Mapping[str, str]) -> int:
     configure_logging(settings.log_level, settings.log_format)  # stderr: stdout is the JSON
     config = build_config(settings, env)
     validate_plugins: Callable[[AppConfig], Any] | None = getattr(
-        _optional("pipeline.processor"), "validate_plugins", None
+        _optional("pipeline.daemon"), "validate_plugins", None
     )
     if validate_plugins is not None:
         validate_plugins(config)

@@ -2,7 +2,7 @@
 
 Input: command-line flags, ``ASYNC_PROCESSOR_*`` environment variables (flags win),
 ``REDIS_URL``, and the transport / pool / merge-policy / transform files. Output: one
-frozen ``AppConfig`` for ``processor.run``. Field names and defaults follow the Go
+frozen ``AppConfig`` for ``pipeline.daemon.run``. Field names and defaults follow the Go
 reference; unknown fields are errors (docs/architecture.md G15).
 
 Split by seam: ``base`` (what the models share), ``transports`` (one model per

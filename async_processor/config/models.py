@@ -144,7 +144,7 @@ class RuntimeConfig(Strict):
 
 
 class AppConfig(Strict):
-    """Everything ``processor.run`` needs, validated."""
+    """Everything ``pipeline.daemon.run`` needs, validated."""
 
     transport: str
     transport_config: TransportConfig

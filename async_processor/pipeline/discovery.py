@@ -22,8 +22,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 from async_processor.config.queues import QueueSpec
 from async_processor.errors import TransportError
 from async_processor.merge.base import Source
+from async_processor.pipeline.capacity import PoolCapacity
 from async_processor.pipeline.poller import Poller
-from async_processor.work import PoolCapacity
 
 log = structlog.get_logger(__name__)
 

@@ -11,10 +11,6 @@ and handed back at once. A second signal hands back at once.
 
 from __future__ import annotations
 
-import faulthandler
-import os
-import signal
-import threading
 from collections.abc import Sequence
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
@@ -35,9 +31,9 @@ from async_processor.httpclients.base import HttpClient
 from async_processor.merge import build_merge_policy
 from async_processor.merge.base import MergeContext, MergePolicy, Source
 from async_processor.metrics import Metrics
-from async_processor.pipeline import tracing
 from async_processor.pipeline.admission import PoolGate
 from async_processor.pipeline.cancels import CancelWatch
+from async_processor.pipeline.capacity import PoolCapacity, ShedPause, lane_size, pool_slots
 from async_processor.pipeline.discovery import QueueRefresh
 from async_processor.pipeline.dispatch import DispatchSettings, stamped_header_names
 from async_processor.pipeline.poller import Poller
@@ -49,24 +45,11 @@ from async_processor.transforms import TransformChain, build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports import build_transport
 from async_processor.transports.base import DiscoversQueues, Transport, TransportContext
-from async_processor.work import PoolCapacity, ShedPause, Work
+from async_processor.work import Work
 
 log = structlog.get_logger(__name__)
 
 WRITER_FLUSH_TIMEOUT = 30.0
-# The last resort of a stop, this long after its first signal past the drain timeout:
-# the stop's own bound (docs/operations.md: ~40 s with Redis hung) and room to spare.
-HARD_STOP_GRACE = 60.0
-HARD_STOP_EXIT = 124  # as timeout(1): the process was stopped, not drained
-# The most a pool prefetches: a round trip's worth of freed workers even at thousands of
-# requests in flight (at 10,000 workers a quarter was 2,500 messages held, ~25 MB, for
-# nothing: bench.in_flight).
-MAX_PREFETCH = 256
-
-
-def prefetch(workers: int) -> int:
-    """Messages a pool holds beyond its workers: a quarter of them, 1..MAX_PREFETCH."""
-    return min(max(1, workers // 4), MAX_PREFETCH)
 
 
 @dataclass(slots=True)
@@ -300,12 +283,8 @@ class Processor:
         self, pool: _Pool, queue: QueueSpec, writer: ResultWriter
     ) -> tuple[Source, Poller]:
         """A queue's lane (the merge's source) and its poller."""
-        # A fetch sized by free slots is admitted whole, so the next one starts at once.
-        # Otherwise the lanes share the pool's prefetch: a lane of one batch kept a pool's
-        # only poller blocked one batch ahead of the workers, most prefetch slots never
-        # fetched, and freed workers waiting for fetch round trips (issue 13, Little's law).
-        shared = prefetch(pool.config.workers) // max(1, len(pool.queues))
-        lane = pool.capacity.slots if queue.max_fetch else max(queue.batch_size, shared)
+        workers, queues = pool.config.workers, len(pool.queues)
+        lane = lane_size(queue, pool.capacity.slots, workers, queues)
         lane_in, lane_out = anyio.create_memory_object_stream[Work](lane)
         poller = Poller(
             queue=queue,
@@ -335,15 +314,8 @@ class Processor:
                 self.metrics.pool(config.id),
                 self.config.runtime.effective_gate_wait_timeout,
             )
-        # A little prefetch beyond the workers hides the fetch round trip. No more: every
-        # message held here is leased away from the other replicas, and with fetching
-        # driven by free slots, an urgent queue is served at the next free slot anyway.
-        # Plus one slot per further queue: a message for the merge from each backlogged
-        # queue (and, where the transport cannot signal messages, what an idle queue's
-        # poller holds while its fetch waits).
         mine = [q for q in queues if q.pool == config.id]
-        slots = config.workers + prefetch(config.workers) + max(0, len(mine) - 1)
-        return _Pool(config, mine, PoolCapacity(slots), gate)
+        return _Pool(config, mine, PoolCapacity(pool_slots(config.workers, len(mine))), gate)
 
     async def _backlog_loop(self, interval: float) -> None:
         while True:
@@ -378,62 +350,6 @@ def _template(config: AppConfig) -> list[QueueSpec]:
     """The discovery template as a queue, so its gate is checked at startup."""
     transport = config.transport_config
     return transport.template_specs() if isinstance(transport, SortedSetConfig) else []
-
-
-def validate_plugins(config: AppConfig) -> None:
-    """Build every gate, merge policy, transform and transport, starting none (check-config)."""
-    Processor(config)
-    build_transform_chain(config.transforms, TransformContext())
-
-
-async def run(config: AppConfig) -> None:
-    """The daemon: run until SIGTERM/SIGINT, drain, exit (flushing spans if tracing)."""
-    tracing.setup()
-    try:
-        processor = Processor(config)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_watch_signals, processor)
-            await processor.run()
-            tg.cancel_scope.cancel()
-    finally:
-        tracing.shutdown()
-
-
-async def _watch_signals(processor: Processor) -> None:
-    hard_stop: threading.Timer | None = None
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        try:
-            count = 0
-            async for signum in signals:
-                count += 1
-                log.info("signal_received", signal=signal.Signals(signum).name, count=count)
-                if hard_stop is None:
-                    drain = processor.config.runtime.drain_timeout
-                    hard_stop = hard_stop_after(drain + HARD_STOP_GRACE)
-                processor.request_stop(force=count > 1)
-        finally:
-            if hard_stop is not None:  # stopped in time
-                hard_stop.cancel()
-
-
-def hard_stop_after(seconds: float) -> threading.Timer:
-    """Exit the process in ``seconds`` unless the timer is cancelled first.
-
-    Every stage's stop is bounded, but one that is not (a loop that never saw its
-    cancellation hung the soak at exit) must not keep the process up for good. A thread,
-    so it fires even with the event loop stuck. Nothing is lost: what the process still
-    holds is leased, and comes back when the lease lapses (docs/architecture.md G1).
-    """
-    timer = threading.Timer(seconds, _hard_stop, args=(seconds,))
-    timer.daemon = True
-    timer.start()
-    return timer
-
-
-def _hard_stop(seconds: float) -> None:
-    log.error("hard_stop", after_seconds=seconds, exit_code=HARD_STOP_EXIT)
-    faulthandler.dump_traceback(all_threads=True)  # where it hung, for the bug report
-    os._exit(HARD_STOP_EXIT)
 
 
 async def _serve(worker: Worker, tasks: int, stream: ObjectReceiveStream[Work]) -> None:

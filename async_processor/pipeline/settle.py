@@ -15,10 +15,11 @@ from anyio.abc import ObjectSendStream
 
 from async_processor.errors import TransportError
 from async_processor.messages import Result
+from async_processor.pipeline.capacity import PoolCapacity
 from async_processor.pipeline.results import Op
 from async_processor.retry import Counter, Final, Outcome
 from async_processor.transports.base import Completion, Deferral, Delivery, Transport, abandon
-from async_processor.work import PoolCapacity, Work, put, put_nowait
+from async_processor.work import Work, put, put_nowait
 
 log = structlog.get_logger(__name__)
 

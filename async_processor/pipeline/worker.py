@@ -22,6 +22,7 @@ from async_processor.messages import CANCELLED_TEXT, Envelope, ErrorCode, Result
 from async_processor.pipeline import tracing
 from async_processor.pipeline.admission import PoolGate, admit
 from async_processor.pipeline.cancels import CancelWatch
+from async_processor.pipeline.capacity import ShedPause
 from async_processor.pipeline.dispatch import DispatchSettings, attempt_timeout, build_request, send
 from async_processor.pipeline.settle import Settler
 from async_processor.pipeline.usage import TokenAccounting
@@ -40,7 +41,7 @@ from async_processor.retry import (
 from async_processor.transforms import TransformChain
 from async_processor.transforms.base import Outgoing
 from async_processor.transports.base import LetsGo, LimitsResults, Transport, abandon
-from async_processor.work import ShedPause, Work, take
+from async_processor.work import Work, take
 
 log = structlog.get_logger(__name__)
 

@@ -47,7 +47,7 @@ from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.health import serve_metrics
 from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
-from async_processor.pipeline.processor import HARD_STOP_GRACE
+from async_processor.pipeline.daemon import HARD_STOP_GRACE
 from tests.fixtures.servers import free_port, require_binary, require_module, stop_process
 from tests.fixtures.simulator import SimulatorProcess
 

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from async_processor.config import SortedSetConfig, load_config
-from async_processor.pipeline.processor import HARD_STOP_GRACE
+from async_processor.pipeline.daemon import HARD_STOP_GRACE
 from tests.fixtures.servers import require_module
 
 helm = require_module("helm_python", "helm-python-sdk (a dev dependency) parses the YAML")

@@ -17,12 +17,13 @@ from redis.asyncio import Redis
 from async_processor.gates.base import CONTINUE, REFUSE, Releases, Verdict
 from async_processor.messages import Envelope
 from async_processor.metrics import Metrics
+from async_processor.pipeline.capacity import PoolCapacity
 from async_processor.pipeline.poller import Poller
 from async_processor.pipeline.results import Op
 from async_processor.pipeline.settle import Settler
 from async_processor.transports.base import Delivery
 from async_processor.transports.redis_sortedset.transport import SortedSetTransport
-from async_processor.work import PoolCapacity, Work
+from async_processor.work import Work
 from tests.integration.test_sortedset import future, member
 from tests.integration.test_sortedset_rounds import config_for, ids_of_raw, names_of, opened
 

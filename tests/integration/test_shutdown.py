@@ -21,7 +21,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from async_processor.pipeline import processor as processor_module
-from async_processor.pipeline.processor import HARD_STOP_EXIT, Processor
+from async_processor.pipeline.daemon import HARD_STOP_EXIT
+from async_processor.pipeline.processor import Processor
 from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.fixtures.servers import RedisServer
 from tests.fixtures.simulator import SimulatorProcess
@@ -128,7 +129,7 @@ def test_a_stop_that_hangs_anyway_exits_at_the_hard_stop_with_the_stacks() -> No
     """The last resort (armed at the first signal): a process whose event loop is stuck
     still exits, with 124, and leaves every thread's stack for the bug report."""
     stuck = (
-        "import time; from async_processor.pipeline.processor import hard_stop_after; "
+        "import time; from async_processor.pipeline.daemon import hard_stop_after; "
         "hard_stop_after(0.2); time.sleep(60)"
     )
     done = subprocess.run(

@@ -13,7 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from async_processor.config import AppConfig, PoolConfig
-from async_processor.pipeline.processor import prefetch
+from async_processor.pipeline.capacity import prefetch
 from async_processor.redis.keys import inflight_key
 from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.fixtures.simulator import SimulatorProcess

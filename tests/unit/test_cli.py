@@ -49,7 +49,7 @@ def fake_processor(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
 
     module.run = run  # type: ignore[attr-defined]
     module.validate_plugins = validate_plugins  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "async_processor.pipeline.processor", module)
+    monkeypatch.setitem(sys.modules, "async_processor.pipeline.daemon", module)
     logging_calls: list[tuple[str, str]] = []
     monkeypatch.setattr(cli, "configure_logging", lambda lvl, fmt: logging_calls.append((lvl, fmt)))
     return types.SimpleNamespace(calls=calls, logging=logging_calls)

@@ -14,11 +14,12 @@ from async_processor.config.queues import QueueSpec
 from async_processor.gates.base import ConstantGate, Gate
 from async_processor.messages import Envelope, decode_envelope
 from async_processor.metrics import Metrics, QueueMetrics
+from async_processor.pipeline.capacity import PoolCapacity
 from async_processor.pipeline.poller import Poller
 from async_processor.pipeline.results import Op
 from async_processor.pipeline.settle import Settler
 from async_processor.transports.base import Completion, Deferral, Delivery, Transport
-from async_processor.work import PoolCapacity, Work
+from async_processor.work import Work
 
 pytestmark = pytest.mark.anyio
 

@@ -8,8 +8,8 @@ from anyio import wait_all_tasks_blocked
 from anyio.lowlevel import checkpoint
 
 from async_processor.config import PoolConfig
-from async_processor.pipeline.processor import MAX_PREFETCH, Processor
-from async_processor.work import PoolCapacity
+from async_processor.pipeline.capacity import MAX_PREFETCH, PoolCapacity
+from async_processor.pipeline.processor import Processor
 from tests.fixtures.inprocess import sortedset_config
 
 pytestmark = pytest.mark.anyio

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from async_processor.messages import ErrorCode, decode_envelope
-from async_processor.pipeline.processor import prefetch
+from async_processor.pipeline.capacity import prefetch
 from tests.doubles.daemon import QUEUE, daemon, message
 
 pytestmark = pytest.mark.anyio

@@ -29,6 +29,7 @@ from async_processor.httpclients.base import HttpClient
 from async_processor.messages import decode_envelope
 from async_processor.metrics import Metrics
 from async_processor.pipeline import tracing
+from async_processor.pipeline.capacity import PoolCapacity
 from async_processor.pipeline.dispatch import DispatchSettings
 from async_processor.pipeline.results import Op
 from async_processor.pipeline.settle import Settler
@@ -36,7 +37,7 @@ from async_processor.pipeline.worker import Aborter, Worker
 from async_processor.transforms import build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports.base import Completion, Deferral, Delivery, Transport
-from async_processor.work import PoolCapacity, Work
+from async_processor.work import Work
 from tests.fixtures.inprocess import http_client
 from tests.fixtures.otlp import OtlpCollector
 from tests.fixtures.servers import free_port

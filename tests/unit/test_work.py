@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from async_processor.work import ShedPause
+from async_processor.pipeline.capacity import ShedPause
 
 
 def test_shed_pause_follows_retry_after_up_to_its_cap() -> None:

@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 
 from async_processor.messages import ErrorCode
+from async_processor.pipeline.capacity import ShedPause
 from async_processor.transports.base import Completion
-from async_processor.work import ShedPause
 from tests.fixtures.inprocess import http_client
 from tests.fixtures.servers import free_port
 from tests.unit.test_tracing import _work, _worker
