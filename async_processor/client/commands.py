@@ -20,7 +20,8 @@ from typing import IO, Any
 import anyio
 
 from async_processor.cli.args import duration, parse, subcommand_parser
-from async_processor.client.redis_sortedset import SortedSetClient, as_request
+from async_processor.client.redis_sortedset import SortedSetClient
+from async_processor.client.submission import as_request
 from async_processor.config import redis_connection_file
 from async_processor.config.redis import RedisConnection
 from async_processor.errors import ConfigError, TransportError

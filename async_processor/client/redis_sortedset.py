@@ -26,8 +26,6 @@ returns it first. An entry that is not a result is returned as an ``UndecodableR
 
 from __future__ import annotations
 
-import hashlib
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -38,9 +36,9 @@ from typing import Any, cast
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from async_processor.client.submission import as_request, new_token
 from async_processor.config.redis import RedisConnection, cluster_problem
-from async_processor.errors import InvalidMessage
-from async_processor.messages import Envelope, Request, Result, Routing, decode_request
+from async_processor.messages import Envelope, Request, Result, Routing
 from async_processor.redis import keys
 from async_processor.redis.conn import connect, redis_errors
 from async_processor.redis.keyspace import KeySpace
@@ -50,9 +48,6 @@ SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many
 # bound on the counters kept for long deadlines. Submissions of one deadline further apart
 # than this may lose their order (the count starts again).
 SEQUENCE_WINDOW_SECONDS = 600
-# The latest deadline a submission may carry: 9999-12-31T23:59:59Z. Larger ones made the
-# marker's SET EX fail inside the MULTI while the ZADD still ran (a half-written submit).
-MAX_DEADLINE = 253_402_300_799
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,16 +370,6 @@ class SortedSetClient:
             await self._redis.delete(*targets)
 
 
-def new_token() -> str:
-    """A fresh 32-hex request token that ``lua/cancel.lua`` knows for this library's: 16
-    random hex, then the first 16 hex of the SHA-1 of ``async-processor:`` and those."""
-    head = secrets.token_hex(8)
-    return (
-        head
-        + hashlib.sha1(f"async-processor:{head}".encode(), usedforsecurity=False).hexdigest()[:16]
-    )
-
-
 def processing_key(result_queue: str, consumer: str) -> str:
     """The consumer's processing list, in the result list's cluster hash slot."""
     return keys.result_side_key(result_queue, f"processing:{consumer}")
@@ -396,32 +381,6 @@ def _decoded(raw: bytes) -> Result:
     except (ValueError, TypeError) as exc:
         text = raw.decode("utf-8", errors="replace")
         return UndecodableResult(id="", payload=text, raw=raw, error=f"not a result: {exc}")
-
-
-def as_request(request: dict[str, Any] | Request) -> Request:
-    """A validated ``Request``; a dict's payload is encoded once, then kept verbatim.
-
-    ``ValueError`` says why it would be refused (``submit`` checks every line with it
-    before queueing any)."""
-    if isinstance(request, dict):
-        try:
-            # allow_nan=False: a number JSON cannot hold (1e999 read as inf, a NaN or
-            # Infinity literal) went on as a bare Infinity/NaN token, which is not JSON.
-            text = json.dumps(request, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-        except ValueError as exc:  # which value, dumps does not say
-            raise ValueError(f"invalid request: a number out of JSON's range: {exc}") from exc
-        try:
-            request = decode_request(text)
-        except InvalidMessage as exc:
-            raise ValueError(f"invalid request: {exc}") from exc
-    if not request.id:
-        raise ValueError("request id must not be empty")
-    if not time.time() < request.deadline <= MAX_DEADLINE:
-        raise ValueError(
-            f"request {request.id!r}: deadline {request.deadline} is not between now and "
-            f"{MAX_DEADLINE} (9999-12-31, Unix seconds)"
-        )
-    return request
 
 
 async def delete_matching(redis: Redis, patterns: Sequence[str]) -> None:

@@ -36,7 +36,8 @@ from async_processor.cli.args import daemon_config, duration
 from async_processor.config import AppConfig
 from async_processor.errors import ConfigError, TransportError
 from async_processor.health import serve_health, serve_metrics
-from async_processor.ops.status import QueueStatus, Status, collect
+from async_processor.ops.status import collect
+from async_processor.ops.status_table import QueueStatus, Status
 
 log = structlog.get_logger(__name__)
 

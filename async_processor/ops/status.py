@@ -24,7 +24,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -33,8 +33,8 @@ from redis.asyncio import Redis
 from async_processor.cli.args import daemon_config
 from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig, SortedSetConfig
 from async_processor.config.queues import QueueSpec
-from async_processor.durations import format_duration
 from async_processor.errors import TransportError
+from async_processor.ops.status_table import QueueStatus, Status, render
 from async_processor.redis.conn import connect, redis_errors
 from async_processor.redis.keys import REMOVED_QUEUES_KEY, result_side_key
 from async_processor.redis.keyspace import KeySpace
@@ -47,36 +47,6 @@ from async_processor.transports.redis_sortedset.discovery import (
 )
 
 RETRY_SCAN_CHUNK = 1000  # retry-set members read per round trip
-
-
-@dataclass
-class QueueStatus:
-    queue: str
-    pool: str
-    depth: int | None = None  # waiting, not claimed
-    in_flight: int | None = None  # claimed under a lease
-    retry_due: int | None = None  # in the retry set, due now (moved back shortly)
-    retry_parked: int | None = None  # in the retry set, due later (backoff)
-    oldest_deadline: float | None = None  # epoch seconds of the most urgent waiting request
-    dead_letters: int | None = None
-    # configured; discovered (queue_discovery); removed (draining its claims and retries)
-    origin: str = "configured"
-
-
-@dataclass
-class Status:
-    transport: str
-    time: float  # the broker's clock where it has one
-    queues: list[QueueStatus]
-    result_lists: dict[str, int | None] = field(default_factory=dict)
-    # retry set -> {"due": n, "parked": m}, counted by score (cheap, whatever its size)
-    retry_sets: dict[str, dict[str, int]] = field(default_factory=dict)
-    # result list -> seconds since its oldest unconsumed result was written (redis-sortedset;
-    # dated by the daemon's retention rounds, so up to 10 s older; null: empty or unknown)
-    oldest_results: dict[str, float | None] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 async def collect(
@@ -335,63 +305,6 @@ async def _gcp_status(name: str, config: GcpPubSubConfig) -> Status:
 
 
 # -- output ---------------------------------------------------------------------------
-
-COLUMNS = (
-    ("QUEUE", "queue"),
-    ("POOL", "pool"),
-    ("DEPTH", "depth"),
-    ("IN FLIGHT", "in_flight"),
-    ("RETRY DUE", "retry_due"),
-    ("RETRY PARKED", "retry_parked"),
-    ("OLDEST DEADLINE", "oldest_deadline"),
-    ("DEAD LETTERS", "dead_letters"),
-)
-
-
-def render(status: Status) -> str:
-    """A fixed-width table per queue (with discovered queues, an ORIGIN column), then the
-    result lists."""
-    columns = list(COLUMNS)
-    if any(queue.origin != "configured" for queue in status.queues):  # queue_discovery
-        columns.insert(1, ("ORIGIN", "origin"))
-    rows = [[title for title, _ in columns]]
-    for queue in status.queues:
-        rows.append([_cell(queue, attr, status.time) for _, attr in columns])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    lines = [f"transport {status.transport}", ""]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-              for row in rows]  # fmt: skip
-    if status.result_lists:
-        lines += ["", "RESULT LIST  LENGTH  OLDEST UNCONSUMED"]
-        lines += [f"{name}  {_text(length)}  {_age(status.oldest_results.get(name))}"
-                  for name, length in status.result_lists.items()]  # fmt: skip
-    for name, counts in status.retry_sets.items():
-        lines += ["", f"retry set {name}: {counts['due']} due, {counts['parked']} parked"]
-    return "\n".join(lines)
-
-
-def _cell(queue: QueueStatus, attr: str, now: float) -> str:
-    value = getattr(queue, attr)
-    if attr == "oldest_deadline" and value is not None:
-        return _relative(value - now)
-    return _text(value)
-
-
-def _age(seconds: float | None) -> str:
-    return "-" if seconds is None else _relative(-seconds)
-
-
-def _text(value: object) -> str:
-    return "-" if value is None else str(value)
-
-
-def _relative(seconds: float) -> str:
-    """``in 4m10s`` or ``12s ago`` (whole seconds)."""
-    text = format_duration(abs(round(seconds)))
-    return f"in {text}" if seconds >= 0 else f"{text} ago"
-
-
-# -- command line ---------------------------------------------------------------------
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:

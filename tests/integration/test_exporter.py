@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from async_processor.cli.main import main
 from async_processor.config import AppConfig, SortedSetConfig, load_config
-from async_processor.ops import exporter, status
+from async_processor.ops import exporter, status, status_table
 from async_processor.ops.exporter import Exporter, serve
 from async_processor.redis.keys import REMOVED_QUEUES_KEY
 from async_processor.transports.base import TransportContext
@@ -160,7 +160,7 @@ async def test_the_exporter_skips_the_result_ages_and_its_output_is_the_same(
     await Exporter(cfg, lean).refresh()
     assert "cmdstat_get" not in r.info("commandstats")  # no counter read
 
-    async def with_ages(config: AppConfig, **_: bool) -> status.Status:
+    async def with_ages(config: AppConfig, **_: bool) -> status_table.Status:
         return await status.collect(config, per_queue_retries=False, result_ages=True)
 
     monkeypatch.setattr(exporter, "collect", with_ages)

@@ -22,7 +22,8 @@ from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
 from async_processor.pipeline.results import ResultWriter
 from async_processor.transports.base import Completion, Deferral, Delivery, TransportContext
-from async_processor.transports.redis_sortedset.transport import ScriptCall, SortedSetTransport
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
+from async_processor.transports.redis_sortedset.writes import ScriptCall
 from tests.integration.test_sortedset import future, member, results_of
 from tests.integration.test_sortedset_rounds import GW, config_for, ids_of, names_of, opened
 

@@ -23,8 +23,9 @@ from async_processor.config import SortedSetConfig
 from async_processor.messages import LET_GO, Result
 from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Completion, Deferral, Delivery
-from async_processor.transports.redis_sortedset import transport as redis_sortedset
-from async_processor.transports.redis_sortedset.transport import HEAD_BYTES, SortedSetTransport
+from async_processor.transports.redis_sortedset import writes as redis_sortedset
+from async_processor.transports.redis_sortedset.transport import SortedSetTransport
+from async_processor.transports.redis_sortedset.writes import HEAD_BYTES
 from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.fixtures.servers import stop_process
 from tests.fixtures.simulator import SimulatorProcess, start_simulator

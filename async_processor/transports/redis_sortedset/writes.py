@@ -1,0 +1,286 @@
+"""The write half of ``SortedSetTransport``: results written and claims acknowledged.
+
+Stage: broker I/O (``complete``). Input: ``Completion``s (a delivery and its result).
+Output: per item, atomically, the result on its list, the dedup marker, the ack and the
+cancellation cleanup (``lua/complete.lua``, one script per hash slot of the batch), then
+the removal of a completed message that its lapsed lease had put back on its queue
+(``lua/drop_returned.lua``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+
+from async_processor.config import SortedSetConfig
+from async_processor.errors import PartialWrite, TransportError
+from async_processor.messages import Result
+from async_processor.redis import entries, keys
+from async_processor.redis.conn import redis_errors
+from async_processor.redis.keyspace import KeySpace
+from async_processor.transports.base import Completion, Delivery, TransportContext
+from async_processor.transports.redis_sortedset.claims import (
+    Claim,
+    ClaimBook,
+    by_queue,
+    claim_of,
+    token_of,
+)
+from async_processor.transports.redis_sortedset.routing import ResultRouting
+
+log = structlog.get_logger(__name__)
+
+# A let-go member's first bytes kept to find it again in its queue after a lapsed lease
+# (lua/drop_returned.lua), and the most members sharing them and its score compared there.
+HEAD_BYTES = 128
+MOST_COMPARED = 10_000
+# Member bytes one call there reads before the next call goes on: each member is copied
+# into Lua and hashed (400 look-alikes of 256 KiB held Redis 321 ms in one call).
+BYTES_PER_CALL = 1 << 20
+ScriptCall = tuple[list[str], list[bytes | str | int]]  # one script's keys and arguments
+Written = tuple[int, int, int]  # a complete reply: (written, held, fell_back)
+
+
+class ResultWrites:
+    """The write half of ``SortedSetTransport``: it uses the transport's state, below."""
+
+    config: SortedSetConfig
+    _ctx: TransportContext
+    _redis: Redis
+    _keys: KeySpace
+    _scripts: dict[str, AsyncScript]
+    _claims: ClaimBook
+    _routing: ResultRouting
+
+    async def complete(self, items: Sequence[Completion]) -> None:
+        """Per item, atomically: result + dedup marker + ack + cancellation cleanup (one
+        script per hash slot of the batch: one call outside cluster mode). An item whose
+        keys have the wrong type fails alone (``PartialWrite``) and stays held."""
+        if not items:
+            return
+        with self._claims.acking(d for d, _ in items):
+            try:
+                replies = await self._write_results(items, queued=False)
+                await self._drop_returned(self._settled(items, replies))
+            except TransportError:
+                # The scripts may have run (the reply lost, or the cleanup after them
+                # failed): the writer sends the batch again, see Claim.unsure.
+                for delivery, _ in items:
+                    claim_of(delivery).unsure = True
+                raise
+        failed = [i for i, reply in enumerate(replies) if isinstance(reply, TransportError)]
+        if failed:
+            raise PartialWrite(str(replies[failed[0]]), failed)
+
+    def _settled(
+        self, items: Sequence[Completion], replies: Sequence[Written | TransportError]
+    ) -> list[Delivery]:
+        """Forget the claims written; returns those no longer held (lease lapsed)."""
+        lost = []
+        for (delivery, _), reply in zip(items, replies, strict=True):
+            if isinstance(reply, TransportError):
+                continue  # still held: the writer tries it again, then leaves it to its lease
+            self._claims.release(delivery)
+            if not reply[1]:
+                lost.append(delivery)
+        return lost
+
+    async def _write_results(
+        self, items: Sequence[tuple[Delivery, Result]], *, queued: bool
+    ) -> list[Written | TransportError]:
+        """The complete script once per hash slot of the batch (all queues together
+        outside cluster mode), all in one round trip: for claims, or (``queued``) for
+        members still waiting in their queue. Replies, in the order of ``items``:
+        (written, held, fell_back), or the error of an item whose keys have the wrong type
+        (nothing of it written)."""
+        targets = [self._routing.target(delivery) for delivery, _ in items]
+        groups = self._slot_batches([delivery for delivery, _ in items])
+        calls = [self._complete_call(items, targets, g, queued=queued) for g in groups]
+        with redis_errors("complete"):
+            replies = await self._run_complete(calls)
+        self._check_replicas(replies[len(groups) :])
+        scripts: list[Written | TransportError] = [(0, 0, 0)] * len(items)
+        for group, group_replies in zip(groups, replies[: len(groups)], strict=True):
+            for index, reply in zip(group, group_replies, strict=True):
+                scripts[index] = _written(reply)
+        for (delivery, result), target, reply in zip(items, targets, scripts, strict=True):
+            if isinstance(reply, TransportError):
+                continue
+            written, held, fell_back = reply
+            # Not held, after a lost reply: our own write landed then (no duplicate).
+            if not written and (held or not (queued or claim_of(delivery).unsure)):
+                self._duplicate(delivery, result)
+            if fell_back:
+                self._routing.rejected(delivery, target, "wrong_type")
+        return scripts
+
+    def _slot_batches(self, deliveries: Sequence[Delivery]) -> list[list[int]]:
+        """Indexes of ``deliveries`` per complete call: a queue's items together, the
+        queues of one hash slot (all of them outside cluster mode) in one call."""
+        per_queue = by_queue(deliveries)
+        return [
+            [index for name in names for index in per_queue[name]]
+            for names in self._keys.slot_groups(list(per_queue))
+        ]
+
+    async def _run_complete(self, calls: list[ScriptCall]) -> list[Any]:
+        """The complete scripts in one round trip: a single one sent alone (a pipeline of
+        scripts first asks Redis whether it has them, a second round trip per batch);
+        several, or any followed by ``WAIT``, as one pipeline."""
+        script = self._scripts["complete"]
+        if len(calls) == 1 and not self.config.wait_replicas:
+            script_keys, args = calls[0]
+            return [await script(keys=script_keys, args=args)]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for script_keys, args in calls:
+                await script(keys=script_keys, args=args, client=pipe)
+            if self.config.wait_replicas:  # same round trip: WAIT follows the scripts
+                pipe.wait(self.config.wait_replicas, self.config.wait_timeout_ms)
+            return await pipe.execute()
+
+    def _complete_call(
+        self,
+        items: Sequence[tuple[Delivery, Result]],
+        targets: Sequence[str],
+        group: Sequence[int],
+        *,
+        queued: bool,
+    ) -> ScriptCall:
+        """Keys and arguments of one complete script for the items at ``group`` (one
+        hash slot)."""
+        script_keys: list[str] = []
+        args: list[bytes | str | int] = [
+            self.config.dedup_ttl_seconds,
+            "queued" if queued else "claim",
+        ]
+        for index in group:
+            delivery, result = items[index]
+            script_keys += self._complete_keys(delivery, result, targets[index], queued=queued)
+            member = delivery.raw if queued else claim_of(delivery).id
+            args += [member, result.encode(), token_of(delivery)]
+        return script_keys, args
+
+    def _duplicate(self, delivery: Delivery, result: Result) -> None:
+        """A second delivery of a submission already answered (a redelivery, or the same
+        bytes submitted again within ``dedup_ttl_seconds``): no second result, but never
+        silent (the producer may be resubmitting on purpose and waiting in vain)."""
+        queue = delivery.queue
+        log.warning("duplicate_suppressed", request_id=result.id, queue=queue.name)
+        self._ctx.count_duplicate(queue)
+
+    def _check_replicas(self, waited: list[int]) -> None:
+        """The results are written either way; fewer replicas than asked means a failover
+        now could lose them, which the operator should hear about."""
+        if waited and waited[0] < self.config.wait_replicas:
+            log.warning(
+                "results_not_replicated", replicas=waited[0], wanted=self.config.wait_replicas
+            )
+
+    def _complete_keys(
+        self, delivery: Delivery, result: Result, target: str, *, queued: bool
+    ) -> list[str]:
+        name = delivery.queue.name
+        return [
+            self._keys.done(name, result.id, _fingerprint(delivery)),
+            target,
+            name if queued else self._keys.inflight(name),
+            self._keys.inflight_meta(name),
+            self._keys.active(name, result.id),
+            self._keys.cancel(name, result.id),
+            self._routing.configured(delivery),
+            self._keys.live(name, result.id),
+            keys.result_side_key(target, "pushed"),
+            keys.result_side_key(self._routing.configured(delivery), "pushed"),
+        ]
+
+    async def _drop_returned(self, deliveries: list[Delivery]) -> None:
+        """A completed message whose lease had expired may be back on its queue: remove it
+        so no replica works on it again (the dedup marker already stops a second result).
+        One round trip, and one more per round of searches among look-alikes that read
+        ``BYTES_PER_CALL`` and go on (Redis serves the others in between)."""
+        if not deliveries:
+            return
+        # After a lost reply the claim is most likely gone by our own write: not warned,
+        # but removed all the same in case its lease had lapsed before that write.
+        if expired := sum(not claim_of(d).unsure for d in deliveries):
+            log.warning("lease_expired_before_complete", count=expired)
+        held = [d for d in deliveries if _known_by(d) is None]
+        searches = [
+            _Search(d.queue.name, [repr(claim_of(d).score), *known])
+            for d in deliveries
+            if (known := _known_by(d)) is not None
+        ]
+        not_found = 0
+        with redis_errors("complete"):
+            while held or searches:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for delivery in held:
+                        pipe.zrem(delivery.queue.name, delivery.raw)
+                    for search in searches:
+                        await self._scripts["drop_returned"](
+                            keys=[search.queue], args=search.args(), client=pipe
+                        )
+                    replies = (await pipe.execute())[len(held) :]
+                held = []
+                not_found += sum(r == -1 for r in replies)
+                searches = [
+                    s.going_on(r)
+                    for s, r in zip(searches, replies, strict=True)
+                    if isinstance(r, list)
+                ]
+        if not_found:  # not seen among MOST_COMPARED look-alikes, or they changed meanwhile
+            log.warning("returned_member_not_found", count=not_found)
+
+
+def _written(reply: Any) -> Written | TransportError:
+    """One item's complete reply: (written, held, fell_back), or its WRONGTYPE text."""
+    if isinstance(reply, bytes):
+        return TransportError(f"redis complete failed: {reply.decode(errors='replace')}")
+    return int(reply[0]), int(reply[1]), int(reply[2])
+
+
+def _fingerprint(delivery: Delivery) -> str:
+    """Kept by ``let_go`` (the request can no longer be digested without its payload),
+    else made now; a member the deadline sweep read has no claim."""
+    claim = delivery.handle
+    if isinstance(claim, Claim) and claim.fingerprint:
+        return claim.fingerprint
+    return entries.fingerprint(delivery.envelope)
+
+
+@dataclass
+class _Search:
+    """A member looked for among look-alikes by ``drop_returned.lua``: its queue, score,
+    first bytes, size and SHA-1, and where the last call stopped."""
+
+    queue: str
+    known: list[bytes | str | int]
+    most: int = MOST_COMPARED
+    place: int = 0
+    before: bytes = b""
+
+    def args(self) -> list[bytes | str | int]:
+        return [*self.known, self.most, BYTES_PER_CALL, self.place, self.before]
+
+    def going_on(self, reply: list[Any]) -> _Search:
+        """The search after a call that ran out of bytes: ``{place, SHA-1, compared}``."""
+        self.place, self.before, self.most = int(reply[0]), reply[1], self.most - int(reply[2])
+        return self
+
+
+def _known_by(delivery: Delivery) -> tuple[bytes, int, str] | None:
+    """What finds a member this process does not hold whole in its queue (first bytes,
+    size, SHA-1 in hex): one let go (``let_go``), or one over ``--max-message-bytes`` of
+    which only a prefix was fetched (its size and SHA-1 came with the claim). None: the
+    delivery holds the member, removed by its bytes."""
+    claim = claim_of(delivery)
+    if claim.sha1:
+        return claim.head, claim.size, claim.sha1.hex()
+    if claim.digest:
+        return delivery.raw[:HEAD_BYTES], claim.size, claim.digest
+    return None
