@@ -5,10 +5,10 @@ plugin (gate, merge policy, transform, transport). One registry per kind of plug
 unknown type or a bad parameter is a ``ConfigError`` naming the known choices or the field.
 
 Every kind registers the same way: a factory decorated with ``REGISTRY.register(type,
-params model)`` in a plug-in module, and the registry names its plug-in modules
-(``plugins``), imported at its first lookup (not before: they import the registry's own
-module). Transports differ only in when: ``transports.build_transport`` imports just the
-module of the type in use, so a Redis deployment never loads the Pub/Sub libraries.
+params model)`` in a plug-in module, and the registry names its plug-in modules, imported
+at its first lookup (not before: they import the registry's own module): ``plugins`` all
+at once, or ``modules`` per type, so that only the module of the type in use is imported
+(transports: a Redis deployment never loads the Pub/Sub libraries).
 """
 
 from __future__ import annotations
@@ -37,12 +37,16 @@ class _Entry(Generic[T, C]):
 class Registry(Generic[T, C]):
     """Type string -> (params model, factory(params, ctx))."""
 
-    def __init__(self, kind: str, plugins: Sequence[str] = ()) -> None:
+    def __init__(
+        self, kind: str, plugins: Sequence[str] = (), modules: Mapping[str, str] | None = None
+    ) -> None:
         """``plugins``: the modules that register this kind's types, imported at the first
-        lookup (imported once: later lookups find them in ``sys.modules``)."""
+        lookup (imported once: later lookups find them in ``sys.modules``). ``modules``:
+        type -> the module that registers it, imported at the first lookup of that type."""
         self.kind = kind
         self._entries: dict[str, _Entry[T, C]] = {}
         self._plugins = tuple(plugins)
+        self._modules = dict(modules or {})
 
     def register(
         self, type_name: str, params: type[P]
@@ -57,7 +61,7 @@ class Registry(Generic[T, C]):
 
     def known(self) -> list[str]:
         self._load_plugins()
-        return sorted(self._entries)
+        return sorted({*self._entries, *self._modules})
 
     def params(self, type_name: str, raw: Mapping[str, Any] | None) -> BaseModel:
         """Validate ``raw`` against the type's params model (ConfigError on failure)."""
@@ -73,6 +77,8 @@ class Registry(Generic[T, C]):
 
     def _entry(self, type_name: str) -> _Entry[T, C]:
         self._load_plugins()
+        if type_name in self._modules:
+            importlib.import_module(self._modules[type_name])
         try:
             return self._entries[type_name]
         except KeyError:
@@ -83,6 +89,20 @@ class Registry(Generic[T, C]):
     def _load_plugins(self) -> None:
         for module in self._plugins:
             importlib.import_module(module)
+
+
+def lazy_exports(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
+    """A PEP 562 ``__getattr__`` for a package face: each name is imported from its home
+    module at first use, so importing the face loads none of them (``async-processor
+    --version`` never loads redis-py)."""
+
+    def __getattr__(name: str) -> Any:
+        home = homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(home), name)
+
+    return __getattr__
 
 
 def describe_validation(exc: ValidationError) -> str:

@@ -7,8 +7,10 @@ reference; unknown fields are errors (docs/architecture.md G15).
 
 Split by seam: ``base`` (what the models share), ``transports`` (one model per
 ``--transport``), ``models`` (pools, merge policy, transforms, runtime, ``AppConfig``),
-``flags`` (the command line and its environment twins) and ``load`` (reading the files
-and putting it together). Import from this package, not from its modules.
+``flags`` (the command line and its environment twins), ``load`` (reading the files
+and putting it together), ``queues`` (``QueueSpec``, a configured queue as the pipeline
+sees it) and ``redis`` (Redis connection models and cluster slot rules, pure data).
+Import from this package, not from its modules.
 """
 
 from async_processor.config.base import DEFAULT_POOL
@@ -32,6 +34,7 @@ from async_processor.config.models import (
     TransformConfig,
     TransformEntry,
 )
+from async_processor.config.queues import QueueSpec
 from async_processor.config.transports import (
     GcpPubSubConfig,
     PubSubTopic,
@@ -53,6 +56,7 @@ __all__ = [
     "MergePolicyConfig",
     "PoolConfig",
     "PubSubTopic",
+    "QueueSpec",
     "RedisPubSubConfig",
     "RedisQueue",
     "RuntimeConfig",

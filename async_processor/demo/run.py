@@ -35,7 +35,8 @@ from async_processor.logs import configure_logging
 from async_processor.messages import Request, Result
 from async_processor.metrics import PREFIX, Metrics
 from async_processor.pipeline.processor import Processor
-from async_processor.sim.app import SimConfig, Simulator
+from async_processor.sim.app import Simulator
+from async_processor.sim.config import SimConfig
 
 SUBMIT_CHUNK = 250
 DEADLINE_SECONDS = 300

@@ -11,7 +11,9 @@ import importlib
 
 from async_processor.config import TLSConfig
 from async_processor.errors import ConfigError
-from async_processor.httpclients.base import HttpClient
+from async_processor.httpclients.base import Answer, HttpClient
+
+__all__ = ["HTTP_CLIENTS", "Answer", "HttpClient", "build_http_client"]
 
 # Name -> (module, class). The names are ``RuntimeConfig.http_client``'s choices.
 HTTP_CLIENTS: dict[str, tuple[str, str]] = {

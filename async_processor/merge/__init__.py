@@ -7,9 +7,15 @@ policy; ``MERGE_POLICIES`` imports the policy modules at its first lookup.
 from __future__ import annotations
 
 from async_processor.config import MergePolicyConfig
-from async_processor.merge.base import MERGE_POLICIES, MergeContext, MergePolicy
+from async_processor.merge.base import MERGE_POLICIES, MergeContext, MergePolicy, Source
 
-__all__ = ["MERGE_POLICIES", "MergeContext", "MergePolicy", "build_merge_policy"]
+__all__ = [
+    "MERGE_POLICIES",
+    "MergeContext",
+    "MergePolicy",
+    "Source",
+    "build_merge_policy",
+]
 
 
 def build_merge_policy(config: MergePolicyConfig, ctx: MergeContext) -> MergePolicy:

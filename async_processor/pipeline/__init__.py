@@ -14,3 +14,23 @@
 - ``results``: the result writer (bounded batches to the transport).
 - ``capacity``: pool slots, shedding and prefetch sizing.
 """
+
+from typing import TYPE_CHECKING
+
+from async_processor.registry import lazy_exports
+
+if TYPE_CHECKING:
+    from async_processor.pipeline.daemon import run, validate_plugins
+    from async_processor.pipeline.processor import Processor
+
+__all__ = ["Processor", "run", "validate_plugins"]
+
+# Lazy: a stage imported on its own (a test, a benchmark) does not load the whole daemon.
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "Processor": "async_processor.pipeline.processor",
+        "run": "async_processor.pipeline.daemon",
+        "validate_plugins": "async_processor.pipeline.daemon",
+    },
+)

@@ -6,13 +6,11 @@ the simulator through these; the completion routes are in ``simulator``.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-if TYPE_CHECKING:
-    from async_processor.sim.app import Simulator
+from async_processor.sim.config import SimView
 
 JSON = "application/json"
 
@@ -23,7 +21,7 @@ def error_response(status: int, message: str, kind: str) -> web.Response:
     return web.Response(status=status, text=body, content_type=JSON)
 
 
-def add_admin_routes(app: web.Application, sim: Simulator) -> None:
+def add_admin_routes(app: web.Application, sim: SimView) -> None:
     """Everything but the completions."""
 
     async def metrics(_: web.Request) -> web.Response:

@@ -7,15 +7,12 @@ and EPP names); ``Simulator`` registers one ``SimCollector``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from async_processor.gates import epp
-
-if TYPE_CHECKING:
-    from async_processor.sim.app import SimConfig, Simulator
+from async_processor.sim.config import SimConfig, SimView
 
 
 class SimCollector(Collector):
@@ -29,7 +26,7 @@ class SimCollector(Collector):
     (``epp_metrics``), as llm-d-router v0.9+, older EPPs or dual-emitting ones do.
     """
 
-    def __init__(self, sim: Simulator) -> None:
+    def __init__(self, sim: SimView) -> None:
         self._sim = sim
 
     def collect(self) -> Iterator[GaugeMetricFamily]:

@@ -37,7 +37,15 @@ from async_processor.transforms.base import (
     TransformContext,
 )
 
-__all__ = ["TRANSFORMS", "TransformChain", "build_transform_chain"]
+__all__ = [
+    "TRANSFORMS",
+    "Opens",
+    "Outgoing",
+    "Transform",
+    "TransformChain",
+    "TransformContext",
+    "build_transform_chain",
+]
 
 VALIDATE_FAILED = "Failed to validate request for transform"
 TRANSFORM_FAILED = "Failed to transform request body"

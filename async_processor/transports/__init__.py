@@ -1,27 +1,47 @@
-"""Broker I/O; see ``transports.base`` for the seam every transport implements."""
+"""Broker I/O: the seam every transport implements (``base``) and one package or module per
+``--transport`` type (``redis_sortedset/``, ``gcp_pubsub/``, ``redis_pubsub``).
+
+Import from this package, not from ``base``.
+"""
 
 from __future__ import annotations
 
-import importlib
+from async_processor.transports.base import (
+    TRANSPORTS,
+    Abandons,
+    Completion,
+    Deferral,
+    Delivery,
+    DiscoversQueues,
+    LetsGo,
+    LimitsResults,
+    SignalsMessages,
+    Transport,
+    TransportContext,
+    WatchesCancels,
+    abandon,
+)
 
-from async_processor.errors import ConfigError
-from async_processor.transports.base import TRANSPORTS, Transport, TransportContext
-
-# Transport type -> the module that registers it in ``TRANSPORTS``. Only the one in use
-# is imported, so a Redis deployment never loads the Pub/Sub client libraries.
-TRANSPORT_MODULES: dict[str, str] = {
-    "redis-sortedset": "redis_sortedset.transport",
-    "redis-pubsub": "redis_pubsub",
-    "gcp-pubsub": "gcp_pubsub.transport",
-}
+__all__ = [
+    "TRANSPORTS",
+    "Abandons",
+    "Completion",
+    "Deferral",
+    "Delivery",
+    "DiscoversQueues",
+    "LetsGo",
+    "LimitsResults",
+    "SignalsMessages",
+    "Transport",
+    "TransportContext",
+    "WatchesCancels",
+    "abandon",
+    "build_transport",
+]
 
 
 def build_transport(kind: str, config: object, ctx: TransportContext) -> Transport:
-    module = TRANSPORT_MODULES.get(kind)
-    if module is None:
-        known = ", ".join(sorted(TRANSPORT_MODULES))
-        raise ConfigError(f"unknown transport {kind!r} (known: {known})")
-    importlib.import_module(f"async_processor.transports.{module}")
+    """The transport ``kind`` for ``config`` (its model or a mapping); ConfigError if unknown."""
     return TRANSPORTS.build(kind, _as_mapping(config), ctx)
 
 

@@ -183,4 +183,13 @@ def abandon(transport: Transport, delivery: Delivery, reason: str) -> None:
         transport.abandon(delivery, reason)
 
 
-TRANSPORTS: Registry[Transport, TransportContext] = Registry("transport")
+# Only the module of the transport in use is imported, so a Redis deployment never loads
+# the Pub/Sub client libraries.
+TRANSPORTS: Registry[Transport, TransportContext] = Registry(
+    "transport",
+    modules={
+        "redis-sortedset": "async_processor.transports.redis_sortedset.transport",
+        "redis-pubsub": "async_processor.transports.redis_pubsub",
+        "gcp-pubsub": "async_processor.transports.gcp_pubsub.transport",
+    },
+)

@@ -17,7 +17,8 @@ import anyio
 
 from async_processor.config import AppConfig, PoolConfig, SortedSetConfig, TransformConfig
 from async_processor.pipeline.processor import Processor
-from async_processor.sim.app import SimConfig, Simulator
+from async_processor.sim.app import Simulator
+from async_processor.sim.config import SimConfig
 from tests.doubles.memory_transport import MemoryTransport
 from tests.fixtures.inprocess import runtime_config
 

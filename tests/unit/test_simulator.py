@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from async_processor.sim import app as simulator_module
-from async_processor.sim.app import SimConfig, Simulator
+from async_processor.sim.app import Simulator
+from async_processor.sim.config import SimConfig
 from tests.fixtures.simulator import LocalSimulator
 
 pytestmark = pytest.mark.anyio
