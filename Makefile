@@ -52,6 +52,7 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench: venv sysdeps
 	$(BIN)/python -m bench

@@ -4,7 +4,7 @@ Input: argv and the environment. Output: an exit code. ``run`` (also the default
 only flags are given, as with the Go binary) loads the config and hands it to
 ``pipeline.daemon.run``; ``check-config`` prints the effective config with secrets masked.
 The other subcommands live in their own modules, imported only when used, and get the
-rest of argv (``submit``/``results``/``cancel`` share ``producer_cli`` and get the
+rest of argv (``submit``/``results``/``cancel`` share ``client.commands`` and get the
 subcommand name first). Any ``ConfigError`` at startup is one stderr line and exit 2;
 an unknown subcommand is an argparse error naming the known ones (also exit 2).
 """

@@ -4,7 +4,7 @@ Stage: the producer/consumer side (used by ``submit``/``results``, the demo, tes
 users). Input: request objects (a dict or ``messages.Request``). Output: envelopes on the
 request sorted set (score = deadline, plus a fraction that keeps equal deadlines in
 submission order), cancellation markers, and ``messages.Result``
-objects read from the result list. It connects like the daemon (``redis_conn``: standalone,
+objects read from the result list. It connects like the daemon (``redis.conn``: standalone,
 sentinel, TLS, ACL users). Behaves like the Go reference's producer:
 each submission gets a fresh 32-hex ``request_token``; ``request-active:<id>`` holds it
 until the deadline; ``cancel`` copies it to ``request-cancel:<id>`` for 7 days: the token
@@ -71,7 +71,7 @@ class SortedSetClient:
     """Producer and result consumer over one Redis connection pool.
 
     ``redis`` is a URL (standalone) or a ``RedisConnection`` (any mode, TLS files). In
-    cluster mode the markers carry the queue's hash tag (``redis_keyspace``), so
+    cluster mode the markers carry the queue's hash tag (``redis.keyspace``), so
     ``cancel`` needs the queue, and a result list outside the queue's slot is refused.
     """
 

@@ -1,7 +1,7 @@
 """Redis connection settings and cluster slot rules: plain data, no Redis client.
 
 Input: the transport config's or a gate's connection fields. Output: a checked
-``RedisConnection`` (``redis_conn.connect`` builds the client from it), and the slot rules
+``RedisConnection`` (``redis.conn.connect`` builds the client from it), and the slot rules
 cluster mode checks at startup (``hash_tag``, ``slot``, ``cluster_problem``). Kept apart
 from the client modules so that loading the config never imports redis-py (which pulls in
 OpenTelemetry when it is installed) for a deployment that does not use Redis.

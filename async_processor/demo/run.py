@@ -3,7 +3,7 @@
 Stage: outside the daemon (``async-processor demo``, ``make demo``). Input: options (the
 transport, how many requests, simulated latency and error rate; optionally a real Redis
 and gateway). Output: requests submitted over two queues in the transport's wire format
-(``demo_feeds``), processed by an in-process ``Processor`` against the simulator, progress
+(``demo.feeds``), processed by an in-process ``Processor`` against the simulator, progress
 on stdout, then throughput, end-to-end latency percentiles, results by status / error code
 and retries. Exit 0 when every request got its result, 1 when some did not, 2 when the
 transport's local server is missing. The Redis transports use ``--redis-url`` or a private

@@ -10,7 +10,7 @@ a ``redis.asyncio`` client, and ``redis_errors``, which turns its failures into 
   connection fails, so after a failover the next call reaches the new master, and while no
   master is known every call fails (the daemon's /readyz turns 503).
 - ``cluster``: the URL names any node; redis-py's asyncio cluster client finds the rest
-  and follows slot moves (``redis_keyspace`` keeps each queue's keys in one slot).
+  and follows slot moves (``redis.keyspace`` keeps each queue's keys in one slot).
 - TLS (``rediss://``) takes a CA file, a client certificate and key, or skips verification;
   the sentinels are spoken to with the same TLS settings. ACL users and passwords come in
   the URL (``redis://user:password@host``) and are masked wherever a URL is logged.

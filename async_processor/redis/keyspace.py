@@ -11,7 +11,7 @@ carries Q's hash tag: ``{Q}:inflight``, ``{Q}:inflight:meta``, ``{Q}:dead-letter
 ``{Q}:request-active:<id>``, ``{Q}:request-cancel:<id>``, ``{Q}:request-done:<id>:<fp>``.
 A queue whose name already has a tag (``{t}requests``) keeps it: its own keys are
 today's names (``{t}requests:inflight``, which hash on ``t``), its markers ``{t}:…``.
-Standalone and sentinel names stay exactly the Go daemon's (``redis_keys``).
+Standalone and sentinel names stay exactly the Go daemon's (``redis.keys``).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class Simulator:
 
     def __init__(self, config: SimConfig | None = None, pool: PoolConfig | None = None) -> None:
         self.config = config or SimConfig()
-        # With a pool model, latency follows load (sim_pool.py) instead of the fixed delay.
+        # With a pool model, latency follows load (sim/pool.py) instead of the fixed delay.
         self.pool = PoolRuntime(pool) if pool else None
         self._rng = random.Random(self.config.seed)
         self._stats = SimStats()

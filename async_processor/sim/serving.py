@@ -1,4 +1,4 @@
-"""The pool model (sim_pool.py) served over HTTP by the simulator, on the wall clock.
+"""The pool model (sim/pool.py) served over HTTP by the simulator, on the wall clock.
 
 Stage: outside the daemon (simulator). Input: completion requests, classified as
 interactive or batch from their headers; the ``--pods``/``--max-num-seqs``/... flags.

@@ -9,7 +9,7 @@ Why unary ``Pull`` with the asyncio GAPIC client, not the streaming-pull ``Subsc
 per pull (``QueueSpec.max_fetch``), so flow control follows capacity with no callback
 threads and nothing to tear down when a gate closes (the poller simply stops calling
 ``fetch``). The pull side, with its read-ahead sized by the pull round trip, is
-``gcp_pull``. Held messages are kept alive by ``run``: a lease loop extends every held
+``pull``. Held messages are kept alive by ``run``: a lease loop extends every held
 message before its ack deadline runs out (``modify_ack_deadline``). Messages are read,
 and requests built, as raw protobufs: proto-plus marshals on every field access.
 

@@ -32,7 +32,7 @@ class Claim:
 
     ``cancelled`` is the last reading of its cancel marker, taken at ``read_at``
     (monotonic): with the fetch (one read per claim round instead of a GET per message),
-    then with every marker read while it is held (redis_markers.py); ``is_cancelled``
+    then with every marker read while it is held (redis_sortedset/markers.py); ``is_cancelled``
     answers from a reading younger than ``MARKER_FRESH``, else asks Redis. Set in place
     (a ``dataclasses.replace`` per message twice cost ~3 µs).
     ``size`` is the member's size in bytes; ``digest`` (its SHA-1) is set only for a member
@@ -46,7 +46,7 @@ class Claim:
     digest: str = ""
     cancelled: bool | None = None
     read_at: float = -math.inf
-    cancel_key: str = ""  # its cancel marker's key, once asked (redis_markers.py)
+    cancel_key: str = ""  # its cancel marker's key, once asked (redis_sortedset/markers.py)
     # Its result was sent and the reply lost: the write may have landed, so a marker
     # found and the claim gone on the next send are most likely its own (not counted).
     unsure: bool = False

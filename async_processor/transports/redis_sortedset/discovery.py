@@ -14,8 +14,8 @@ cluster mode when its result list is in another slot, ``over_cap`` past
 upkeep scripts cover many queues per call, so one such key failed them for every
 queue). A set is read with SSCAN and never more than ``2 × max_queues`` members per
 refresh, so an enormous set costs a bounded read; a prefix scan walks every primary's
-keyspace (SCAN ... TYPE zset) a bounded part per refresh (``redis_scan``), skipping the
-daemon's keys under the prefix without counting them. The checks (``redis_names``) also
+keyspace (SCAN ... TYPE zset) a bounded part per refresh (``scan``), skipping the
+daemon's keys under the prefix without counting them. The checks (``names``) also
 hold the names restored from ``REMOVED_QUEUES_KEY``, read with SSCAN, at most
 ``2 × max_queues`` of them (anyone who can write to Redis can fill that set too).
 """

@@ -150,7 +150,7 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep):
 
     async def fetch(self, queue: QueueSpec, limit: int, wait: float) -> list[Delivery]:
         """Claim up to ``limit`` earliest-deadline members, in a round with other queues'
-        claims; an empty queue waits up to ``wait`` s for the idle probe (redis_fetch.py)."""
+        claims; an empty queue waits up to ``wait`` s for the idle probe (fetch.py)."""
         return await self._fetcher.fetch(queue, limit, wait)
 
     async def until_ready(self, queue: QueueSpec) -> None:
