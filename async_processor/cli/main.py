@@ -58,6 +58,7 @@ COMMANDS: dict[str, Command] = {
     "cancel": Command("cancel requests by id", "client.commands", True),
     "status": Command("queue depths, in flight, retries, dead letters", "ops.status"),
     "dead-letters": Command("list, show, replay or purge dead letters", "ops.deadletters"),
+    "api": Command("serve the OpenAI Files and Batches API over the queues", "api.app"),
     "exporter": Command("serve the queues' backlog for autoscalers (KEDA)", "ops.exporter"),
 }
 # A first argument among these is the top-level parser's, not a flag of ``run``.

@@ -1,0 +1,70 @@
+"""Results back into batches: read the API's result list, record each line once.
+
+Stage: the API's consumer side. Input: results the daemon wrote to the API's result list
+(``keys.result_list``), read through the client library's claimed-then-acknowledged
+``drain_results`` (a result is removed only at the next read, after it was recorded).
+Output: each line's output or error file line, counted in its batch (``Store.record``:
+a result read twice counts once). A result that is not a batch line's is logged and
+dropped: nothing else writes to this list.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import anyio
+import structlog
+from redis.exceptions import RedisError
+
+from async_processor.api import keys
+from async_processor.api.lines import result_line
+from async_processor.api.store import Store
+from async_processor.client import SortedSetClient, UndecodableResult
+from async_processor.errors import TransportError
+from async_processor.messages import Result
+
+log = structlog.get_logger(__name__)
+
+DRAIN = 200  # results per read
+WAIT = 0.5  # seconds a read waits for the first result
+BACKOFF = 1.0  # seconds between attempts while Redis refuses
+
+
+async def collect(client: SortedSetClient, store: Store) -> None:
+    """Forever: read a batch of results, record them (retrying until Redis takes them),
+    then read on (which removes them from this replica's processing list)."""
+    while True:
+        try:
+            results = await client.drain_results(DRAIN, WAIT)
+        except TransportError as exc:
+            log.warning("api_results_read_failed", error=str(exc))
+            await anyio.sleep(BACKOFF)
+            continue
+        while results:
+            try:
+                await record_results(store, results)
+                break
+            except (RedisError, TransportError) as exc:
+                log.warning("api_results_record_failed", error=str(exc), results=len(results))
+                await anyio.sleep(BACKOFF)
+
+
+async def record_results(store: Store, results: Sequence[Result]) -> None:
+    by_batch: dict[str, list[tuple[int, Result]]] = defaultdict(list)
+    for result in results:
+        where = None if isinstance(result, UndecodableResult) else keys.parse_line_id(result.id)
+        if where is None:
+            log.warning("api_result_dropped", request_id=result.id[:200], reason="not_a_line")
+            continue
+        by_batch[where[0]].append((where[1], result))
+    for batch_id, found in by_batch.items():
+        custom_ids = await store.custom_ids(batch_id, [index for index, _ in found])
+        lines = [
+            result_line(result, index, custom_id)
+            for (index, result), custom_id in zip(found, custom_ids, strict=True)
+            if custom_id is not None
+        ]
+        new = await store.record(batch_id, lines) if lines else -1
+        if new < 0 or len(lines) < len(found):  # finalized (or deleted): nothing to add to
+            log.info("api_results_for_closed_batch", batch_id=batch_id, results=len(found))

@@ -1,0 +1,50 @@
+"""What every route and the runner share: settings, the store, the file storage.
+
+Stage: the API's wiring. Input: the command's flags. Output: one ``Context`` per process,
+on the aiohttp app under ``CONTEXT``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from async_processor.api.storage import Storage
+from async_processor.api.store import Store
+
+DEFAULT_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+MAX_FILE_BYTES = 200 * 1024 * 1024
+MAX_FILE_LINES = 50_000
+MAX_OPEN_LINES = 5000
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_file_bytes: int = MAX_FILE_BYTES
+    max_file_lines: int = MAX_FILE_LINES
+    # A batch's lines queued and unanswered at most: a big batch dispatches while it is
+    # still being queued, and cannot fill the queue ahead of other batches.
+    max_open_lines: int = MAX_OPEN_LINES
+
+
+@dataclass(slots=True)
+class Context:
+    store: Store
+    storage: Storage
+    queue: str
+    limits: Limits = field(default_factory=Limits)
+    endpoints: tuple[str, ...] = DEFAULT_ENDPOINTS
+
+
+CONTEXT = web.AppKey("context", Context)
+
+
+def context(request: web.Request) -> Context:
+    return request.app[CONTEXT]
+
+
+def tenant(request: web.Request) -> str:
+    return str(request["tenant"])

@@ -1,0 +1,245 @@
+"""The API's state in Redis: files, batches, their indexes, counters and status.
+
+Stage: the API's state (docs/batch-api.md, "State in Redis"). Input: records to keep,
+results to count, status changes to make. Output: what was kept, read back; status
+changes that are compare-and-set (``transition``) and result recording that counts each
+line once (``record``), both as Lua scripts on one object's keys (one cluster slot).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from async_processor.api import keys
+
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+LEASE_MS = 15_000
+IDEMPOTENCY_TTL = 24 * 3600
+RETRY_MATCH_TTL = 600  # an SDK retry of the same body finds its batch this long
+
+# Every key a script writes is checked for its type before the first write, so a
+# wrong-typed key fails the call and changes nothing (the transport's habit, lua/lib.lua).
+_CHECK = """
+local function want(key, kind)
+  local t = redis.call('TYPE', key).ok
+  if t ~= 'none' and t ~= kind then return redis.error_reply('WRONGTYPE ' .. key) end
+end
+"""
+
+# KEYS: batch hash. ARGV: new status, time, then the statuses it may come from.
+# 1: moved; 0: the status was another (unchanged); -1: no such batch.
+TRANSITION = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return -1 end
+for i = 3, #ARGV do
+  if ARGV[i] == status then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[1] .. '_at', ARGV[2])
+    return 1
+  end
+end
+return 0
+"""
+
+# KEYS: batch hash, done bitmap, out list, err list. ARGV: per line 8 values: index,
+# 'out' or 'err', the file line, input, output, total, cached, reasoning tokens.
+# Returns how many lines were new; -1 when the batch is gone or sealed.
+RECORD = (
+    _CHECK
+    + """
+for i, kind in ipairs({'hash', 'string', 'list', 'list'}) do
+  local err = want(KEYS[i], kind)
+  if err then return err end
+end
+if redis.call('HGET', KEYS[1], 'sealed') ~= '0' then return -1 end
+local usage = {'input_tokens', 'output_tokens', 'total_tokens', 'cached_tokens',
+               'reasoning_tokens'}
+local new = 0
+for i = 1, #ARGV, 8 do
+  if redis.call('SETBIT', KEYS[2], ARGV[i], 1) == 0 then
+    new = new + 1
+    local ok = ARGV[i + 1] == 'out'
+    redis.call('RPUSH', ok and KEYS[3] or KEYS[4], ARGV[i + 2])
+    redis.call('HINCRBY', KEYS[1], ok and 'completed' or 'failed', 1)
+    for u = 1, 5 do
+      local n = tonumber(ARGV[i + 2 + u])
+      if n and n ~= 0 then redis.call('HINCRBY', KEYS[1], usage[u], n) end
+    end
+  end
+end
+return new
+"""
+)
+
+# KEYS: lease. ARGV: owner, ms. 1: held by owner (taken or extended); 0: another's.
+LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One recorded result: its file line and the usage it adds."""
+
+    index: int
+    ok: bool
+    text: str
+    usage: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+
+
+class Store:
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._transition = redis.register_script(TRANSITION)
+        self._record = redis.register_script(RECORD)
+        self._lease = redis.register_script(LEASE)
+
+    # ------------------------------------------------------------------ files
+
+    async def put_file(self, record: Mapping[str, str | int]) -> None:
+        file_id, tenant = str(record["id"]), str(record["tenant"])
+        await self.redis.hset(keys.file_key(file_id), mapping=_fields(record))
+        await self.redis.zadd(keys.files_index(tenant), {file_id: 0})
+
+    async def file(self, tenant: str, file_id: str) -> dict[str, str] | None:
+        """The file's record if it is ``tenant``'s (another tenant's is None, as absent)."""
+        return await self._owned(keys.file_key(file_id), tenant)
+
+    async def delete_file(self, tenant: str, file_id: str) -> None:
+        await self.redis.zrem(keys.files_index(tenant), file_id)
+        await self.redis.delete(keys.file_key(file_id))
+
+    # ------------------------------------------------------------------ batches
+
+    async def create_batch(self, record: Mapping[str, str | int], claims: Sequence[str]) -> str:
+        """Keep a new batch, unless one of ``claims`` (idempotency keys) names a batch
+        already: then that batch's id (this one is not kept)."""
+        batch_id, tenant = str(record["id"]), str(record["tenant"])
+        for claim in claims:  # SET NX, then GET: Redis 6.2 has no SET NX GET
+            if not await self.redis.set(claim, batch_id, nx=True, ex=IDEMPOTENCY_TTL):
+                held = await self.redis.get(claim)
+                if held is not None and text(held) != batch_id:
+                    return text(held)
+        await self.redis.hset(keys.batch_key(batch_id), mapping=_fields(record))
+        await self.redis.zadd(keys.batches_index(tenant), {batch_id: 0})
+        await self.redis.zadd(keys.OPEN_BATCHES, {batch_id: int(record["created_at"])})
+        return batch_id
+
+    async def remember_body(self, claim: str, batch_id: str) -> None:
+        """Let an SDK retry of the same body find ``batch_id`` for a while."""
+        await self.redis.set(claim, batch_id, ex=RETRY_MATCH_TTL)
+
+    async def claimed(self, claim: str) -> str | None:
+        held = await self.redis.get(claim)
+        return None if held is None else text(held)
+
+    async def batch(self, batch_id: str) -> dict[str, str] | None:
+        return _decoded(await self.redis.hgetall(keys.batch_key(batch_id))) or None
+
+    async def batch_for(self, tenant: str, batch_id: str) -> dict[str, str] | None:
+        return await self._owned(keys.batch_key(batch_id), tenant)
+
+    async def update(self, batch_id: str, fields: Mapping[str, str | int]) -> None:
+        await self.redis.hset(keys.batch_key(batch_id), mapping=_fields(fields))
+
+    async def transition(self, batch_id: str, to: str, from_: Sequence[str], now: int) -> bool:
+        moved = await self._transition(keys=[keys.batch_key(batch_id)], args=[to, now, *from_])
+        if moved == 1 and to in TERMINAL:
+            await self.redis.zrem(keys.OPEN_BATCHES, batch_id)
+        return bool(moved == 1)
+
+    async def record(self, batch_id: str, lines: Sequence[Line]) -> int:
+        """Count and keep each line whose result is not recorded yet; how many were new
+        (-1: the batch is gone or already finalized)."""
+        args: list[str | int] = []
+        for line in lines:
+            args += [line.index, "out" if line.ok else "err", line.text, *line.usage]
+        return int(
+            await self._record(
+                keys=[keys.batch_key(batch_id), *(keys.batch_part(batch_id, p) for p in PARTS)],
+                args=args,
+            )
+        )
+
+    async def done(self, batch_id: str, start: int, stop: int) -> list[bool]:
+        """Whether each line in [start, stop) has its result recorded."""
+        if stop <= start:
+            return []
+        first_byte, last_byte = start // 8, (stop - 1) // 8
+        got = await self.redis.getrange(keys.batch_part(batch_id, "done"), first_byte, last_byte)
+        raw = as_bytes(got).ljust(last_byte - first_byte + 1, b"\0")  # a shorter bitmap: unset bits
+        bits, width = int.from_bytes(raw, "big"), len(raw) * 8
+        first = first_byte * 8
+        return [bool(bits >> (width - 1 - (i - first)) & 1) for i in range(start, stop)]
+
+    async def custom_ids(self, batch_id: str, indexes: Sequence[int]) -> list[str | None]:
+        """Each line's custom_id (None: unknown line, or the batch is gone)."""
+        if not indexes:
+            return []
+        raw = await self.redis.hmget(keys.batch_part(batch_id, "ids"), list(indexes))
+        return [None if v is None else text(v) for v in raw]
+
+    async def lease(self, batch_id: str, owner: str) -> bool:
+        held = await self._lease(keys=[keys.batch_part(batch_id, "lease")], args=[owner, LEASE_MS])
+        return bool(held == 1)
+
+    async def open_batches(self, limit: int = 1000) -> list[str]:
+        ids = await self.redis.zrange(keys.OPEN_BATCHES, 0, limit - 1)
+        return [text(i) for i in ids]
+
+    # ------------------------------------------------------------------ listing
+
+    async def page(
+        self, index: str, after: str | None, limit: int, order: str = "desc"
+    ) -> tuple[list[str], bool]:
+        """Up to ``limit`` ids after the cursor id (byte order = creation order), and
+        whether more follow."""
+        if order == "asc":
+            start, stop = (f"({after}" if after else "-"), "+"
+        else:
+            start, stop = (f"({after}" if after else "+"), "-"
+        raw = await self.redis.zrange(
+            index, start, stop, bylex=True, desc=order != "asc", offset=0, num=limit + 1
+        )
+        ids = [text(i) for i in raw]
+        return ids[:limit], len(ids) > limit
+
+    async def _owned(self, key: str, tenant: str) -> dict[str, str] | None:
+        record = _decoded(await self.redis.hgetall(key))
+        return record if record and record.get("tenant") == tenant else None
+
+
+PARTS = ("done", "out", "err")
+
+
+def _decoded(raw: Mapping[Any, Any]) -> dict[str, str]:
+    return {text(k): text(v) for k, v in raw.items()}
+
+
+def text(value: object) -> str:
+    """A Redis reply as text (replies are bytes: the client does not decode)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def as_bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else value
+
+
+def _fields(record: Mapping[str, str | int]) -> dict[Any, Any]:
+    return dict(record)
+
+
+def loads(text: str | None, default: Any) -> Any:
+    """A JSON field of a record (``default`` when absent)."""
+    return default if not text else json.loads(text)
+
+
+def as_int(record: Mapping[str, str], name: str) -> int:
+    return int(record.get(name) or 0)
