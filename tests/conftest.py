@@ -12,6 +12,7 @@ pytest_plugins = [
     "tests.fixtures.servers",
     "tests.fixtures.simulator",
     "tests.fixtures.daemon",
+    "tests.fixtures.api",
     "tests.fixtures.prometheus",
     "tests.fixtures.pubsub",
     "tests.fixtures.otlp",

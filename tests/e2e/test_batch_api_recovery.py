@@ -1,0 +1,59 @@
+"""The Batch API when things go wrong: the API killed mid-batch, a batch's window ending,
+the command refusing to start without keys."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections import Counter
+
+import pytest
+
+from tests.e2e.test_batch_api import file_lines, line, run_batch, wait_for
+from tests.fixtures.api import BatchStack, api_command
+
+pytestmark = [pytest.mark.slow]
+
+
+def test_api_killed_mid_batch_resumes_with_one_line_per_request(batch_stack: BatchStack) -> None:
+    batch_stack.simulator.configure(latency=0.05)
+    batch_stack.apis[-1].kill9()  # for one that queues at most 200 lines of a batch at once
+    client = batch_stack.client(api=batch_stack.start_api("--max-open-lines", "200"))
+    batch = run_batch(client, [line(f"k{i}", max_tokens=3) for i in range(1500)])
+    for at_least in (100, 600):  # mid-submission and mid-collection both
+        end = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).request_counts.completed < at_least:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        batch_stack.apis[-1].kill9()
+        restarted = batch_stack.start_api("--max-open-lines", "200")  # the same replica name
+        client = batch_stack.client(api=restarted)
+    done = wait_for(client, batch.id, timeout=120)
+    assert done.status == "completed", done
+    assert done.request_counts.completed == done.request_counts.total == 1500
+    output = file_lines(client, done.output_file_id)
+    assert Counter(x["custom_id"] for x in output) == Counter(f"k{i}" for i in range(1500))
+    assert done.error_file_id is None
+    assert done.usage.output_tokens == 1500 * 3
+
+
+def test_window_end_expires_the_unfinished_lines(batch_stack: BatchStack) -> None:
+    batch_stack.simulator.configure(latency=1.0)  # 16 at a time (the daemon): ~48 in 3 s
+    client = batch_stack.client()
+    batch = run_batch(client, [line(f"e{i}") for i in range(100)], window="3s")
+    done = wait_for(client, batch.id, timeout=30)
+    assert done.status == "expired" and done.expired_at
+    output = file_lines(client, done.output_file_id)
+    errors = file_lines(client, done.error_file_id)
+    assert len(output) == done.request_counts.completed > 0
+    assert len(output) + len(errors) == done.request_counts.total == 100
+    assert len({x["custom_id"] for x in output + errors}) == 100
+    assert {x["error"]["code"] for x in errors} <= {"batch_expired", "DEADLINE_EXCEEDED"}
+
+
+def test_refuses_to_start_without_keys(tmp_path: pytest.TempPathFactory) -> None:
+    config = tmp_path / "transport.json"  # type: ignore[operator]
+    config.write_text('{"url": "redis://127.0.0.1:1/0", "queues": [{"queue_name": "q"}]}')
+    done = subprocess.run(api_command(config), capture_output=True, timeout=60)
+    assert done.returncode == 2
+    assert b"--api-keys-file is required (or --no-auth" in done.stderr
