@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from async_processor.api import keys
-from async_processor.api.context import Context, context, tenant
+from async_processor.api.context import Context, context, owned, tenant
 from async_processor.api.errors import ApiError, not_found
 from async_processor.api.listing import page
 from async_processor.api.store import as_int, loads
@@ -159,23 +159,15 @@ def _metadata(metadata: object) -> dict[str, str] | None:
     return dict(metadata)
 
 
-async def _owned(request: web.Request) -> dict[str, str]:
-    batch_id = request.match_info["batch_id"]
-    record = await context(request).store.batch_for(tenant(request), batch_id)
-    if record is None:
-        raise not_found("batch", batch_id)
-    return record
-
-
 async def get_batch(request: web.Request) -> web.Response:
-    return web.json_response(batch_object(await _owned(request)))
+    return web.json_response(batch_object(await owned(request, "batch")))
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    record = await _owned(request)
+    record = await owned(request, "batch")
     store = context(request).store
     moved = await store.transition(record["id"], "cancelling", CANCELLABLE, int(time.time()))
-    record = await _owned(request)
+    record = await owned(request, "batch")
     if not moved and record["status"] not in ("cancelling", "cancelled"):
         raise ApiError(409, f"Cannot cancel a batch with status {record['status']}.")
     return web.json_response(batch_object(record))
@@ -188,16 +180,7 @@ async def list_batches(request: web.Request) -> web.Response:
         record = await ctx.store.batch_for(owner, batch_id)
         return None if record is None else batch_object(record)
 
-    body = await page(
-        ctx.store,
-        keys.batches_index(owner),
-        request.query,
-        render,
-        default_limit=20,
-        most=100,
-        order="desc",
-    )
-    return web.json_response(body)
+    return await page(ctx.store, keys.batches_index(owner), request.query, render, (20, 100))
 
 
 def add_routes(app: web.Application) -> None:

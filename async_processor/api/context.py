@@ -7,9 +7,11 @@ on the aiohttp app under ``CONTEXT``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from aiohttp import web
 
+from async_processor.api.errors import not_found
 from async_processor.api.storage import Storage
 from async_processor.api.store import Store
 
@@ -48,3 +50,15 @@ def context(request: web.Request) -> Context:
 
 def tenant(request: web.Request) -> str:
     return str(request["tenant"])
+
+
+async def owned(request: web.Request, kind: Literal["file", "batch"]) -> dict[str, str]:
+    """The record of the file or batch the path names, if it is the caller's; else 404
+    (another tenant's is answered as absent)."""
+    object_id = request.match_info[f"{kind}_id"]
+    store = context(request).store
+    find = store.file if kind == "file" else store.batch_for
+    record = await find(tenant(request), object_id)
+    if record is None:
+        raise not_found(kind, object_id)
+    return record

@@ -14,9 +14,9 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from async_processor.api import keys
-from async_processor.api.context import Context, context, tenant
-from async_processor.api.errors import ApiError, not_found
-from async_processor.api.listing import order_of, page
+from async_processor.api.context import Context, context, owned, tenant
+from async_processor.api.errors import ApiError
+from async_processor.api.listing import page
 from async_processor.api.storage import Writer
 
 UPLOAD_CHUNK = 256 * 1024
@@ -137,32 +137,16 @@ async def list_files(request: web.Request) -> web.Response:
             return None
         return file_object(record)
 
-    body = await page(
-        ctx.store,
-        keys.files_index(owner),
-        request.query,
-        render,
-        default_limit=10_000,
-        most=10_000,
-        order=order_of(request.query, "desc"),
-    )
-    return web.json_response(body)
-
-
-async def _owned(request: web.Request) -> dict[str, str]:
-    file_id = request.match_info["file_id"]
-    record = await context(request).store.file(tenant(request), file_id)
-    if record is None:
-        raise not_found("file", file_id)
-    return record
+    limits = (10_000, 10_000)
+    return await page(ctx.store, keys.files_index(owner), request.query, render, limits)
 
 
 async def get_file(request: web.Request) -> web.Response:
-    return web.json_response(file_object(await _owned(request)))
+    return web.json_response(file_object(await owned(request, "file")))
 
 
 async def file_content(request: web.Request) -> web.StreamResponse:
-    record = await _owned(request)
+    record = await owned(request, "file")
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     response.content_length = int(record["bytes"])
     await response.prepare(request)
@@ -173,7 +157,7 @@ async def file_content(request: web.Request) -> web.StreamResponse:
 
 
 async def delete_file(request: web.Request) -> web.Response:
-    record = await _owned(request)
+    record = await owned(request, "file")
     ctx = context(request)
     await ctx.store.delete_file(record["tenant"], record["id"])
     await ctx.storage.delete(record["id"])
