@@ -116,6 +116,11 @@ class Metrics:
             "redis-sortedset idle-queue probes that failed (those queues were claimed instead).",
             registry=r,
         )
+        self.redis_dataset_lost_total = Counter(
+            PREFIX + "redis_dataset_lost",
+            "redis-sortedset: times the Redis data set was found replaced by an empty one.",
+            registry=r,
+        )
         self.tokens_total = Counter(
             PREFIX + "tokens",
             "Tokens in gateway answers' usage, by tenant (metadata attribute) and kind "

@@ -82,6 +82,9 @@ OWN_PREFIXES = ("request-active:", "request-cancel:", "request-done:")
 REMOVED_QUEUES_KEY = "async-processor:removed-queues"
 # Removed queue -> when it was first seen empty (Redis time): forgotten a grace period later.
 EMPTY_SINCE_KEY = "async-processor:removed-queues:empty-since"
+# A token no process ever deletes: another one read back means the data set was replaced
+# (transports/redis_sortedset/dataset.py).
+DATASET_KEY = "async-processor:dataset"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +113,7 @@ def own_keys(
     """Request queues with their in-flight and dead-letter keys, the retry set, the
     markers, and every gate key: a gate parameter named ``*_key`` (that key and the keys
     under ``<key>:``, e.g. a rate gate's ``<control_key>:state``) or ``prefix`` (quotas)."""
-    exact = {retry_queue, REMOVED_QUEUES_KEY, EMPTY_SINCE_KEY, *queue_keys(queues)}
+    exact = {retry_queue, REMOVED_QUEUES_KEY, EMPTY_SINCE_KEY, DATASET_KEY, *queue_keys(queues)}
     prefixes = list(OWN_PREFIXES)
     for params in gate_params:
         for name, value in params.items():

@@ -59,6 +59,7 @@ from async_processor.transports.redis_sortedset.claims import (
     claim_of,
     deadline_of,
 )
+from async_processor.transports.redis_sortedset.dataset import DatasetWatch
 from async_processor.transports.redis_sortedset.discovery import (
     queue_catalog,
     transport_own_keys,
@@ -95,6 +96,7 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep):
         self._scripts = self._keys.scripts(self._redis)
         static = config.queue_specs()
         self._claims = ClaimBook([q.name for q in static])  # the heartbeat extends what it holds
+        self._dataset = DatasetWatch(self._redis, ctx.metrics)
         self._fetcher = Fetcher(
             self._redis,
             self._keys,

@@ -3,8 +3,9 @@ fetches, on every replica (docs/architecture.md G1, G7).
 
 heartbeat (extend this process's leases), reap (expired claims back on their queue, any
 replica's), move_due (due retries back on their origin queue), expire_due (queued members
-past their deadline answered without a worker), retain (unconsumed results trimmed) and
-settle_removed (removed discovered queues an earlier run left, kept until empty).
+past their deadline answered without a worker), retain (unconsumed results trimmed),
+settle_removed (removed discovered queues an earlier run left, kept until empty) and the
+data-set watch (dataset.py: a Redis that came back empty is reported).
 ``SortedSetTransport`` mixes this in; ``run`` is its upkeep task.
 """
 
@@ -30,6 +31,7 @@ from async_processor.redis.keyspace import KeySpace
 from async_processor.retry import expired, last_answer
 from async_processor.transports.base import Delivery, TransportContext
 from async_processor.transports.redis_sortedset.claims import ClaimBook
+from async_processor.transports.redis_sortedset.dataset import DatasetWatch
 from async_processor.transports.redis_sortedset.discovery import QueueCatalog
 
 log = structlog.get_logger(__name__)
@@ -58,6 +60,7 @@ class SortedSetUpkeep:
     _redis: Redis
     _claims: ClaimBook
     _catalog: QueueCatalog
+    _dataset: DatasetWatch
     decode: Callable[[Delivery], Envelope]
     _write_results: WriteResults
     # Queues' own result lists whose trimmed series exist (immutable: a safe class default).
@@ -73,6 +76,7 @@ class SortedSetUpkeep:
             tg.start_soon(_every, "expire", EXPIRE_INTERVAL, self.expire_due)
             tg.start_soon(_every, "retain", RETAIN_INTERVAL, self.retain)
             tg.start_soon(_every, "removed", lease / 2, self.settle_removed)
+            tg.start_soon(_every, "dataset", lease / 3, self._dataset.check)
             tg.start_soon(warn_if_evicting, self._redis)
             task_status.started()
 
