@@ -9,6 +9,8 @@
 # Python 3.11.16), so a rebuild gets the same bytes. To bump it:
 #   docker buildx imagetools inspect python:3.11-slim-bookworm --format '{{json .Manifest.Digest}}'
 # and replace the digest below (the tag in front of it is only for readers).
+# `make image` builds here without a registry: scripts/image.sh makes a Debian bookworm base
+# (mmdebstrap) and passes it as PYTHON_IMAGE, with a host-built wheelhouse as the only index.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:a36c24f9cbdf4fd0f52d67f0823eeac19c2028c637cecc392d97f980d4fec56b
 
 FROM ${PYTHON_IMAGE} AS build
@@ -18,26 +20,21 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 # Optional extras baked in; `otel` lets OTEL_EXPORTER_OTLP_ENDPOINT turn tracing on.
-# `--build-arg EXTRAS=` builds without any (the expansion drops the empty brackets).
+# `--build-arg EXTRAS=` builds without any (the expansion drops the empty brackets); the
+# locked dependency list below holds the otel packages either way.
 ARG EXTRAS=otel
-# Dependencies first, in their own layer, at the versions in constraints.txt: a change to
-# the source does not reinstall grpcio. The requirement list is read from pyproject.toml
-# (the dependencies plus those of $EXTRAS), so there is no second list to keep in step.
-COPY pyproject.toml constraints.txt ./
-RUN python -c 'import os, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-extras = [e for e in os.environ.get("EXTRAS", "").split(",") if e]; \
-print("\n".join(p["dependencies"] + [d for e in extras for d in p["optional-dependencies"][e]]))' \
-        > /tmp/requirements.txt \
-    && pip install --no-compile -c constraints.txt -r /tmp/requirements.txt
-COPY README.md ./
+# Dependencies first, in their own layer: a change to the source does not reinstall grpcio.
+# requirements-image.txt is pyproject.toml's runtime dependencies + [otel] at constraints.txt's
+# versions with every file's hash (`make image-lock`): a rebuild gets the same bytes or
+# fails; no dev, bench or demo package is in it.
+COPY requirements-image.txt ./
+RUN pip install --no-compile --require-hashes --only-binary=:all: -r requirements-image.txt
+COPY pyproject.toml README.md ./
 COPY async_processor ./async_processor
 RUN pip install --no-compile --no-deps ".${EXTRAS:+[$EXTRAS]}" \
     && python -m compileall -q -j 0 /opt/venv
 
 FROM ${PYTHON_IMAGE} AS runtime
-LABEL org.opencontainers.image.title="async-processor" \
-      org.opencontainers.image.description="Dispatches queued LLM inference requests to an llm-d gateway under admission control" \
-      org.opencontainers.image.licenses="Apache-2.0"
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -46,6 +43,20 @@ RUN groupadd --system --gid 10001 app \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /tmp \
        --shell /usr/sbin/nologin app
 COPY --from=build /opt/venv /opt/venv
+# Last, so that a new commit or build time reuses every layer above. Filled in by
+# `make image` (scripts/image.sh): the package version, the git commit and the
+# build time (RFC 3339).
+ARG VERSION=unknown
+ARG REVISION=unknown
+ARG CREATED=unknown
+ARG SOURCE=https://github.com/llm-d/async-processor
+LABEL org.opencontainers.image.title="async-processor" \
+      org.opencontainers.image.description="Dispatches queued LLM inference requests to an llm-d gateway under admission control" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.source="${SOURCE}"
 USER 10001:10001
 # 8081: /healthz and /readyz; 9090: /metrics.
 EXPOSE 8081 9090

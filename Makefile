@@ -8,7 +8,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 4
 
-.PHONY: all venv constraints sysdeps demo test test-fast lint typecheck bench bench-harvest clean
+.PHONY: all venv constraints image-lock image image-test sysdeps demo test test-fast lint typecheck bench \
+	bench-harvest clean
 
 all: test
 
@@ -34,6 +35,21 @@ constraints:
 		> constraints.txt.new
 	mv constraints.txt.new constraints.txt
 	rm -rf .venv-constraints
+
+# The image's runtime dependencies with hashes (requirements-image.txt), after `make
+# constraints` or a change to pyproject.toml's dependencies.
+image-lock: venv
+	$(BIN)/python scripts/lock_image.py
+
+# The container image, built with podman from a local Debian base and a host-built
+# wheelhouse (scripts/image.sh); prints its size and layer count. IMAGE= names it.
+image:
+	@bash scripts/image.sh
+
+# The image run as the chart runs it (read-only, UID 10001, no capabilities) against a
+# redis-server and the simulator on the host (tests/deploy/test_image.py).
+image-test: venv sysdeps image
+	$(BIN)/pytest -p no:cacheprovider tests/deploy/test_image.py
 
 # System services the integration tests start on free ports (never the shared 6379).
 sysdeps:
