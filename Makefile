@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 4
 
-.PHONY: all venv constraints image-lock image image-test sysdeps demo test test-fast lint typecheck bench \
+.PHONY: all venv constraints image-lock image image-test chart sysdeps demo test test-fast lint typecheck bench \
 	bench-harvest clean
 
 all: test
@@ -50,6 +50,11 @@ image:
 # redis-server and the simulator on the host (tests/deploy/test_image.py).
 image-test: venv sysdeps image
 	$(BIN)/pytest -p no:cacheprovider tests/deploy/test_image.py
+
+# The chart as a .tgz under dist/ (with values.schema.json) for `helm push ... oci://...`
+# (docs/operations.md, "Publish the chart").
+chart: venv
+	$(BIN)/python -c 'import helm_python as h; print(h.package("charts/async-processor", destination="dist"))'
 
 # System services the integration tests start on free ports (never the shared 6379).
 sysdeps:

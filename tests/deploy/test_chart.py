@@ -299,7 +299,8 @@ def test_service_monitor_scrapes_the_metrics_service_with_the_release_label() ->
     assert endpoint["port"] == service["spec"]["ports"][0]["name"] == "metrics"
     assert endpoint["interval"] == "15s"
     assert endpoint["relabelings"][0]["targetLabel"] == "release"
-    assert endpoint["bearerTokenSecret"] == {"name": "tok", "key": "token"}
+    bearer = {"type": "Bearer", "credentials": {"name": "tok", "key": "token"}}
+    assert endpoint["authorization"] == bearer and "bearerTokenSecret" not in endpoint
     assert "ServiceMonitor" not in render(MINIMAL)
 
 
@@ -526,10 +527,12 @@ def test_metrics_bearer_token_reaches_daemon_and_pod_monitor() -> None:
     args = container(objects)["args"]
     assert "--metrics-bearer-token-file=/etc/async-processor/metrics-token/token" in args
     endpoint = objects["PodMonitor"]["spec"]["podMetricsEndpoints"][0]
-    assert endpoint["bearerTokenSecret"] == {
-        "name": "async-processor-metrics-token",
-        "key": "token",
+    # authorization, not the Prometheus Operator's deprecated bearerTokenSecret.
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "async-processor-metrics-token", "key": "token"},
     }
+    assert "bearerTokenSecret" not in endpoint
     assert endpoint["port"] == "metrics"
 
 
@@ -595,8 +598,10 @@ def test_optional_objects_are_off_by_default() -> None:
 def test_metrics_service_targets_the_pods() -> None:
     objects = render(MINIMAL)
     service = objects["Service"]["spec"]
-    assert service["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics",
-                                 "protocol": "TCP"}]  # fmt: skip
+    assert service["ports"] == [
+        {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"},
+        {"name": "health", "port": 8081, "targetPort": "health", "protocol": "TCP"},  # helm test
+    ]
     assert service["selector"] == objects["Deployment"]["spec"]["selector"]["matchLabels"]
 
 
@@ -609,7 +614,7 @@ def test_metrics_service_targets_the_pods() -> None:
         ({"igwBaseURL": ""}, "has no igw_base_url and ap.igwBaseURL is empty"),
         ({"transportConfig": {}}, "ap.transportConfig.queues is empty"),
         ({"redis": {"enabled": True}}, "neither ap.redis.url nor ap.redis.secretName"),
-        ({"redis": {"enabled": False}}, "needs a Redis URL"),
+        ({"redis": {"enabled": False}}, "needs the URL of your Redis (this chart installs none)"),
         (
             {
                 "redis": {"enabled": False},

@@ -178,7 +178,21 @@ def submit(r: redis.Redis, queue: str, ids: list[str]) -> None:
                    for i in ids})  # fmt: skip
 
 
+def helm_test(objects: dict[str, dict[str, Any]], image: str) -> None:
+    """The chart's `helm test` Pod, its Service host name swapped for the loopback."""
+    pod = objects["Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    hook = pod["spec"]["containers"][0]
+    args = [re.sub(r"^http://[^:/]+", "http://127.0.0.1", a) for a in hook["args"]]
+    assert args[-1] == ""  # no bearer token on /metrics here
+    command = ["--entrypoint", hook["command"][0], image, *hook["command"][1:], *args]
+    ran = podman("run", "--rm", "--network", "host", *chart_flags(objects), *command)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert ran.stdout.count(" 200") == 2, ran.stdout
+
+
 def test_serves_round_trips_and_drains_on_sigterm(
+    image: str,
     running: tuple[str, dict[str, dict[str, Any]]],
     redis_url: str,
     simulator: SimulatorProcess,
@@ -191,6 +205,7 @@ def test_serves_round_trips_and_drains_on_sigterm(
     wait(lambda: http_get(f"http://127.0.0.1:{ports[probe['port']]}{probe['path']}")[0] == 200,
          "/readyz 200", name)  # fmt: skip
     assert "llm_d_async_" in http_get(f"http://127.0.0.1:{ports['metrics']}/metrics")[1]
+    helm_test(objects, image)
     r = redis.Redis.from_url(redis_url)
     results, queue = f"{unique}:results", f"{unique}:requests"
     submit(r, queue, [f"a{i}" for i in range(100)])

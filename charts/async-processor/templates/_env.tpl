@@ -1,6 +1,6 @@
 {{/* The container environment (empty when nothing applies). */}}
 {{- define "async-processor.env" -}}
-{{- if .Values.ap.redis.enabled }}
+{{- if include "async-processor.redisURLSet" . }}
 - name: REDIS_URL
   valueFrom:
     secretKeyRef:

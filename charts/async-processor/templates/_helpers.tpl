@@ -36,8 +36,19 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* repository:tag, or repository@digest when ap.image.digest pins the bytes. */}}
 {{- define "async-processor.image" -}}
+{{- if .Values.ap.image.digest -}}
+{{- printf "%s@%s" .Values.ap.image.repository .Values.ap.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.ap.image.repository (default .Chart.AppVersion .Values.ap.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* REDIS_URL is handed over when a Redis URL or Secret is named (ap.redis.enabled, the Go
+chart's switch, is not needed for it; it never installs a Redis). */}}
+{{- define "async-processor.redisURLSet" -}}
+{{- if or .Values.ap.redis.enabled .Values.ap.redis.url .Values.ap.redis.secretName -}}true{{- end -}}
 {{- end -}}
 
 {{/* Where the ConfigMap's files are mounted (read-only). */}}
@@ -108,10 +119,10 @@ Helm has no duration parser, so the parts are summed here; values.schema.json pi
 {{- end -}}
 {{- if hasPrefix "redis-" $ap.transport -}}
 {{- if and $ap.redis.enabled (not $ap.redis.url) (not $ap.redis.secretName) -}}
-{{- fail "ap.redis.enabled is true but neither ap.redis.url nor ap.redis.secretName is set" -}}
+{{- fail "ap.redis.enabled is true but neither ap.redis.url nor ap.redis.secretName is set: this chart installs no Redis, name the URL of yours" -}}
 {{- end -}}
-{{- if and (not $ap.redis.enabled) (not $cfg.url) -}}
-{{- fail (printf "the %s transport needs a Redis URL: set ap.redis.enabled with ap.redis.url or ap.redis.secretName" $ap.transport) -}}
+{{- if and (not (include "async-processor.redisURLSet" .)) (not $cfg.url) -}}
+{{- fail (printf "the %s transport needs the URL of your Redis (this chart installs none): set ap.redis.url or ap.redis.secretName" $ap.transport) -}}
 {{- end -}}
 {{- if and $cfg.url (contains "@" (toString $cfg.url)) -}}
 {{- fail "ap.transportConfig.url carries credentials and would land in a ConfigMap: use ap.redis.url or ap.redis.secretName instead" -}}
