@@ -78,24 +78,25 @@ ENDPOINT: dict[str, Any] = {
     "enableHttp2": BOOL,
 }
 
+# Shared by both monitors' specs.
+MONITOR: dict[str, Any] = {
+    "selector": LABEL_SELECTOR,
+    "namespaceSelector": NAMESPACE_SELECTOR,
+    "jobLabel": STR,
+    "podTargetLabels": array(STR),
+    "sampleLimit": INT,
+}
+
 SPECS: dict[tuple[str, str], dict[str, Any]] = {
     ("monitoring.coreos.com/v1", "PodMonitor"): obj(
         ("selector",),
-        selector=LABEL_SELECTOR,
-        namespaceSelector=NAMESPACE_SELECTOR,
-        jobLabel=STR,
-        podTargetLabels=array(STR),
-        sampleLimit=INT,
+        **MONITOR,
         podMetricsEndpoints=array(obj(**ENDPOINT, portNumber=INT, filterRunning=BOOL)),
     ),
     ("monitoring.coreos.com/v1", "ServiceMonitor"): obj(
         ("selector",),
-        selector=LABEL_SELECTOR,
-        namespaceSelector=NAMESPACE_SELECTOR,
-        jobLabel=STR,
+        **MONITOR,
         targetLabels=array(STR),
-        podTargetLabels=array(STR),
-        sampleLimit=INT,
         endpoints=array(obj(**ENDPOINT, targetPort={"type": ["integer", "string"]})),
     ),
     ("monitoring.coreos.com/v1", "PrometheusRule"): obj(

@@ -93,7 +93,11 @@ def test_network_policy_opens_the_pods_ports_and_the_listed_egress() -> None:
     names = {p["name"] for p in container(objects)["ports"]}
     (ingress,) = spec["ingress"]
     assert {p["port"] for p in ingress["ports"]} == names == {"health", "metrics"}
-    assert ingress["from"][0]["namespaceSelector"]["matchLabels"]
+    monitoring, hook = ingress["from"]
+    assert monitoring["namespaceSelector"]["matchLabels"]
+    assert (
+        hook["podSelector"]["matchLabels"].items() <= objects["Pod"]["metadata"]["labels"].items()
+    )
     dns, tcp = spec["egress"]
     assert {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
     assert [p["port"] for p in tcp["ports"]] == [6379, 80] and len(tcp["to"]) == 2
