@@ -280,3 +280,12 @@ def test_the_parser_sees_a_root_user_and_a_compiler() -> None:
         test_no_compiler_or_package_install_in_the_final_stage(bad)
     with pytest.raises((AssertionError, ValueError)):
         test_final_stage_runs_as_the_charts_non_root_user(bad)
+
+
+def test_ci_builds_the_image_before_the_suite_that_runs_it() -> None:
+    """.ci/run: `make image`, then `make test` (whose tests/ hold test_image.py)."""
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    steps = [line for line in lines if "make " in line and not line.startswith("#")]
+    assert [s.split("make ", 1)[1] for s in steps] == ["image", "test"]
+    assert (ROOT / "tests" / "deploy" / "test_image.py").exists()
+    assert re.search(r"^image-test: .*\bimage\b", (ROOT / "Makefile").read_text(), re.M)
