@@ -66,8 +66,9 @@ demo: venv sysdeps
 test: venv sysdeps
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup tests
 
+# Without the image build and run (make image-test).
 test-fast: venv
-	$(BIN)/pytest tests/unit tests/deploy
+	$(BIN)/pytest tests/unit tests/deploy --ignore=tests/deploy/test_image.py
 
 lint: venv
 	$(BIN)/ruff check .
