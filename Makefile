@@ -43,8 +43,8 @@ image-lock: venv
 
 # The container image, built with podman from a local Debian base and a host-built
 # wheelhouse (scripts/image.sh); prints its size and layer count. IMAGE= names it.
-image:
-	@bash scripts/image.sh
+image: venv
+	@PYTHON=$(BIN)/python bash scripts/image.sh
 
 # The image run as the chart runs it (read-only, UID 10001, no capabilities) against a
 # redis-server and the simulator on the host (tests/deploy/test_image.py).

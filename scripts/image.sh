@@ -21,6 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 IMAGE=${IMAGE:-localhost/async-processor:dev}
+PYTHON=${PYTHON:-python3}  # with pip: `make image` passes the project's .venv
 SUITE=bookworm
 PACKAGES=python3,python3-venv,python-is-python3
 BACKEND=("setuptools>=68" "wheel")  # pyproject.toml's [build-system] requires
@@ -71,7 +72,7 @@ if [ ! -d "$wheels" ]; then
   echo "wheels: requirements-image.txt + ${BACKEND[*]} -> $wheels"
   rm -rf "$wheels.tmp"
   SECONDS=0
-  pip=(python3 -m pip download -qq --only-binary=:all: --dest "$wheels.tmp")
+  pip=("$PYTHON" -m pip download -qq --only-binary=:all: --dest "$wheels.tmp")
   # Markers are dropped: the host's Python is not the image's (async-timeout is for 3.11.2).
   sed 's/ ;[^\\]*\\$/ \\/' requirements-image.txt > "$CACHE/all-requirements.txt"
   "${pip[@]}" --no-deps --require-hashes -r "$CACHE/all-requirements.txt"
@@ -83,7 +84,7 @@ printf '[global]\nno-index = true\nfind-links = /wheels\n' > "$CACHE/pip.conf"
 
 revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD 2>/dev/null || revision="$revision-dirty"
-version=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
+version=$("$PYTHON" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
 SECONDS=0
 podman build --quiet --tag "$IMAGE" \
   --build-arg PYTHON_IMAGE="$BASE" \

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 import tomllib
 from collections.abc import Iterator
@@ -47,8 +48,9 @@ def podman(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 def image() -> str:
     """Built (or found up to date in podman's layer cache) from this checkout."""
     require_binary("podman")
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "image.sh")], env={**os.environ,
-                          "IMAGE": IMAGE}, capture_output=True, text=True, timeout=900)  # fmt: skip
+    env = {**os.environ, "IMAGE": IMAGE, "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "image.sh")], env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return IMAGE
 
