@@ -31,7 +31,9 @@ COPY requirements-image.txt ./
 RUN pip install --no-compile --require-hashes --only-binary=:all: -r requirements-image.txt
 COPY pyproject.toml README.md ./
 COPY async_processor ./async_processor
+# pip and setuptools leave the venv once it is built: nothing installs at run time.
 RUN pip install --no-compile --no-deps ".${EXTRAS:+[$EXTRAS]}" \
+    && python -m pip uninstall -q -y pip setuptools \
     && python -m compileall -q -j 0 /opt/venv
 
 FROM ${PYTHON_IMAGE} AS runtime

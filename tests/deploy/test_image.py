@@ -127,6 +127,7 @@ def test_runtime_holds_the_lock_and_no_dev_bench_or_demo_package(image: str) -> 
                 for d in extras[e]}  # fmt: skip
     dev_only -= {requirement_name(d) for d in PROJECT["dependencies"]} | {PROJECT["name"]}
     assert dev_only and not dev_only & installed.keys(), dev_only & installed.keys()
+    assert not {"pip", "setuptools", "wheel"} & installed.keys()  # build tools stay behind
     assert installed[PROJECT["name"]] == PROJECT["version"]
 
 
