@@ -22,6 +22,9 @@ from async_processor.transports.base import Delivery
 
 T = TypeVar("T")
 
+# ``Work.held``: where a message is for ``pipeline.held`` (its deadline's expiry).
+FREE, HELD, TAKEN, ANSWERED = 0, 1, 2, 3
+
 
 @dataclass(slots=True, eq=False)
 class Work:
@@ -34,6 +37,13 @@ class Work:
     stamped_headers: list[tuple[str, str]] = field(default_factory=list)
     # Called once when the merge policy takes it (the poller counts what still waits).
     picked: Callable[[], None] = field(default=lambda: None)
+    # FREE (not held), HELD (waiting in memory for a worker), TAKEN (by a worker) or
+    # ANSWERED (at its deadline, while held: whoever meets it passes it by).
+    held: int = FREE
+
+    @property
+    def answered(self) -> bool:
+        return self.held == ANSWERED
 
     @property
     def queue(self) -> QueueSpec:

@@ -118,9 +118,12 @@ async def emit(sink: ObjectSendStream[Work], work: Work) -> None:
     """Send ``work`` into the pool's stream, counting it in ``queue_depth`` while it waits.
 
     The worker decrements ``queue_depth`` on pickup. The gauge goes up before the send so a
-    fast worker never sees it below zero; a send that fails takes the count back.
+    fast worker never sees it below zero; a send that fails takes the count back. A message
+    answered at its deadline while it waited here (``pipeline.held``) is passed by.
     """
     work.picked()
+    if work.answered:
+        return
     work.metrics.queue_depth.inc()
     try:
         await put(sink, work)

@@ -2,21 +2,22 @@
 
 Input: a ``Work`` item inside a worker, the pool's gate and the limits. Output: ``None``
 when admitted, else an outcome for the worker to settle: a ``Final`` result (drop,
-gate error, deadline) or a ``HandBack`` (refused, waited too long, shutting down).
+gate error) or a ``HandBack`` (refused, shutting down).
 
-Wait parks the worker without spinning. A gate that can signal a change
-(``gates.base.WaitsForChange``: a freed slot, a new reading) wakes its parked workers
-itself, and they re-check on their own only every ``WAIT_FALLBACK`` (a wake-up lost to a
-race costs at most that); a gate that cannot is re-asked every
-``gates.base.WAIT_POLL_INTERVAL``. Re-asking every 50 ms regardless cost 8-16 % of a core
-with 72 workers parked. Past ``--gate-wait-timeout`` the message goes back to the broker
-instead of failing, since its deadline may be hours away (the reference failed it with
-DEADLINE_EXCEEDED).
+Wait parks the worker without spinning, for as long as the worker's cancel scope for the
+message lets it: until its deadline (a ``DEADLINE_EXCEEDED`` result) or
+``--gate-wait-timeout`` (handed back to the broker instead of failing, since the deadline
+may be hours away; the reference failed it with DEADLINE_EXCEEDED), whichever is first.
+That scope also bounds a gate that waits inside ``apply`` (``local-max-concurrency`` in
+``blocking`` mode). A gate that can signal a change (``gates.base.WaitsForChange``: a
+freed slot, a new reading) wakes its parked workers itself, and they re-check on their
+own only every ``WAIT_FALLBACK`` (a wake-up lost to a race costs at most that); a gate
+that cannot is re-asked every ``gates.base.WAIT_POLL_INTERVAL``. Re-asking every 50 ms
+regardless cost 8-16 % of a core with 72 workers parked.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import anyio
@@ -36,7 +37,7 @@ from async_processor.messages import (
     Result,
 )
 from async_processor.metrics import QueueMetrics
-from async_processor.retry import REFUSE_DELAY, Final, HandBack, expired, last_answer
+from async_processor.retry import REFUSE_DELAY, Final, HandBack
 from async_processor.work import Work
 
 log = structlog.get_logger(__name__)
@@ -54,9 +55,10 @@ class PoolGate:
 async def admit(
     work: Work, pool: PoolGate, releases: Releases, stopping: anyio.Event
 ) -> Final | HandBack | None:
+    """The verdict of ``pool``'s gate, waiting while it says Wait. Unbounded here: the
+    caller's cancel scope ends the wait (a Wait or a gate that blocks in ``apply``) at
+    the deadline or ``--gate-wait-timeout`` (``worker.Worker._admit``)."""
     envelope = work.envelope
-    deadline = float(envelope.request.deadline)
-    wait_until = time.time() + pool.wait_timeout
     waited = False
     while True:
         try:
@@ -79,19 +81,15 @@ async def admit(
         if verdict.action is Action.REFUSE:
             return HandBack(REFUSE_DELAY)
         waited = True
-        now = time.time()
-        if now >= deadline:
-            return expired(envelope.id, last_answer(envelope.routing))
-        if now >= wait_until or stopping.is_set():
+        if stopping.is_set():
             return HandBack(0.0)
-        await _park(pool.gate, min(deadline, wait_until) - now, stopping)
+        await _park(pool.gate, stopping)
 
 
-async def _park(gate: Gate, left: float, stopping: anyio.Event) -> None:
+async def _park(gate: Gate, stopping: anyio.Event) -> None:
     if not isinstance(gate, WaitsForChange):
-        await anyio.sleep(min(WAIT_POLL_INTERVAL, left))
+        await anyio.sleep(WAIT_POLL_INTERVAL)
         return
-    timeout = min(WAIT_FALLBACK, left)
     async with anyio.create_task_group() as tg:
 
         async def stop_early() -> None:
@@ -100,6 +98,6 @@ async def _park(gate: Gate, left: float, stopping: anyio.Event) -> None:
             tg.cancel_scope.cancel()
 
         tg.start_soon(stop_early)
-        with anyio.move_on_after(timeout):
-            await gate.wait_changed(timeout)
+        with anyio.move_on_after(WAIT_FALLBACK):
+            await gate.wait_changed(WAIT_FALLBACK)
         tg.cancel_scope.cancel()

@@ -39,6 +39,7 @@ from async_processor.messages import (
     Result,
 )
 from async_processor.metrics import QueueMetrics
+from async_processor.pipeline.held import HeldWork
 from async_processor.pipeline.settle import Settler
 from async_processor.retry import REFUSE_DELAY, expired, last_answer
 from async_processor.transports.base import Delivery, SignalsMessages, Transport, abandon
@@ -60,6 +61,7 @@ class Poller:
         settler: Settler,
         lane: ObjectSendStream[Work],
         metrics: QueueMetrics,
+        held: HeldWork | None = None,
         bound_in_flight: bool = True,
     ) -> None:
         self.queue = queue
@@ -68,6 +70,7 @@ class Poller:
         self._settler = settler  # this poller's own: it closes the writer's sender when done
         self._capacity = settler.capacity
         self._lane = lane
+        self._held = held  # the pool's: what waits in memory is answered at its deadline
         self._metrics = metrics
         self._log = log.bind(queue=queue.name, pool=queue.pool)
         self._error_backoff = 0.0
@@ -229,12 +232,7 @@ class Poller:
                 releases.add(self._land)  # runs when the worker is done, or below if not sent
                 self._unpicked += 1
                 work = Work(delivery, envelope, self._metrics, releases, picked=self._picked)
-                try:
-                    await put(self._lane, work)
-                except BaseException:
-                    self._unpicked -= 1
-                    raise
-                forwarded = True
+                forwarded = await self._forward(work)
                 self._handed_on.add(delivery)
             elif verdict.action is Action.REFUSE:
                 self._metrics.gate_decision(refusal_decision(envelope))
@@ -253,6 +251,21 @@ class Poller:
             if not forwarded:
                 with anyio.CancelScope(shield=True):
                     await releases.release_all()
+
+    async def _forward(self, work: Work) -> bool:
+        """``work`` into the lane, held (answered at its deadline) from now on, also while
+        the lane is full. Cut short (a stop), it is ours again unless it was answered."""
+        if self._held is not None:
+            self._held.hold(work)
+        try:
+            await put(self._lane, work)
+        except BaseException:
+            self._unpicked -= 1
+            if self._held is None or self._held.take(work):
+                raise
+            self._handed_on.add(work.delivery)  # answered meanwhile: not to hand back
+            raise
+        return True
 
     def _waiting(self) -> int:
         """This queue's messages the merge has not taken yet (fetching ones included)."""

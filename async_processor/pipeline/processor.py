@@ -36,6 +36,7 @@ from async_processor.pipeline.cancels import CancelWatch
 from async_processor.pipeline.capacity import PoolCapacity, ShedPause, lane_size, pool_slots
 from async_processor.pipeline.discovery import QueueRefresh
 from async_processor.pipeline.dispatch import DispatchSettings, stamped_header_names
+from async_processor.pipeline.held import HeldWork
 from async_processor.pipeline.poller import Poller
 from async_processor.pipeline.results import ResultWriter
 from async_processor.pipeline.settle import Settler
@@ -58,6 +59,7 @@ class _Pool:
     queues: list[QueueSpec]
     capacity: PoolCapacity
     gate: PoolGate | None
+    held: HeldWork | None = None  # set when the pipeline starts (it settles to the writer)
 
 
 class Processor:
@@ -237,6 +239,8 @@ class Processor:
             # worker among every queue's offer (a buffer of one per queue held most of the
             # pool's slots, so it chose among the few queues left with an offer).
             sink, merged = anyio.create_memory_object_stream[Work](1)
+            settler = self._settler(writer, pool.capacity)
+            pool.held = HeldWork(settler)
             sources: list[Source] = []
             for queue in pool.queues:
                 source, poller = self._wire_queue(pool, queue, writer)
@@ -253,10 +257,11 @@ class Processor:
                 settings=settings,
                 http=http,
                 transport=self.transport,
-                settler=self._settler(writer, pool.capacity),
+                settler=settler,
                 transforms=transforms,
                 stopping=self.stopping,
                 aborter=self._aborter,
+                held=pool.held,
                 pool_gate=pool.gate,
                 shed_pause=ShedPause(rt.shed_pause),
                 cancels=self._cancels,
@@ -293,6 +298,7 @@ class Processor:
             settler=self._settler(writer, pool.capacity),
             lane=lane_in,
             metrics=self.metrics.queue(queue.id, queue.name, pool.config.id),
+            held=pool.held,
             bound_in_flight=self.config.runtime.budget_scope == "in-flight",
         )
         return Source(queue, lane_out), poller
@@ -354,9 +360,14 @@ def _template(config: AppConfig) -> list[QueueSpec]:
 
 async def _serve(worker: Worker, tasks: int, stream: ObjectReceiveStream[Work]) -> None:
     """A pool's ``tasks`` worker tasks, all taking from one stream with one ``Worker`` and
-    its settler. A stream clone, a settler and a Worker per task were ~0.9 KB each, 9 MB at
+    its settler, and the expiry of what waits for them (``worker.held``), until the last
+    task ends. A stream clone, a settler and a Worker per task were ~0.9 KB each, 9 MB at
     10,000 workers (issue 13). The stream, and the settler's sender of the result writer,
     close once every task has ended, as each task's own did before."""
-    async with stream, aclosing(worker.settler), anyio.create_task_group() as tg:
-        for _ in range(tasks):
-            tg.start_soon(worker.run, stream)
+    async with stream, aclosing(worker.settler), anyio.create_task_group() as pool:
+        if worker.held is not None:
+            pool.start_soon(worker.held.run)
+        async with anyio.create_task_group() as tg:
+            for _ in range(tasks):
+                tg.start_soon(worker.run, stream)
+        pool.cancel_scope.cancel()

@@ -10,6 +10,7 @@ ends (a pool's workers: when the last of its tasks has).
 
 from __future__ import annotations
 
+import anyio
 import structlog
 from anyio.abc import ObjectSendStream
 
@@ -22,6 +23,8 @@ from async_processor.transports.base import Completion, Deferral, Delivery, Tran
 from async_processor.work import Work, put, put_nowait
 
 log = structlog.get_logger(__name__)
+
+SETTLE_TIMEOUT = 10.0
 
 
 class Settler:
@@ -76,6 +79,15 @@ class Settler:
                 await put(self._writer, _op(work, outcome))
         finally:
             await self.give_back(work)
+
+    async def settle_within(self, work: Work, outcome: Outcome) -> None:
+        """``settle``, shielded and bounded: a writer that cannot take it in time gets the
+        message abandoned (lease no longer renewed, logged and counted), so it comes back."""
+        with anyio.move_on_after(SETTLE_TIMEOUT, shield=True) as settling:
+            await self.settle(work, outcome)
+        if settling.cancelled_caught:
+            log.error("settle_timed_out", request_id=work.envelope.id)
+            abandon(self.transport, work.delivery, "settle_timeout")
 
     def hand_over(self, work: Work, outcome: Outcome) -> bool:
         """``settle``'s write when the writer has room now: counted and queued without

@@ -8,6 +8,7 @@ slot and gate permits back). The HTTP side (building and sending the request) is
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from async_processor.pipeline.admission import PoolGate, admit
 from async_processor.pipeline.cancels import CancelWatch
 from async_processor.pipeline.capacity import ShedPause
 from async_processor.pipeline.dispatch import DispatchSettings, attempt_timeout, build_request, send
+from async_processor.pipeline.held import HeldWork
 from async_processor.pipeline.settle import Settler
 from async_processor.pipeline.usage import TokenAccounting
 from async_processor.retry import (
@@ -40,13 +42,16 @@ from async_processor.retry import (
 )
 from async_processor.transforms import TransformChain
 from async_processor.transforms.base import Outgoing
-from async_processor.transports.base import LetsGo, LimitsResults, Transport, abandon
+from async_processor.transports.base import LetsGo, LimitsResults, Transport
 from async_processor.work import Work, take
 
 log = structlog.get_logger(__name__)
 
 CANCEL_RECHECK = 1.0  # s since fetch after which the worker asks the broker again
-SETTLE_TIMEOUT = 10.0
+# A message's scope ends this long after its deadline: the HTTP attempt's own timeout ends
+# at the deadline, so a call cut there is reported (and told to gates that learn) as any
+# timeout; the scope bounds every other wait (pool gate, transforms, shed pause).
+DEADLINE_GRACE = 0.2
 
 
 class Aborter:
@@ -56,10 +61,10 @@ class Aborter:
         self._scopes: set[anyio.CancelScope] = set()
         self.aborted = False
 
-    def open(self) -> anyio.CancelScope:
-        """A scope for one message's work (cancelled at once when aborted already); give
-        it to ``close`` when the work is done."""
-        scope = anyio.CancelScope()
+    def open(self, deadline: float = math.inf) -> anyio.CancelScope:
+        """A scope for one message's work, until ``deadline`` (``anyio.current_time``),
+        cancelled at once when aborted already; give it to ``close`` when done."""
+        scope = anyio.CancelScope(deadline=deadline)
         if self.aborted:
             scope.cancel()
         self._scopes.add(scope)
@@ -90,6 +95,7 @@ class Worker:
     transforms: TransformChain
     stopping: anyio.Event
     aborter: Aborter
+    held: HeldWork | None = None  # the pool's: answers at its deadline what waits for us
     pool_gate: PoolGate | None = None
     shed_pause: ShedPause | None = None  # shared by the pool's workers
     cancels: CancelWatch | None = None  # None: a cancel is honoured before dispatch only
@@ -114,6 +120,9 @@ class Worker:
                 work = await take(stream)
             except anyio.EndOfStream:
                 return
+            if self.held is not None and not self.held.take(work):
+                work.metrics.queue_depth.dec()  # answered at its deadline while it waited
+                continue
             await self.handle(work)
 
     async def handle(self, work: Work) -> None:
@@ -140,48 +149,50 @@ class Worker:
             await self._settle(work, outcome)
 
     async def _settle(self, work: Work, outcome: Outcome) -> None:
-        """Shielded; a write that must wait is bounded: a writer that cannot take it in
-        time gets the message abandoned (lease no longer renewed, logged and counted), so
-        it comes back. Most writes find room at once and start no timer (a timed scope per
-        message was ~4 % of its instructions: issue 13); the gate's permits come back
-        under a shield, as the poller gives back those of a message it does not send."""
+        """Shielded; a write that must wait is bounded (``Settler.settle_within``). Most
+        writes find room at once and start no timer (a timed scope per message was ~4 % of
+        its instructions: issue 13); the gate's permits come back under a shield, as the
+        poller gives back those of a message it does not send."""
         if self.settler.hand_over(work, outcome):
             with anyio.CancelScope(shield=True):
                 await self.settler.give_back(work)
             return
-        with anyio.move_on_after(SETTLE_TIMEOUT, shield=True) as settling:
-            await self.settler.settle(work, outcome)
-        if settling.cancelled_caught:
-            log.error("settle_timed_out", request_id=work.envelope.id)
-            abandon(self.transport, work.delivery, "settle_timeout")
+        await self.settler.settle_within(work, outcome)
 
     async def _watched(self, work: Work) -> Outcome:
-        """``_process`` in one cancel scope, cut by the drain timeout (handed back at once)
-        or by the producer's cancel (``CANCELLED``). One scope serves both: a scope costs
-        ~0.7 KB while its request is in flight, and its entry and exit ~2 µs (issue 13)."""
-        scope = self.aborter.open()
+        """``_process`` in the message's one cancel scope (docs/architecture.md G7), which
+        ends at its deadline (answered as expired), at the pool gate's wait limit while it
+        is admitted (handed back), at the drain timeout (handed back at once) or at the
+        producer's cancel (``CANCELLED``). Every wait inside is bounded by it, not by each
+        step's goodwill. One scope serves all: a scope costs ~0.7 KB while its request is
+        in flight, and its entry and exit ~2 µs (issue 13)."""
+        request = work.envelope.request
+        ends = anyio.current_time() + (request.deadline - time.time()) + DEADLINE_GRACE
+        scope = self.aborter.open(ends)
         if self.cancels is not None:
             self.cancels.add(work.delivery, scope)
         try:
             with scope:
-                return await self._process(work)
+                return await self._process(work, scope)
         finally:
             self.aborter.close(scope)
             if self.cancels is not None:
                 self.cancels.discard(work.delivery)
         if self.aborter.aborted:
             return HandBack(0.0)
-        return _failure(work.envelope.id, ErrorCode.CANCELLED, CANCELLED_TEXT, None)
+        if anyio.current_time() >= scope.deadline:
+            if scope.deadline < ends:  # the pool gate's wait limit, set while admitting
+                return HandBack(0.0)
+            return expired(request.id, last_answer(work.envelope.routing))
+        return _failure(request.id, ErrorCode.CANCELLED, CANCELLED_TEXT, None)
 
-    async def _process(self, work: Work) -> Outcome:
+    async def _process(self, work: Work, scope: anyio.CancelScope) -> Outcome:
         envelope = work.envelope
         request = envelope.request
-        if request.deadline < time.time():
-            return expired(request.id, last_answer(envelope.routing))
         try:
             self.transforms.validate(envelope)
             if self.pool_gate is not None:
-                verdict = await admit(work, self.pool_gate, work.releases, self.stopping)
+                verdict = await self._admit(work, self.pool_gate, scope)
                 if verdict is not None:
                     return verdict
             if await self._cancelled(work):
@@ -197,6 +208,18 @@ class Worker:
             return await self._attempt(work, out)
         finally:
             work.metrics.inflight.dec()
+
+    async def _admit(
+        self, work: Work, gate: PoolGate, scope: anyio.CancelScope
+    ) -> Final | HandBack | None:
+        """The pool gate's verdict, its wait (a Wait, or a gate that blocks in ``apply``)
+        bounded by ``--gate-wait-timeout`` on the message's scope, as well as by the
+        deadline: one rule for every gate that can wait."""
+        ends = scope.deadline
+        scope.deadline = min(ends, anyio.current_time() + gate.wait_timeout)
+        verdict = await admit(work, gate, work.releases, self.stopping)
+        scope.deadline = ends  # admitted or ended: only the deadline bounds the rest
+        return verdict
 
     async def _attempt(self, work: Work, out: Outgoing) -> Outcome:
         envelope = work.envelope

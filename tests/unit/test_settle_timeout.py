@@ -14,7 +14,7 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from async_processor.pipeline import worker as worker_module
+from async_processor.pipeline import settle as settle_module
 from async_processor.pipeline.results import Op
 from async_processor.transports.base import Delivery
 from tests.fixtures.inprocess import http_client
@@ -40,11 +40,13 @@ class Abandoning:
 async def test_a_settle_timeout_abandons_the_claim(
     local_simulator: LocalSimulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(worker_module, "SETTLE_TIMEOUT", 0.2)
+    monkeypatch.setattr(settle_module, "SETTLE_TIMEOUT", 0.2)
     transport = Abandoning()
     send, receive = anyio.create_memory_object_stream[Op](0)  # a writer that never reads
     async with http_client() as http, send, receive:
-        worker = dataclasses.replace(_worker(http, send), transport=transport)
+        worker = _worker(http, send)
+        worker.settler.transport = transport  # type: ignore[assignment]
+        worker = dataclasses.replace(worker, transport=transport)  # type: ignore[arg-type]
         with capture_logs() as logs, anyio.fail_after(5):
             await worker.handle(_work(local_simulator.url))
     assert transport.abandoned == [("qname", "settle_timeout")]
