@@ -1,10 +1,12 @@
 """Result writer: batched result writes and hand-backs to the transport.
 
 Input: completions (delivery + result) and deferrals (delivery + delay) from pollers and
-workers, through one bounded stream. Output: ``transport.complete`` / ``transport.defer``
-calls, one per batch, and per landed result its metrics (error code, time since
-submission, deadline slack). A failed write is retried with backoff until it lands: the
-message stays leased on the broker meanwhile, so a crash loses nothing (docs/architecture.md G1).
+workers, through one bounded stream; a deferral whose deadline passed while it waited
+here is written as its ``DEADLINE_EXCEEDED`` result instead. Output:
+``transport.complete`` / ``transport.defer`` calls, one per batch, and per landed result
+its metrics (error code, time since submission, deadline slack). A failed write is
+retried with backoff until it lands: the message stays leased on the broker meanwhile,
+so a crash loses nothing (docs/architecture.md G1).
 A batch that keeps failing while the broker answers is split, and an item that still
 fails is abandoned (G11): its lease is no longer renewed, so the broker hands
 the message out again (this replica or another finishes it), and a result is kept and
@@ -30,6 +32,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from async_processor.errors import PartialWrite
 from async_processor.metrics import Metrics
+from async_processor.retry import expired, last_answer
 from async_processor.transports.base import Abandons, Completion, Deferral, Transport, abandon
 
 log = structlog.get_logger(__name__)
@@ -90,6 +93,8 @@ class ResultWriter:
     async def _write(self, batch: Sequence[Op]) -> None:
         completions = [op for op in batch if isinstance(op, Completion)]
         deferrals = [op for op in batch if isinstance(op, Deferral)]
+        if deferrals:
+            deferrals = self._late_answered(deferrals, completions)
         if completions:
             landed = await self._land("complete", completions, self._transport.complete)
             self._observe(landed)
@@ -130,6 +135,26 @@ class ResultWriter:
             # each, so a batch is given up in seconds, not a minute.
             limit = 1
         return landed
+
+    def _late_answered(
+        self, deferrals: list[Deferral], completions: list[Completion]
+    ) -> list[Deferral]:
+        """The hand-backs to write; one whose deadline passed while it waited here is
+        written as its result instead (``DEADLINE_EXCEEDED``, or its last HTTP answer),
+        added to ``completions``, rather than handed back to be answered later."""
+        now = time.time()
+        kept = []
+        for deferral in deferrals:
+            envelope = deferral.delivery.envelope
+            if envelope is None or envelope.request.deadline > now:
+                kept.append(deferral)
+                continue
+            final = expired(envelope.id, last_answer(envelope.routing))
+            completions.append(Completion(deferral.delivery, final.result))
+            if self._metrics is not None:
+                q = deferral.delivery.queue
+                self._metrics.queue(q.id, q.name, q.pool).exceeded_deadline_total.inc()
+        return kept
 
     def _observe(self, written: Sequence[Completion]) -> None:
         if self._metrics is None:

@@ -234,3 +234,29 @@ async def test_a_transport_may_take_larger_batches(kind: type[FlakyTransport], c
     await _run(transport, [f"r{i}" for i in range(300)])
     assert transport.calls == calls  # 300 ready results: 5 batches of up to 64, or one
     assert len(transport.written) == 301
+
+
+async def test_a_hand_back_past_its_deadline_is_written_as_its_result() -> None:
+    """A deferral that waited in the writer's queue past its deadline is answered, not
+    handed back to come round again; one still in time is handed back."""
+    transport = FlakyTransport()
+    writer = ResultWriter(transport)  # type: ignore[arg-type]
+    sender = writer.sender()
+    writer.close()
+    raw = f'{{"id":"late","deadline":{int(time.time()) - 1},"payload":{{}}}}'.encode()
+    late = Delivery(queue=QueueSpec(id="q", name="q"), raw=raw, envelope=decode_envelope(raw))
+    async with sender:
+        await sender.send(Deferral(late, 0.0))
+        await sender.send(Deferral(_delivery("later"), 1.0))
+    seen: list[Completion] = []
+    complete = transport.complete
+
+    async def keep(items: Sequence[Completion]) -> None:
+        seen.extend(items)
+        await complete(items)
+
+    transport.complete = keep  # type: ignore[method-assign]
+    with anyio.fail_after(10):
+        await writer.run()
+    assert transport.written == ["late", "defer:later"]
+    assert [x.result.error_code for x in seen] == ["DEADLINE_EXCEEDED"]
