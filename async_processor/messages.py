@@ -18,6 +18,9 @@ from typing import Any
 from async_processor.errors import InvalidMessage
 from async_processor.json_scan import Payload as Payload
 from async_processor.json_scan import decode_object, id_from_prefix, peek_data_id, usable_id
+from async_processor.routing import Routing as Routing
+from async_processor.routing import dumps as _dumps
+from async_processor.routing import str_map as _str_map
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # How much of an oversized message is read for its id (the rest is never parsed).
@@ -45,74 +48,11 @@ CANCELLED_TEXT = "cancelled"
 GATE_DROPPED_TEXT = "Pool gating dropped request"
 
 
-@dataclass(slots=True)
-class Routing:
-    """The envelope's ``internal`` block: where a message came from and goes to."""
-
-    retry_count: int = 0
-    queue_id: str = ""
-    request_token: str = ""
-    request_queue_name: str = ""
-    result_queue_name: str = ""
-    transport_correlation_id: str = ""
-    labels: dict[str, str] = field(default_factory=dict)
-    # Ours: the last HTTP answer of a retried request, so that a deadline reached while it
-    # waits on the broker still ends with that answer (the Go daemon ignores these fields).
-    last_status: int = 0
-    last_body: str = ""
-
-    def to_obj(self) -> dict[str, Any]:
-        """JSON object with empty/zero fields left out, as the reference writes it."""
-        out: dict[str, Any] = {}
-        if self.retry_count:
-            out["retry_count"] = self.retry_count
-        for name in (
-            "queue_id",
-            "request_token",
-            "request_queue_name",
-            "result_queue_name",
-            "transport_correlation_id",
-        ):
-            value = getattr(self, name)
-            if value:
-                out[name] = value
-        if self.labels:
-            out["labels"] = self.labels
-        if self.last_status:
-            out["last_status"] = self.last_status
-            out["last_body"] = self.last_body
-        return out
-
-    @classmethod
-    def from_obj(cls, obj: object) -> Routing:
-        if obj is None:
-            return cls()
-        if not isinstance(obj, dict):
-            raise ValueError("internal must be an object")
-        retry = obj.get("retry_count", 0) or 0
-        if not isinstance(retry, int) or isinstance(retry, bool) or retry < 0:
-            raise ValueError("internal.retry_count must be a non-negative integer")
-        routing = cls(
-            retry_count=retry,
-            labels=_str_map(obj.get("labels"), "internal.labels"),
-            last_status=_opt_int(obj, "last_status"),
-        )
-        # Only the strings present are checked: most envelopes carry two or three of the
-        # six, and each check costs ~0.3 µs per message (issue 13).
-        for key in _ROUTING_STRINGS:
-            if key in obj:
-                setattr(routing, key, _opt_str(obj, key))
-        return routing
-
-
-_ROUTING_STRINGS = (
-    "queue_id",
-    "request_token",
-    "request_queue_name",
-    "result_queue_name",
-    "transport_correlation_id",
-    "last_body",
-)
+def _exact_fields(raw: bytes | str, keys: tuple[str, ...]) -> dict[str, bytes]:
+    """The exact JSON text of the ``internal`` fields ``keys`` of an envelope."""
+    internal = decode_object(raw, "message", ("internal",))[1]["internal"]
+    exact = decode_object(internal, "internal", keys)[1]
+    return {k: bytes(exact[k]) for k in keys}
 
 
 # The payload of a request whose bytes were let go once it was written to the gateway
@@ -135,13 +75,17 @@ class Request:
     # Variant and unknown fields, kept so that re-encoding loses nothing.
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def encode(self) -> bytes:
-        if self.payload is LET_GO:
+    def encode(self, *, with_payload: bool = True) -> bytes:
+        """The request's JSON; ``with_payload=False`` leaves the payload out (it is stored
+        apart, under the envelope's ``payload_ref``)."""
+        if with_payload and self.payload is LET_GO:
             raise RuntimeError(f"request {self.id}: its payload was let go, get it back first")
         parts: list[Payload] = [b'{"id":', _dumps(self.id)]
         if self.created:
             parts += [b',"created":', str(self.created).encode()]
-        parts += [b',"deadline":', str(self.deadline).encode(), b',"payload":', self.payload]
+        parts += [b',"deadline":', str(self.deadline).encode()]
+        if with_payload:
+            parts += [b',"payload":', self.payload]
         if self.metadata:
             parts += [b',"metadata":', _dumps(self.metadata)]
         if self.headers:
@@ -170,11 +114,12 @@ class Envelope:
         return b"".join(
             (
                 b'{"internal":',
-                _dumps(self.routing.to_obj()),
+                self.routing.encode(),
                 b',"request_kind":',
                 _dumps(self.kind),
                 b',"data":',
-                self.request.encode(),
+                # A payload stored apart stays there: a retry re-writes the envelope only.
+                self.request.encode(with_payload=not self.routing.payload_ref),
                 b"}",
             )
         )
@@ -190,6 +135,9 @@ class Result:
     payload: str = ""
     error_code: str = ""
     error_message: str = ""
+    # The submission this answers (redis-sortedset, as upstream since v0.10: its result
+    # readers key claims and duplicates by id and token). Left out when empty.
+    request_token: str = ""
     _encoded: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     @classmethod
@@ -212,6 +160,8 @@ class Result:
 
     def to_obj(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id}
+        if self.request_token:
+            out["request_token"] = self.request_token
         if self.status_code > 0:
             out["status_code"] = self.status_code
         out["payload"] = self.payload
@@ -242,6 +192,7 @@ class Result:
             payload=str(obj.get("payload", "")),
             error_code=str(obj.get("error_code", "")),
             error_message=str(obj.get("error_message", "")),
+            request_token=str(obj.get("request_token", "") or ""),
         )
 
 
@@ -273,6 +224,8 @@ def decode_envelope(raw: bytes | str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BY
         raise InvalidMessage("envelope has no data", reason="malformed", request_id=None)
     try:
         routing = Routing.from_obj(top.get("internal"))
+        if routing.extra:  # rare: read again for the unknown fields' exact text
+            routing.extra = _exact_fields(raw, tuple(routing.extra))
     except ValueError as exc:
         raise InvalidMessage(str(exc), reason="malformed", request_id=peek_data_id(data)) from exc
     fields, data_raws = decode_object(data, "data", ("payload",))
@@ -346,38 +299,6 @@ def _deadline_of(obj: dict[str, Any], request_id: str) -> int:
     ):
         return deadline
     raise InvalidMessage(INVALID_DEADLINE_TEXT, reason="invalid_deadline", request_id=request_id)
-
-
-def _opt_str(obj: dict[str, Any], key: str) -> str:
-    value = obj.get(key, "")
-    if value is None:
-        return ""
-    if not isinstance(value, str) or usable_id(value or "-") is None:
-        # Routing strings name Redis keys (result list, origin queue, dedup marker).
-        raise ValueError(f"internal.{key} must be a UTF-8 string")
-    return value
-
-
-def _opt_int(obj: dict[str, Any], key: str) -> int:
-    value = obj.get(key, 0) or 0
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"internal.{key} must be an integer")
-    return value
-
-
-def _str_map(value: object, what: str) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise ValueError(f"{what} must be an object of strings")
-    return dict(value)
-
-
-def _dumps(value: object) -> bytes:
-    # A lone surrogate (legal JSON "\ud800", decoded as such) cannot be UTF-8 encoded;
-    # backslashreplace writes it back as that same JSON escape, so the text round-trips.
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    return text.encode("utf-8", "backslashreplace")
 
 
 # The label a classifying ``redis-quota`` stamps on each message it judges; read by the

@@ -41,6 +41,7 @@ def decode_queued(raw: bytes, queue: QueueSpec, max_bytes: int) -> Envelope:
     own value is informational only, so a retry can only ever go back to that queue.
     A ``classification`` label is a gate's verdict, never the message's: the queue gate
     stamps it again at every fetch (else the message would choose its own lane).
+    The result route is frozen at the first fetch (``result_routing_resolved``).
     """
     envelope = decode_envelope(raw, max_bytes=max_bytes)
     routing = envelope.routing
@@ -48,6 +49,13 @@ def decode_queued(raw: bytes, queue: QueueSpec, max_bytes: int) -> Envelope:
     routing.queue_id = routing.queue_id or queue.id
     routing.labels.pop(CLASSIFICATION_LABEL, None)
     routing.labels = {**routing.labels, **queue.labels}
+    if not routing.result_routing_resolved:
+        # Upstream's frozen result route (v0.9.1): the queue's result list, if it names
+        # one, is written into the routing at the first fetch, so a retry re-written by
+        # us, or fetched by a Go daemon after a config change, answers where it was bound.
+        if queue.result_queue_name:
+            routing.result_queue_name = queue.result_queue_name
+        routing.result_routing_resolved = True
     return envelope
 
 

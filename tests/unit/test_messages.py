@@ -305,3 +305,35 @@ def test_routing_strings_present_are_kept_absent_ones_empty_and_wrong_types_refu
     for field in ("queue_id", "transport_correlation_id", "last_body"):
         with pytest.raises(ValueError, match=f"internal.{field} must be a UTF-8 string"):
             Routing.from_obj({field: 7})
+
+
+# ------------------------------------------------ upstream's routing fields (issue 27)
+
+
+def test_upstream_routing_fields_round_trip_and_unknown_ones_keep_their_text() -> None:
+    raw = (
+        b'{"internal":{"dispatch_epoch":1.0e3,"enqueue_seq":3,"payload_ref":"r",'
+        b'"result_routing_resolved":true,"result_ttl_seconds":60},"request_kind":"redis",'
+        b'"data":{"id":"a","deadline":1900000000}}'
+    )
+    envelope = decode_envelope(raw)
+    routing = envelope.routing
+    assert (routing.enqueue_seq, routing.payload_ref, routing.result_ttl_seconds) == (3, "r", 60)
+    assert routing.result_routing_resolved is True
+    assert routing.extra == {"dispatch_epoch": b"1.0e3"}
+    again = envelope.encode()
+    assert b'"dispatch_epoch":1.0e3' in again
+    assert b'"payload"' not in again  # stored apart: a re-write carries the envelope only
+    assert decode_envelope(again).routing == routing
+
+
+@pytest.mark.parametrize(
+    "field",
+    ['"result_routing_resolved":"yes"', '"enqueue_seq":"7"', '"payload_ref":5',
+     '"result_ttl_seconds":1.5'],
+)  # fmt: skip
+def test_upstream_routing_fields_of_the_wrong_type_are_refused(field: str) -> None:
+    raw = '{"internal":{' + field + '},"request_kind":"redis","data":{"id":"a","deadline":9}}'
+    with pytest.raises(InvalidMessage) as caught:
+        decode_envelope(raw)
+    assert caught.value.request_id == "a"

@@ -2,9 +2,10 @@
 when that is safe (docs/architecture.md G10).
 
 Queue config > the envelope's routing > the transport default (the reference's order),
-except that a message may not name one of the daemon's own keys, a name outside
-``result_queue_pattern`` or (cluster mode) a list in another slot: then the configured
-list, and the rejection is logged and counted.
+frozen at the first fetch (``entries.decode_queued``), except that a message may not
+name one of the daemon's own keys, a name outside ``result_queue_pattern`` or (cluster
+mode) a list in another slot: then the configured list, and the rejection is logged and
+counted.
 """
 
 from __future__ import annotations
@@ -36,10 +37,19 @@ class ResultRouting:
         self._metrics = metrics
 
     def target(self, delivery: Delivery) -> str:
-        """The list this delivery's result is written to."""
+        """The list this delivery's result is written to. A route frozen at the first
+        fetch (``result_routing_resolved``, upstream's since v0.9.1: a config change cannot
+        reroute a message in flight) is the message's name, else the transport default;
+        it is checked like any name a message gives, unless it is the configured one."""
         configured = self.configured(delivery)
-        routed = delivery.envelope.routing.result_queue_name if delivery.envelope else ""
-        if delivery.queue.result_queue_name or not routed:
+        routing = delivery.envelope.routing if delivery.envelope else None
+        routed = routing.result_queue_name if routing else ""
+        if routing is not None and routing.result_routing_resolved:
+            if not routed:
+                return self._config.result_queue_name
+            if routed == configured:
+                return routed
+        elif delivery.queue.result_queue_name or not routed:
             return configured
         reason = self.own.rejection(routed)
         if reason is None and not self._keys.routable(delivery.queue.name, routed):

@@ -10,7 +10,7 @@ the removal of a completed message that its lapsed lease had put back on its que
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -162,7 +162,8 @@ class ResultWrites:
             delivery, result = items[index]
             script_keys += self._complete_keys(delivery, result, targets[index], queued=queued)
             member = delivery.raw if queued else claim_of(delivery).id
-            args += [member, result.encode(), token_of(delivery)]
+            token = token_of(delivery)
+            args += [member, _stamped(result, token).encode(), token]
         return script_keys, args
 
     def _duplicate(self, delivery: Delivery, result: Result) -> None:
@@ -242,6 +243,14 @@ def _written(reply: Any) -> Written | TransportError:
     if isinstance(reply, bytes):
         return TransportError(f"redis complete failed: {reply.decode(errors='replace')}")
     return int(reply[0]), int(reply[1]), int(reply[2])
+
+
+def _stamped(result: Result, token: str) -> Result:
+    """The result with its submission's ``request_token`` (upstream's result readers
+    need it); the same result when the token is empty or already on it."""
+    if not token or result.request_token == token:
+        return result
+    return replace(result, request_token=token)
 
 
 def _fingerprint(delivery: Delivery) -> str:
