@@ -13,6 +13,21 @@ from typing import Any
 
 from async_processor.json_scan import usable_id
 
+# Upstream's submission order (llm-d-async #463): the n-th request of one queue and one
+# deadline is scored deadline + min(n, SEQ_MAX) / SEQ_SCALE. Exact in a double for
+# deadlines below 2^32 (2106); from there on the score is the bare deadline.
+SEQ_SCALE = 2097152  # 2^21
+SEQ_MAX = SEQ_SCALE - 1
+SEQ_DEADLINE_LIMIT = 2**32
+
+
+def queue_score(deadline: int, enqueue_seq: int) -> float:
+    """A request's score in its queue: the deadline, plus its submission order's fraction
+    (``enqueue_seq`` <= 0, unstamped: the bare deadline, which sorts first)."""
+    if enqueue_seq <= 0 or deadline >= SEQ_DEADLINE_LIMIT:
+        return float(deadline)
+    return deadline + min(enqueue_seq, SEQ_MAX) / SEQ_SCALE
+
 
 @dataclass(slots=True)
 class Routing:

@@ -108,7 +108,9 @@ def _requests(args: argparse.Namespace, deadline: int) -> list[Request]:
 async def _submit(args: argparse.Namespace) -> int:
     requests = _requests(args, int(time.time() + args.deadline_in))
     progress = Progress("submitted", len(requests))
-    async with SortedSetClient(_connection(args), args.queue, args.result_queue) as client:
+    async with SortedSetClient(
+        _connection(args), args.queue, args.result_queue, payload_keys=args.payload_keys
+    ) as client:
         for start in range(0, len(requests), CHUNK):
             chunk = requests[start : start + CHUNK]
             await client.submit_many(chunk)
@@ -185,6 +187,12 @@ def _parser(command: str) -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--endpoint", default="", metavar="PATH", help="endpoint for lines without one"
+        )
+        p.add_argument(
+            "--payload-keys",
+            action="store_true",
+            help="store each payload in its own key (request-payload:<id>:<token>), as "
+            "upstream's WithPayloadKeys(); only once every consumer reads payload_ref",
         )
     elif command == "results":
         p.add_argument(

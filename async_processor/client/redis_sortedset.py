@@ -2,14 +2,15 @@
 
 Stage: the producer/consumer side (used by ``submit``/``results``, the demo, tests and
 users). Input: request objects (a dict or ``messages.Request``). Output: envelopes on the
-request sorted set (score = deadline, plus a fraction that keeps equal deadlines in
-submission order), cancellation markers, and ``messages.Result``
-objects read from the result list. It connects like the daemon (``redis.conn``: standalone,
-sentinel, TLS, ACL users). Behaves like the Go reference's producer:
+request sorted set (score = deadline, plus upstream's ``enqueue_seq`` fraction that keeps
+equal deadlines in submission order, shared with Go producers), cancellation markers,
+and ``messages.Result`` objects read from the result list. It connects like the daemon
+(``redis.conn``: standalone, sentinel, TLS, ACL users). Behaves like the Go producer:
 each submission gets a fresh 32-hex ``request_token``; ``request-active:<id>`` holds it
 until the deadline; ``cancel`` copies it to ``request-cancel:<id>`` for 7 days: the token
 of the queue's own live submission (its ``<queue>:live:<id>``), so a cancel for one queue
-never reaches the same id on another (docs/transports.md).
+never reaches the same id on another (docs/transports.md). With ``payload_keys`` each
+payload goes in its own key, as upstream's ``WithPayloadKeys()``.
 
 Reading results loses none: each is moved (``BLMOVE``, Redis >= 6.2) into this consumer's
 processing list ``<result list>:processing:<consumer>``. ``results()`` removes it from
@@ -42,12 +43,11 @@ from async_processor.messages import Envelope, Request, Result, Routing
 from async_processor.redis import keys
 from async_processor.redis.conn import connect, redis_errors
 from async_processor.redis.keyspace import KeySpace
+from async_processor.routing import SEQ_DEADLINE_LIMIT
 
 SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many
-# How long an order counter (``<queue>:seq:<deadline>``) outlives its last submission: a
-# bound on the counters kept for long deadlines. Submissions of one deadline further apart
-# than this may lose their order (the count starts again).
-SEQUENCE_WINDOW_SECONDS = 600
+# A payload key outlives its deadline by this much (upstream's: deadline + 10 minutes).
+PAYLOAD_GRACE_MS = 600_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +82,11 @@ class SortedSetClient:
         result_queue: str = keys.DEFAULT_RESULT_LIST,
         *,
         consumer: str = "",
+        payload_keys: bool = False,
     ) -> None:
         self.request_queue = request_queue
+        # Off by default, as upstream: only once every consumer reads payload_ref.
+        self.payload_keys = payload_keys
         self.result_queue = result_queue
         # Names this reader's processing lists; give a stable one to resume after a crash.
         self.consumer = consumer or secrets.token_hex(8)
@@ -91,6 +94,8 @@ class SortedSetClient:
         conn = RedisConnection(url=redis) if isinstance(redis, str) else redis
         self._redis: Redis = connect(conn.check(), socket_timeout=None)
         self._keys = KeySpace(cluster=conn.mode == "cluster")
+        if payload_keys and self._keys.cluster:
+            raise ValueError("payload_keys: not supported in cluster mode yet")
         scripts = self._keys.scripts(self._redis)
         self._cancel, self._submit = scripts["cancel"], scripts["submit"]
         # Per processing list: the oldest entry it held after our last removal (None:
@@ -178,28 +183,25 @@ class SortedSetClient:
         envelope = Envelope(
             request=request,
             routing=Routing(
-                request_token=token, request_queue_name=queue, result_queue_name=result_queue
+                request_token=token,
+                request_queue_name=queue,
+                result_queue_name=result_queue,
+                # The placeholder lua/submit.lua replaces with the submission's order.
+                enqueue_seq=-1 if request.deadline < SEQ_DEADLINE_LIMIT else 0,
             ),
             kind="redis",
         )
         ttl = max(1, request.deadline - int(time.time()))
-        await self._submit(
-            keys=[
-                queue,
-                self._keys.active(queue, request.id),
-                self._keys.sequence(queue, request.deadline),
-                self._keys.live(queue, request.id),
-            ],
-            args=[
-                envelope.encode(),
-                request.deadline,
-                token,
-                ttl,
-                ttl + keys.LIVE_GRACE_SECONDS,
-                min(ttl + 60, SEQUENCE_WINDOW_SECONDS),
-            ],
-            client=pipe,
-        )
+        live, seq = self._keys.live(queue, request.id), self._keys.sequence(queue, request.deadline)
+        script_keys = [queue, self._keys.active(queue, request.id), seq, live]
+        args: list[bytes | int | str] = [b"", request.deadline, token, ttl]  # b"": below
+        args += [ttl + keys.LIVE_GRACE_SECONDS, request.deadline + keys.SEQUENCE_GRACE_SECONDS]
+        if self.payload_keys:  # the envelope goes without it (Envelope.encode)
+            envelope.routing.payload_ref = keys.payload_key(request.id, token)
+            script_keys.append(envelope.routing.payload_ref)
+            args += [bytes(request.payload), ttl * 1000 + PAYLOAD_GRACE_MS]
+        args[0] = envelope.encode()
+        await self._submit(keys=script_keys, args=args, client=pipe)
 
     async def cancel(self, ids: Iterable[str], *, queue: str | None = None) -> int:
         """Mark ``queue``'s submissions of ``ids`` cancelled (idempotent); returns how many

@@ -42,7 +42,13 @@ from async_processor.metrics import QueueMetrics
 from async_processor.pipeline.held import HeldWork
 from async_processor.pipeline.settle import Settler
 from async_processor.retry import REFUSE_DELAY, expired, last_answer
-from async_processor.transports.base import Delivery, SignalsMessages, Transport, abandon
+from async_processor.transports.base import (
+    Delivery,
+    LoadsPayloads,
+    SignalsMessages,
+    Transport,
+    abandon,
+)
 from async_processor.work import Work, put
 
 log = structlog.get_logger(__name__)
@@ -76,6 +82,7 @@ class Poller:
         self._error_backoff = 0.0
         self._idle = False
         self._signals = transport if isinstance(transport, SignalsMessages) else None
+        self._payloads = transport if isinstance(transport, LoadsPayloads) else None
         self._bound_in_flight = bound_in_flight
         self._in_flight = 0  # forwarded to the lane, not yet released by the worker
         self._fetching = 0  # slots of fetches under way, not yet admitted
@@ -192,34 +199,81 @@ class Poller:
         return min(1.0, max(0.0, budget))  # max(0.0, nan) is 0.0
 
     async def _admit_all(self, deliveries: Sequence[Delivery]) -> None:
-        for index, delivery in enumerate(deliveries):
-            try:
-                await self._admit(delivery)
-            except BaseException:
-                # Cancelled (shutdown) mid-batch: hand back the rest at once, not at lease expiry.
-                start = index + 1 if delivery in self._handed_on else index
-                await self._hand_back(deliveries[start:])
-                self._handed_on.difference_update(deliveries[index:])
-                raise
-            self._handed_on.discard(delivery)
+        # Let through by the gate, their payloads stored apart: loaded together, then sent.
+        loading: list[Work] = []
+        try:
+            for index, delivery in enumerate(deliveries):
+                try:
+                    if (work := await self._admit(delivery)) is not None:
+                        loading.append(work)
+                except BaseException:
+                    # Cut short (shutdown) mid-batch: the rest handed back now, not at lease end.
+                    start = index + 1 if delivery in self._handed_on else index
+                    await self._hand_back(deliveries[start:])
+                    self._handed_on.difference_update(deliveries[index:])
+                    raise
+                self._handed_on.discard(delivery)
+            await self._load_and_forward(loading)
+        except BaseException:
+            await self._give_back(loading)
+            raise
 
-    async def _admit(self, delivery: Delivery) -> None:
+    async def _admit(self, delivery: Delivery) -> Work | None:
+        """The delivery handled (forwarded, answered, handed back), or its Work when its
+        payload is still to be loaded (``_load_and_forward``)."""
         envelope = await self._decode(delivery)
         if envelope is None:
-            return
+            return None
         request = envelope.request
         if request.deadline < time.time():
             self._metrics.exceeded_deadline_total.inc()
             await self._finish(delivery, expired(request.id, last_answer(envelope.routing)).result)
-            return
+            return None
         if await self._cancelled(delivery):
             await self._finish(
                 delivery, Result.failure(request.id, ErrorCode.CANCELLED, CANCELLED_TEXT)
             )
-            return
-        await self._gate_and_forward(delivery)
+            return None
+        return await self._gate_and_forward(delivery)
 
-    async def _gate_and_forward(self, delivery: Delivery) -> None:
+    async def _load_and_forward(self, loading: list[Work]) -> None:
+        """The payloads of ``loading`` in one read (``LoadsPayloads``); each then goes on,
+        or ends with the result the transport gave it (missing, unusable). A failed read
+        hands them all back to their queue. ``loading`` is emptied as each is settled."""
+        if not loading:
+            return
+        assert self._payloads is not None  # only its deliveries wait for a load
+        try:
+            outcomes = await self._payloads.load_payloads([w.delivery for w in loading])
+        except TransportError as exc:
+            self._log.warning("payload_fetch_failed", error=str(exc), count=len(loading))
+            await self._give_back(loading)
+            return
+        for outcome in outcomes:
+            work = loading[0]
+            if outcome is None:
+                await self._forward(work)
+                del loading[0]
+            else:
+                del loading[0]
+                with anyio.CancelScope(shield=True):
+                    await work.releases.release_all()
+                self._metrics.failed_total.inc()
+                await self._finish(work.delivery, outcome)
+            self._handed_on.discard(work.delivery)  # settled: no _admit holds it
+
+    async def _give_back(self, loading: list[Work]) -> None:
+        """Works not sent on: their gate permits released, their messages handed back
+        (but one the held expiry answered while its forward was cut short: ``_forward``)."""
+        works = [w for w in loading if w.delivery not in self._handed_on]
+        loading[:] = []
+        with anyio.CancelScope(shield=True):
+            for work in works:
+                await work.releases.release_all()
+        await self._hand_back([w.delivery for w in works])
+        self._handed_on.difference_update(w.delivery for w in works)
+
+    async def _gate_and_forward(self, delivery: Delivery) -> Work | None:
         envelope = delivery.envelope
         assert envelope is not None
         releases = Releases()
@@ -230,8 +284,10 @@ class Poller:
                 # Wait means nothing at queue level: the pool gate is where workers park.
                 self._in_flight += 1
                 releases.add(self._land)  # runs when the worker is done, or below if not sent
-                self._unpicked += 1
                 work = Work(delivery, envelope, self._metrics, releases, picked=self._picked)
+                if self._payloads is not None and self._payloads.stored_apart(delivery):
+                    forwarded = True  # its permits go with it to _load_and_forward
+                    return work
                 forwarded = await self._forward(work)
                 self._handed_on.add(delivery)
             elif verdict.action is Action.REFUSE:
@@ -251,10 +307,12 @@ class Poller:
             if not forwarded:
                 with anyio.CancelScope(shield=True):
                     await releases.release_all()
+        return None
 
     async def _forward(self, work: Work) -> bool:
         """``work`` into the lane, held (answered at its deadline) from now on, also while
         the lane is full. Cut short (a stop), it is ours again unless it was answered."""
+        self._unpicked += 1
         if self._held is not None:
             self._held.hold(work)
         try:

@@ -30,7 +30,9 @@ def fingerprint(envelope: Envelope | None) -> str:
         return ""
     if envelope.routing.request_token:
         return envelope.routing.request_token
-    return "sha-" + hashlib.blake2b(envelope.request.encode(), digest_size=8).hexdigest()
+    # A payload stored apart is not in the digest: read or not, the submission is the same.
+    request = envelope.request.encode(with_payload=not envelope.routing.payload_ref)
+    return "sha-" + hashlib.blake2b(request, digest_size=8).hexdigest()
 
 
 def decode_queued(raw: bytes, queue: QueueSpec, max_bytes: int) -> Envelope:

@@ -14,9 +14,13 @@ Keys (the reference's names where it has them):
     <queue>:dead-letter       list of JSON entries for messages with no usable id
     retry-sortedset           sorted set of envelopes, score = due time (shared, configurable)
     result-list               list of result JSON (LPUSH by us, BRPOP by the producer)
-    <queue>:seq:<deadline>    submissions so far with that deadline (the client's order
-                              tie-breaker in the score), expires 10 min after its last
-                              use or 60 s after the deadline, whichever is first
+    request-seq:<queue>:<deadline>  submissions so far with that deadline (upstream's
+                              order counter, #463: Go and Python producers share it),
+                              expires an hour after the deadline. The current release's
+                              ``<queue>:seq:<deadline>`` is no longer written; the scores
+                              it gave still sort (same integer part, a finer fraction)
+    request-payload:<id>:<token>  a request's body stored apart (upstream's payload keys,
+                              ``payload_ref``), deleted with its result
     <queue>:live:<id>         the id's live submission on that queue (client library;
                               deleted with its result, else expires LIVE_GRACE after
                               the deadline): a second submission of the id is refused
@@ -76,7 +80,17 @@ def done_key(request_id: str, fingerprint: str = "") -> str:
     return f"request-done:{request_id}:{hashlib.blake2b(pair, digest_size=16).hexdigest()}"
 
 
-OWN_PREFIXES = ("request-active:", "request-cancel:", "request-done:")
+SEQUENCE_PREFIX = "request-seq:"
+PAYLOAD_PREFIX = "request-payload:"
+# Upstream's counter outlives its deadline by this much (EXPIREAT deadline + 3600).
+SEQUENCE_GRACE_SECONDS = 3600
+OWN_PREFIXES = (
+    "request-active:",
+    "request-cancel:",
+    "request-done:",
+    SEQUENCE_PREFIX,
+    PAYLOAD_PREFIX,
+)
 # The discovered queues removed while they still held claims or retries: kept in Redis so
 # a restarted daemon (or one with discovery turned off) still reaps and moves them home.
 REMOVED_QUEUES_KEY = "async-processor:removed-queues"
@@ -136,7 +150,12 @@ def queue_keys(queues: Iterable[str]) -> set[str]:
 
 
 def sequence_key(queue: str, deadline: int) -> str:
-    return f"{queue}:seq:{deadline}"
+    return f"{SEQUENCE_PREFIX}{queue}:{deadline}"
+
+
+def payload_key(request_id: str, token: str) -> str:
+    """Upstream's payload key: the body of a request stored apart from its envelope."""
+    return f"{PAYLOAD_PREFIX}{request_id}:{token}"
 
 
 def live_key(queue: str, request_id: str) -> str:

@@ -60,9 +60,11 @@ class KeySpace:
         return self._own(queue, "dead-letter") if self.cluster else keys.dead_letter_key(queue)
 
     def sequence(self, queue: str, deadline: int) -> str:
-        """The counter of submissions with ``deadline`` (the client's order tie-breaker)."""
-        if self.cluster:
-            return self._own(queue, f"seq:{deadline}")
+        """The counter of submissions with ``deadline`` (upstream's order tie-breaker):
+        ``request-seq:<Q>:<deadline>``, in cluster mode ``request-seq:{Q}:<deadline>``
+        unless ``Q`` has a tag of its own, as upstream names it."""
+        if self.cluster and hash_tag(queue) == queue:
+            return keys.sequence_key(f"{{{queue}}}", deadline)
         return keys.sequence_key(queue, deadline)
 
     def live(self, queue: str, request_id: str) -> str:

@@ -140,6 +140,22 @@ class LetsGo(Protocol):
 
 
 @runtime_checkable
+class LoadsPayloads(Protocol):
+    """A transport whose messages may keep their payload apart from the envelope
+    (redis-sortedset: upstream's payload keys). The poller asks for the payloads of the
+    messages its queue gate let through, all of a fetch's together, before they go on."""
+
+    def stored_apart(self, delivery: Delivery) -> bool:
+        """Whether the decoded delivery's payload must be loaded before it is dispatched."""
+        ...
+
+    async def load_payloads(self, deliveries: Sequence[Delivery]) -> list[Result | None]:
+        """Per delivery: None once its payload is in its request, else the result it ends
+        with (the payload missing or unusable). Raises ``TransportError``."""
+        ...
+
+
+@runtime_checkable
 class LimitsResults(Protocol):
     """A transport that carries a result only up to ``max_result_bytes`` encoded, less than
     ``dispatch.MAX_RESPONSE_BYTES``: a bigger answer becomes an INFERENCE_ERROR naming its

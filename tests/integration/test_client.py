@@ -60,6 +60,7 @@ async def test_submit_writes_the_reference_envelope_and_markers(client, r, uniqu
         "request_token": token,
         "request_queue_name": f"{unique}-q",
         "result_queue_name": f"{unique}-results",
+        "enqueue_seq": 1,  # upstream's submission order (llm-d-async #463)
     }
     assert obj["data"]["metadata"] == {"tenant": "t1"}
     assert b'"big":12345678901234567890123' in raw  # payload bytes kept exact

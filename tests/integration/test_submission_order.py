@@ -1,8 +1,9 @@
 """Equal deadlines come out in submission order, against real Redis and the
 simulator over HTTP.
 
-The client's score is the deadline plus a per-deadline sequence fraction; before it, equal
-scores left ZPOPMIN to order by member bytes, i.e. by the random token in each envelope.
+The client's score is the deadline plus upstream's per-deadline sequence fraction
+(``enqueue_seq``, llm-d-async #463); before it, equal scores left ZPOPMIN to order by
+member bytes, i.e. by the random token in each envelope.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from async_processor.client.redis_sortedset import SEQUENCE_WINDOW_SECONDS, SortedSetClient
+from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import PoolConfig
 from tests.fixtures.inprocess import running, sortedset_config
 from tests.fixtures.simulator import SimulatorProcess
@@ -79,8 +80,8 @@ async def test_past_the_fractions_later_submissions_still_sort_after_earlier_one
     r = aioredis.Redis.from_url(redis_url)
     async with SortedSetClient(redis_url, request_queue=unique) as client:
         await client.submit({"id": "first", "deadline": deadline, "payload": {}})
-        # As if a million submissions of this deadline had come in between.
-        await r.set(f"{unique}:seq:{deadline}", 2**20 - 2)
+        # As if two million submissions of this deadline had come in between.
+        await r.set(f"request-seq:{unique}:{deadline}", 2**21 - 2)
         for request_id in ("last-fraction", "past-1", "past-2"):
             await client.submit({"id": request_id, "deadline": deadline, "payload": {}})
     members = await r.zrange(unique, 0, -1, withscores=True)
@@ -99,6 +100,7 @@ async def test_order_counters_live_a_bounded_time_and_only_when_used(
     async with SortedSetClient(redis_url, request_queue=unique) as client:
         await client.submit({"id": "day", "deadline": day, "payload": {}})
         await client.submit({"id": "late", "deadline": late, "payload": {}})
-    assert 0 < await r.ttl(f"{unique}:seq:{day}") <= SEQUENCE_WINDOW_SECONDS
-    assert not await r.exists(f"{unique}:seq:{late}")  # made and never read before
+    # Upstream's expiry: an hour past the deadline (its counter and ours are one key).
+    assert abs(await r.expiretime(f"request-seq:{unique}:{day}") - (day + 3600)) <= 1
+    assert not await r.exists(f"request-seq:{unique}:{late}")  # made and never read before
     await r.aclose()

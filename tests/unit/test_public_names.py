@@ -29,7 +29,7 @@ FACES = {
     "async_processor.pipeline": ["Processor", "run", "validate_plugins"],
     "async_processor.transports": [
         "Abandons", "Completion", "Deferral", "Delivery", "DiscoversQueues", "LetsGo",
-        "LimitsResults", "SignalsMessages", "TRANSPORTS", "Transport", "TransportContext",
+        "LimitsResults", "LoadsPayloads", "SignalsMessages", "TRANSPORTS", "Transport", "TransportContext",
         "WatchesCancels", "abandon", "build_transport",
     ],
     "async_processor.gates": [

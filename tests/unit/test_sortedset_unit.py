@@ -119,7 +119,7 @@ async def test_a_batch_is_one_request_without_a_pipeline(fake, monkeypatch) -> N
         [Completion(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in both]
     )
     assert pipelines == []
-    assert calls == [20]  # both queues' items in one call
+    assert calls == [22]  # both queues' items in one call
     assert await fake.llen("result-list") == 3
     assert await fake.llen("qb") == 2
 

@@ -1,27 +1,29 @@
 -- Write the terminal results of a batch of messages and acknowledge each claim, in one
 -- call: one script run per result batch (per hash slot in cluster mode), whatever the
 -- number of queues in it, instead of one per result or per queue.
--- Per item i (0-based), KEYS[10i+1..10i+10]: dedup marker (request-done:<id>:<digest>),
+-- Per item i (0-based), KEYS[11i+1..11i+11]: dedup marker (request-done:<id>:<digest>),
 -- result list, in-flight zset, in-flight hash, request-active:<id>, request-cancel:<id>,
 -- fallback result list (the transport's default), <queue>:live:<id> (the client's
 -- idempotency marker: the id is free again), the results-pushed counters of the result
--- list and of the fallback list (retention: incremented only once retain.lua made them).
+-- list and of the fallback list (retention: incremented only once retain.lua made them),
+-- and request-payload:<id>:<token> (the body stored apart, upstream's payload key: deleted
+-- with the result when the item's ARGV says so; any key of the item's slot otherwise).
 -- ARGV[1] marker TTL seconds, ARGV[2] "claim", or "queued": then each item's in-flight
 -- zset key is the request queue and its member a member of it (the deadline sweep),
 -- answered only while still queued, since another replica's claim or sweep may have taken
--- it since it was read. Per item, ARGV[3i+3..3i+5]: claim id (or member), encoded
--- result, request token.
+-- it since it was read. Per item, ARGV[4i+3..4i+6]: claim id (or member), encoded
+-- result, request token, "1" to delete the payload key.
 -- Returns, per item, {1 if the result was written (0 = already done), 1 if the claim was
 -- still held, 1 if its result list was not a list and the result went to the fallback},
 -- or the WRONGTYPE text of an item one of whose keys has the wrong type: that item is
 -- left untouched and the others are written (one queue's stray key must not stop every
 -- tenant's results, as in claim.lua). Every item's types are checked before the first
 -- write, so the cached types stay valid and a failing item changes nothing.
-local items = #KEYS / 10
+local items = #KEYS / 11
 local targets, pushed, fell_back, failed = {}, {}, {}, {}
 
 local function check(i)
-  local k = 10 * i
+  local k = 11 * i
   -- The result list may come from the message (result_queue_name): a key of another type
   -- is not written to, the result goes to the configured list instead.
   targets[i], pushed[i], fell_back[i] = KEYS[k + 2], KEYS[k + 9], 0
@@ -40,7 +42,7 @@ for i = 0, items - 1 do
 end
 
 local function complete_one(i)
-  local k, a = 10 * i, 3 * i + 2
+  local k, a = 11 * i, 4 * i + 2
   local member = ARGV[a + 1]
   if ARGV[2] == 'queued' and not redis.call('ZSCORE', KEYS[k + 3], member) then
     return {0, 0, 0}
@@ -68,6 +70,9 @@ local function complete_one(i)
         redis.call('DEL', key)
       end
     end
+  end
+  if ARGV[a + 4] == '1' then
+    redis.call('DEL', KEYS[k + 11])
   end
   return {written, held, fell_back[i]}
 end

@@ -1,5 +1,5 @@
 -- Move up to ARGV[1] due members of the retry set back to their origin queue, scored by
--- their deadline. The origin is the envelope's internal.request_queue_name (the daemon
+-- their deadline and submission order (lib.lua queue_score). The origin is the envelope's internal.request_queue_name (the daemon
 -- writes the queue it claimed the message from there when it defers it) if that is one of
 -- the configured queues KEYS[2..], else KEYS[2] (the reference's "first configured
 -- queue"): a message can never move itself into a key nobody polls.
@@ -23,7 +23,7 @@ for j, member in ipairs(due) do
     origin = routing['request_queue_name']
   end
   expect_types(origin, 'zset')
-  moves[j] = {origin, deadline_of(msg, now)}
+  moves[j] = {origin, queue_score(msg, now)}
 end
 for j, member in ipairs(due) do
   redis.call('ZADD', moves[j][1], moves[j][2], member)

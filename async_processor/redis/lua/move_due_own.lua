@@ -1,5 +1,5 @@
 -- Per queue retry sets (cluster mode, discovered queues): move up to ARGV[1] due members of
--- each retry set back to its own queue, scored by their deadline. One call covers many
+-- each retry set back to its own queue, scored by their deadline and submission order. One call covers many
 -- queues (all in one slot in cluster mode), so upkeep costs one call, not one per queue.
 -- KEYS: retry set 1, queue 1, retry set 2, queue 2, ...; ARGV[1] max count per queue.
 -- Returns {most, queue, error, queue, error, ...}: the most members moved for one queue (a
@@ -36,7 +36,7 @@ end
 for _, move in ipairs(moves) do
   local i, due = move[1], move[2]
   for _, member in ipairs(due) do
-    redis.call('ZADD', KEYS[i + 1], deadline_of(envelope_of(member), now), member)
+    redis.call('ZADD', KEYS[i + 1], queue_score(envelope_of(member), now), member)
     redis.call('ZREM', KEYS[i], member)
   end
   if #due > most then

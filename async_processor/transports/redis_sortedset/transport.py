@@ -23,6 +23,7 @@ next one is written (docs/transports.md has what that buys on a failover).
 from __future__ import annotations
 
 import hashlib
+import math
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
@@ -47,6 +48,7 @@ from async_processor.redis import entries, keys
 from async_processor.redis.conn import connect
 from async_processor.redis.conn import redis_errors as redis_errors
 from async_processor.redis.keyspace import KeySpace
+from async_processor.routing import queue_score
 from async_processor.transports.base import (
     TRANSPORTS,
     Deferral,
@@ -66,6 +68,7 @@ from async_processor.transports.redis_sortedset.discovery import (
 )
 from async_processor.transports.redis_sortedset.fetch import Fetcher
 from async_processor.transports.redis_sortedset.markers import MarkerChecks
+from async_processor.transports.redis_sortedset.payloads import StoredPayloads
 from async_processor.transports.redis_sortedset.routing import ROUTE_REJECTIONS, ResultRouting
 from async_processor.transports.redis_sortedset.upkeep import SortedSetUpkeep
 from async_processor.transports.redis_sortedset.writes import HEAD_BYTES, ResultWrites
@@ -82,7 +85,7 @@ ANSWERED: Back = "answered"
 BYTES_LOST_TEXT = "message bytes lost from the lease; cannot retry"
 
 
-class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep):
+class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayloads):
     kind = "redis-sortedset"
 
     def __init__(
@@ -342,12 +345,26 @@ def _back(delivery: Delivery, lost: list[Delivery]) -> Back:
 
 
 def _defer_args(item: Deferral) -> list[bytes | float | str]:
-    """(member, score, mode): the updated envelope at its deadline, or due after the delay."""
+    """(member, score, mode): the updated envelope at its place in the queue, or due after
+    the delay."""
     delivery = item.delivery
     member = delivery.envelope.encode() if delivery.envelope else delivery.raw
     if item.delay > 0:
         return [member, item.delay, "delay", deadline_of(delivery)]
-    return [member, deadline_of(delivery), "at"]
+    return [member, _queue_score(delivery), "at"]
+
+
+def _queue_score(delivery: Delivery) -> float:
+    """Where a handed-back message goes in its queue: its deadline plus upstream's order
+    fraction (``enqueue_seq``); without one, the score it was claimed with when that is
+    of its deadline (the current release's own fraction, or a bare deadline)."""
+    envelope, claimed = delivery.envelope, claim_of(delivery).score
+    if envelope is None:
+        return claimed
+    deadline = envelope.request.deadline
+    if envelope.routing.enqueue_seq > 0:
+        return queue_score(deadline, envelope.routing.enqueue_seq)
+    return claimed if math.floor(claimed) == deadline else float(deadline)
 
 
 @TRANSPORTS.register("redis-sortedset", SortedSetConfig)

@@ -31,6 +31,7 @@ from async_processor.transports.redis_sortedset.claims import (
     claim_of,
     token_of,
 )
+from async_processor.transports.redis_sortedset.payloads import payload_key
 from async_processor.transports.redis_sortedset.routing import ResultRouting
 
 log = structlog.get_logger(__name__)
@@ -67,6 +68,9 @@ class ResultWrites:
             try:
                 replies = await self._write_results(items, queued=False)
                 await self._drop_returned(self._settled(items, replies))
+                await self._drop_payloads(
+                    [d for (d, _), r in zip(items, replies, strict=True) if not _failed(r)]
+                )
             except TransportError:
                 # The scripts may have run (the reply lost, or the cleanup after them
                 # failed): the writer sends the batch again, see Claim.unsure.
@@ -163,8 +167,20 @@ class ResultWrites:
             script_keys += self._complete_keys(delivery, result, targets[index], queued=queued)
             member = delivery.raw if queued else claim_of(delivery).id
             token = token_of(delivery)
-            args += [member, _stamped(result, token).encode(), token]
+            drop = "1" if payload_key(delivery) and not self._keys.cluster else ""
+            args += [member, _stamped(result, token).encode(), token, drop]
         return script_keys, args
+
+    async def _drop_payloads(self, deliveries: Sequence[Delivery]) -> None:
+        """Cluster mode: delete the answered requests' payload keys once their results are
+        written (the key sits in another slot than the result's script; as upstream)."""
+        names = [name for d in deliveries if (name := payload_key(d)) is not None]
+        if names and self._keys.cluster:
+            with redis_errors("payload delete"):
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for name in names:
+                        pipe.delete(name)
+                    await pipe.execute()
 
     def _duplicate(self, delivery: Delivery, result: Result) -> None:
         """A second delivery of a submission already answered (a redelivery, or the same
@@ -197,6 +213,8 @@ class ResultWrites:
             self._keys.live(name, result.id),
             keys.result_side_key(target, "pushed"),
             keys.result_side_key(self._routing.configured(delivery), "pushed"),
+            # Cluster mode: the payload key is in another slot (dropped after the script).
+            (not self._keys.cluster and payload_key(delivery)) or self._keys.inflight(name),
         ]
 
     async def _drop_returned(self, deliveries: list[Delivery]) -> None:
@@ -243,6 +261,10 @@ def _written(reply: Any) -> Written | TransportError:
     if isinstance(reply, bytes):
         return TransportError(f"redis complete failed: {reply.decode(errors='replace')}")
     return int(reply[0]), int(reply[1]), int(reply[2])
+
+
+def _failed(reply: Written | TransportError) -> bool:
+    return isinstance(reply, TransportError)
 
 
 def _stamped(result: Result, token: str) -> Result:
