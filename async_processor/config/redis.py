@@ -7,8 +7,10 @@ from the client modules so that loading the config never imports redis-py (which
 OpenTelemetry when it is installed) for a deployment that does not use Redis.
 
 Fields (docs/transports.md): ``mode`` (``standalone`` | ``sentinel`` | ``cluster``),
-``sentinels`` and ``sentinel_master`` (sentinel), ``tls_ca_cert`` / ``tls_cert`` /
-``tls_key`` / ``tls_insecure_skip_verify`` (with a ``rediss://`` url only).
+``addrs`` (upstream's, llm-d-async #491: more cluster seeds or sentinels beside the url's
+host) and ``master_name`` (sentinel), ``sentinels`` and ``sentinel_master`` (ours before:
+deprecated aliases, every sentinel listed and the url's host ignored), ``tls_ca_cert`` /
+``tls_cert`` / ``tls_key`` / ``tls_insecure_skip_verify`` (with a ``rediss://`` url only).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from binascii import crc_hqx
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, BeforeValidator
 
@@ -41,6 +44,8 @@ class RedisConnectionFields(BaseModel):
     """Connection fields shared by the transport configs and the Redis gates' params
     (each adds its own mode field: ``mode`` there, ``redis_mode`` on gates)."""
 
+    addrs: HostPorts = ()
+    master_name: str = ""
     sentinels: HostPorts = ()
     sentinel_master: str = ""
     tls_ca_cert: str = ""
@@ -59,6 +64,8 @@ class RedisConnection:
 
     url: str = DEFAULT_URL
     mode: Mode = "standalone"
+    addrs: tuple[str, ...] = ()
+    master_name: str = ""
     sentinels: tuple[str, ...] = ()
     sentinel_master: str = ""
     tls_ca_cert: str = ""
@@ -77,21 +84,56 @@ class RedisConnection:
             raise ValueError("tls_* fields need a rediss:// url")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
+        if self.addrs and self.mode == "standalone":
+            raise ValueError("addrs needs mode cluster or sentinel")
+        if self.master_name and self.mode != "sentinel":
+            raise ValueError(f"master_name needs mode sentinel, not {self.mode}")
         if self.mode == "sentinel":
             self._check_sentinel()
-        elif self.mode == "cluster" and self.url.startswith("unix://"):
-            raise ValueError("mode cluster needs a redis:// or rediss:// url")
+        elif self.mode == "cluster":
+            self._check_cluster()
         elif self.sentinels or self.sentinel_master:
             raise ValueError(f"sentinels and sentinel_master need mode sentinel, not {self.mode}")
+        for address in self.addrs:
+            host_port(address)
         return self
 
     def _check_sentinel(self) -> None:
-        if not self.sentinels or not self.sentinel_master:
-            raise ValueError("mode sentinel needs sentinels (host:port list) and sentinel_master")
+        if self.master_name and self.sentinel_master:
+            raise ValueError("give master_name or sentinel_master (its deprecated alias), not both")
+        if self.addrs and self.sentinels:
+            raise ValueError(
+                "give addrs (sentinels beside the url's host) or sentinels (deprecated: every "
+                "sentinel, the url's host ignored), not both"
+            )
+        if not self.master_name and not self.sentinel_master:
+            raise ValueError("mode sentinel needs master_name")
+        if self.sentinel_master and not self.sentinels:
+            raise ValueError("mode sentinel needs sentinels (host:port list) with sentinel_master")
         if self.url.startswith("unix://"):
             raise ValueError("mode sentinel needs a redis:// or rediss:// url")
         for address in self.sentinels:
             host_port(address)
+
+    def _check_cluster(self) -> None:
+        if self.url.startswith("unix://"):
+            raise ValueError("mode cluster needs a redis:// or rediss:// url")
+        if self.sentinels or self.sentinel_master:
+            raise ValueError("sentinels and sentinel_master need mode sentinel, not cluster")
+        if url_db(self.url):
+            raise ValueError("mode cluster needs database 0 (a cluster has no other)")
+
+    def seeds(self) -> tuple[str, ...]:
+        """The ``host:port`` a cluster or the sentinels are first asked: the deprecated
+        ``sentinels`` as given, else the url's host and the ``addrs`` (upstream's)."""
+        if self.sentinels:
+            return self.sentinels
+        return (url_host_port(self.url), *self.addrs)
+
+    @property
+    def deprecated(self) -> tuple[str, ...]:
+        """The deprecated fields this connection uses (a warning names them)."""
+        return tuple(name for name in ("sentinels", "sentinel_master") if getattr(self, name))
 
     def tls_options(self) -> dict[str, Any]:
         """redis-py's ssl_* arguments (empty without TLS)."""
@@ -110,6 +152,23 @@ def check_url(url: str) -> str:
     if not url.startswith(SCHEMES):
         raise ValueError("must be a redis://, rediss:// or unix:// URL")
     return url
+
+
+def url_host_port(url: str) -> str:
+    """``host:port`` of a redis:// or rediss:// url (port 6379 when left out)."""
+    parsed = urlsplit(url)
+    host = parsed.hostname or "localhost"
+    return f"{host}:{parsed.port or 6379}"
+
+
+def url_db(url: str) -> int:
+    """The database a redis:// url names (its path, else ``?db=``; 0 when none)."""
+    parsed = urlsplit(url)
+    path = parsed.path.strip("/")
+    if path.isdigit():
+        return int(path)
+    query = dict(part.partition("=")[::2] for part in parsed.query.split("&") if part)
+    return int(query["db"]) if query.get("db", "").isdigit() else 0
 
 
 def host_port(address: str) -> tuple[str, int]:

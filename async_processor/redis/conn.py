@@ -5,12 +5,15 @@ a ``redis.asyncio`` client, and ``redis_errors``, which turns its failures into 
 ``TransportError`` callers retry.
 
 - ``standalone`` (default): the URL names the server, as the Go reference.
-- ``sentinel``: the sentinels (``host:port``) name the master of ``sentinel_master``; the
-  URL carries only credentials, db and TLS. The pool asks the sentinels again whenever a
-  connection fails, so after a failover the next call reaches the new master, and while no
-  master is known every call fails (the daemon's /readyz turns 503).
-- ``cluster``: the URL names any node; redis-py's asyncio cluster client finds the rest
-  and follows slot moves (``redis.keyspace`` keeps each queue's keys in one slot).
+- ``sentinel``: the sentinels (the URL's host and ``addrs``, as upstream; or the deprecated
+  ``sentinels`` list, the URL's host then ignored) name the master of ``master_name``
+  (deprecated alias ``sentinel_master``); the URL carries credentials, db and TLS. The
+  pool asks the sentinels again whenever a connection fails, so after a failover the next
+  call reaches the new master, and while no master is known every call fails (the
+  daemon's /readyz turns 503).
+- ``cluster``: the URL names any node (``addrs`` more seeds); redis-py's asyncio cluster
+  client finds the rest and follows slot moves (``redis.keyspace`` keeps each queue's
+  keys in one slot).
 - TLS (``rediss://``) takes a CA file, a client certificate and key, or skips verification;
   the sentinels are spoken to with the same TLS settings. ACL users and passwords come in
   the URL (``redis://user:password@host``) and are masked wherever a URL is logged.
@@ -27,7 +30,7 @@ from typing import Any, cast
 import anyio
 import structlog
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
@@ -110,9 +113,12 @@ def connect(
         "retry": Retry(ExponentialBackoff(cap=retry_cap, base=0.05), retries=1),
         **conn.tls_options(),
     }
+    _warn_deprecated(conn)
     if conn.mode == "sentinel":
         return _sentinel_master(conn, options)
     if conn.mode == "cluster":
+        if conn.addrs:
+            options["startup_nodes"] = [ClusterNode(*host_port(a)) for a in conn.addrs]
         # Typed as Redis: callers use only commands both clients have (keys, scripts,
         # pipelines); the cluster tests run the transport and the client on a real cluster.
         return cast(Redis, RedisCluster.from_url(conn.url, **options))
@@ -166,6 +172,21 @@ class _SentinelMaster(Redis):
                 await client.aclose()
 
 
+_warned: set[tuple[str, ...]] = set()
+
+
+def _warn_deprecated(conn: RedisConnection) -> None:
+    """Once per process and set of fields: ``sentinels`` / ``sentinel_master`` still work,
+    upstream's ``addrs`` / ``master_name`` replace them (docs/transports.md)."""
+    if conn.deprecated and conn.deprecated not in _warned:
+        _warned.add(conn.deprecated)
+        log.warning(
+            "redis_config_deprecated",
+            fields=list(conn.deprecated),
+            use="url (first sentinel), addrs (the others), master_name",
+        )
+
+
 def _sentinel_master(conn: RedisConnection, options: dict[str, Any]) -> Redis:
     parsed = parse_url(conn.url)
     credentials = {k: v for k, v in parsed.items() if k in ("username", "password", "db")}
@@ -173,13 +194,14 @@ def _sentinel_master(conn: RedisConnection, options: dict[str, Any]) -> Redis:
     if conn.tls:
         sentinel_options["ssl"] = True
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        [host_port(address) for address in conn.sentinels],
+        [host_port(address) for address in conn.seeds()],
         sentinel_kwargs=sentinel_options,
         **options,
         **credentials,
         ssl=conn.tls,
     )
-    client: _SentinelMaster = sentinel.master_for(conn.sentinel_master, redis_class=_SentinelMaster)
+    master = conn.master_name or conn.sentinel_master
+    client: _SentinelMaster = sentinel.master_for(master, redis_class=_SentinelMaster)
     client.sentinel_manager = sentinel
     return client
 

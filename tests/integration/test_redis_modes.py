@@ -244,6 +244,20 @@ async def test_sentinel_daemon_follows_a_failover(
     assert answered == {f"after-{i}" for i in range(20)}
 
 
+async def test_upstreams_sentinel_names_reach_the_master(
+    sentinel_group: SentinelGroup, simulator: SimulatorProcess, unique: str
+) -> None:
+    """llm-d-async #491's fields: ``url`` names the first sentinel, ``addrs`` the rest."""
+    first, *others = sentinel_group.sentinels
+    fields = {"mode": "sentinel", "addrs": others, "master_name": MASTER_NAME}
+    config = sortedset_config(f"redis://{first}/0", simulator.url, unique, transport_extra=fields)
+    conn = config.transport_config.redis_connection()  # type: ignore[union-attr]
+    async with running(config):
+        assert await _round_trip(conn, unique, "upstream", 10) == {
+            f"upstream-{i}" for i in range(10)
+        }
+
+
 async def test_readyz_is_503_while_no_master_is_reachable(
     tmp_path: Path, simulator: SimulatorProcess, unique: str
 ) -> None:

@@ -29,8 +29,8 @@ FACES = {
     "async_processor.pipeline": ["Processor", "run", "validate_plugins"],
     "async_processor.transports": [
         "Abandons", "Completion", "Deferral", "Delivery", "DiscoversQueues", "LetsGo",
-        "LimitsResults", "LoadsPayloads", "SignalsMessages", "TRANSPORTS", "Transport", "TransportContext",
-        "WatchesCancels", "abandon", "build_transport",
+        "LimitsResults", "LoadsPayloads", "SignalsMessages", "TRANSPORTS", "Transport",
+        "TransportContext", "WatchesCancels", "abandon", "build_transport",
     ],
     "async_processor.gates": [
         "Action", "GATES", "Gate", "GateContext", "GateOwner", "Observes", "Releases",

@@ -11,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
+from structlog.testing import capture_logs
 
 from async_processor.config import SortedSetConfig, redis_connection_file
 from async_processor.config.redis import RedisConnection
@@ -18,6 +19,7 @@ from async_processor.demo.local_servers import free_port
 from async_processor.errors import ConfigError, TransportError
 from async_processor.gates.leased_rate import LeasedRateParams
 from async_processor.gates.redis import QuotaParams, RedisBudgetParams
+from async_processor.redis import conn as conn_module
 from async_processor.redis.conn import connect, redis_errors
 
 QUEUES = [{"queue_name": "q", "igw_base_url": "http://gw"}]
@@ -40,7 +42,16 @@ def test_standalone_is_the_default_and_unchanged() -> None:
         ({"url": "http://h"}, "url\n.*redis://, rediss:// or unix://"),
         ({"tls_ca_cert": "/ca.pem"}, "need a rediss:// url"),
         ({"url": "rediss://h", "tls_cert": "/c.pem"}, "given together"),
-        ({"mode": "sentinel"}, "needs sentinels"),
+        ({"mode": "sentinel"}, "needs master_name"),
+        ({"mode": "sentinel", "master_name": "m", "sentinel_master": "m"}, "not both"),
+        ({**SENTINEL, "addrs": ["h:1"]}, "not both"),
+        ({"mode": "sentinel", "sentinel_master": "m"}, "needs sentinels"),
+        ({"addrs": ["h:1"]}, "addrs needs mode cluster or sentinel"),
+        ({"mode": "cluster", "addrs": ["nohost"]}, "is not host:port"),
+        ({"master_name": "m"}, "master_name needs mode sentinel"),
+        ({"mode": "cluster", "master_name": "m"}, "master_name needs mode sentinel"),
+        ({"mode": "cluster", "url": "redis://h:1/2"}, "database 0"),
+        ({"mode": "cluster", "url": "redis://h:1?db=3"}, "database 0"),
         ({**SENTINEL, "sentinels": ["nohost"]}, "is not host:port"),
         ({**SENTINEL, "url": "unix:///tmp/r.sock"}, "redis:// or rediss://"),
         ({"sentinel_master": "m"}, "need mode sentinel"),
@@ -80,6 +91,48 @@ async def test_sentinel_mode_asks_the_sentinels_with_the_url_credentials() -> No
     await client.aclose()
 
 
+@pytest.mark.anyio
+async def test_upstreams_names_ask_the_urls_host_and_addrs_for_the_master() -> None:
+    """llm-d-async #491: ``url`` is the first sentinel, ``addrs`` the others."""
+    conn = _transport(
+        url="redis://u:pw@10.0.0.1:26379/2",
+        mode="sentinel",
+        addrs="10.0.0.2:26379, 10.0.0.3:26380",
+        master_name="m",
+    ).redis_connection()
+    assert conn.seeds() == ("10.0.0.1:26379", "10.0.0.2:26379", "10.0.0.3:26380")
+    assert conn.deprecated == ()
+    with capture_logs() as logs:
+        client = connect(conn)
+    assert client.connection_pool.service_name == "m"  # type: ignore[attr-defined]
+    sentinels = client.sentinel_manager.sentinels  # type: ignore[attr-defined]
+    assert [s.connection_pool.connection_kwargs["port"] for s in sentinels] == [26379, 26379, 26380]
+    assert not [e for e in logs if e["event"] == "redis_config_deprecated"]
+    await client.aclose()
+
+
+@pytest.mark.anyio
+async def test_the_old_sentinel_fields_still_work_with_a_warning(monkeypatch) -> None:
+    monkeypatch.setattr(conn_module, "_warned", set())  # warned once per process
+    conn = _transport(url="redis://ignored:1/0", **SENTINEL).redis_connection()
+    assert conn.seeds() == ("127.0.0.1:26379",)
+    with capture_logs() as logs:
+        client = connect(conn)
+    assert client.connection_pool.service_name == "m"  # type: ignore[attr-defined]
+    [warning] = [e for e in logs if e["event"] == "redis_config_deprecated"]
+    assert warning["fields"] == ["sentinels", "sentinel_master"]
+    await client.aclose()
+
+
+@pytest.mark.anyio
+async def test_cluster_addrs_are_more_seed_nodes() -> None:
+    conn = RedisConnection(url="redis://10.0.0.1:7000", mode="cluster", addrs=("10.0.0.2:7001",))
+    client = connect(conn.check())
+    seeds = client.nodes_manager.startup_nodes  # type: ignore[attr-defined]
+    assert set(seeds) == {"10.0.0.1:7000", "10.0.0.2:7001"}
+    await client.aclose()
+
+
 def test_gates_take_the_same_fields_as_redis_mode_and_helm_strings() -> None:
     """``mode`` stays the quota's own field; Helm passes lists and bools as strings."""
     params = QuotaParams.model_validate(
@@ -109,7 +162,7 @@ def test_producer_commands_read_the_daemons_transport_config(tmp_path: Path) -> 
     conn = redis_connection_file(str(path), "redis://u:pw@h/2")
     assert conn.mode == "sentinel" and conn.url == "redis://u:pw@h/2"
     path.write_text(json.dumps({"mode": "sentinel", "queues": QUEUES}))
-    with pytest.raises(ConfigError, match="needs sentinels"):
+    with pytest.raises(ConfigError, match="needs master_name"):
         redis_connection_file(str(path), "redis://h")
 
 
