@@ -11,8 +11,9 @@ import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from async_processor.config.queues import QueueSpec
+from async_processor.errors import TransportError
 from async_processor.gates.base import ConstantGate, Gate
-from async_processor.messages import Envelope, decode_envelope
+from async_processor.messages import Envelope, ErrorCode, Result, decode_envelope
 from async_processor.metrics import Metrics, QueueMetrics
 from async_processor.pipeline.capacity import PoolCapacity
 from async_processor.pipeline.poller import Poller
@@ -324,4 +325,60 @@ async def test_a_hand_back_that_cannot_finish_gives_up_the_rest_and_their_slots(
         assert capacity.free == 5  # three fetched, the first waiting on the lane
         tg.cancel_scope.cancel()
     assert sorted(transport.abandoned) == ["a", "b", "c"]
+    assert capacity.free == 8
+
+
+class StoredApartTransport(FakeTransport):
+    """Messages whose id starts with ``ref`` keep their payload apart (``LoadsPayloads``):
+    loaded in one call per fetch, ``missing`` ones answered, or every load failing."""
+
+    def __init__(self, raws: Sequence[bytes], *, fail: bool = False) -> None:
+        super().__init__(raws)
+        self.fail = fail
+        self.loads: list[list[str]] = []
+
+    def stored_apart(self, delivery: Delivery) -> bool:
+        return self.decode(delivery).id.startswith("ref")
+
+    async def load_payloads(self, deliveries: Sequence[Delivery]) -> list[Result | None]:
+        ids = [d.envelope.id for d in deliveries if d.envelope is not None]
+        self.loads.append(ids)
+        if self.fail:
+            raise TransportError("redis payload fetch failed: gone")
+        for delivery in deliveries:
+            assert delivery.envelope is not None
+            delivery.envelope.request.payload = b'{"loaded":true}'
+        return [
+            Result.failure(i, ErrorCode.PAYLOAD_UNAVAILABLE, "missing") if "missing" in i else None
+            for i in ids
+        ]
+
+
+async def test_stored_payloads_load_in_one_call_and_a_missing_one_is_answered() -> None:
+    future = time.time() + 600
+    names = ("inline", "ref-1", "ref-missing", "ref-2")
+    transport = StoredApartTransport([message(i, future) for i in names])
+    capacity = PoolCapacity(8)
+    forwarded, ops = await run_until_blocked(transport, capacity)
+    assert transport.loads == [["ref-1", "ref-missing", "ref-2"]]
+    assert [w.envelope.id for w in forwarded] == ["inline", "ref-1", "ref-2"]
+    assert all(w.envelope.request.payload == b'{"loaded":true}' for w in forwarded[1:])
+    [answered] = [op for op in ops if isinstance(op, Completion)]
+    assert (answered.result.id, answered.result.error_code) == (
+        "ref-missing",
+        "PAYLOAD_UNAVAILABLE",
+    )
+    assert capacity.free == 8 - len(forwarded)
+
+
+async def test_a_failed_payload_read_hands_the_batch_back_and_frees_its_slots() -> None:
+    future = time.time() + 600
+    transport = StoredApartTransport([message(i, future) for i in ("ref-a", "ref-b")], fail=True)
+    capacity = PoolCapacity(8)
+    forwarded, ops = await run_until_blocked(transport, capacity)
+    assert forwarded == []
+    assert sorted(op.delivery.envelope.id for op in ops if isinstance(op, Deferral)) == [
+        "ref-a",
+        "ref-b",
+    ]
     assert capacity.free == 8
