@@ -12,7 +12,6 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -23,10 +22,10 @@ from redis.asyncio import Redis
 from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import SortedSetConfig
 from async_processor.messages import Result
-from async_processor.transports.base import Completion, Deferral, TransportContext
-from async_processor.transports.redis_sortedset.transport import SortedSetTransport
+from async_processor.transports.base import Completion, Deferral
 from tests.fixtures.inprocess import metric, running, sortedset_config
 from tests.fixtures.servers import free_port
+from tests.integration.test_sortedset import future, opened
 
 pytestmark = pytest.mark.anyio
 GW = "http://gw.test:8000"
@@ -71,10 +70,8 @@ def field_text(member: bytes, name: str) -> bytes:
 
 
 @pytest.fixture
-async def r(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
+def r(redis_client: Redis) -> Redis:
+    return redis_client
 
 
 @pytest.fixture
@@ -91,19 +88,6 @@ def make_config(redis_url: str, unique: str) -> Callable[..., SortedSetConfig]:
         )
 
     return make
-
-
-@asynccontextmanager
-async def opened(config: SortedSetConfig) -> AsyncIterator[SortedSetTransport]:
-    transport = SortedSetTransport(config, TransportContext())
-    try:
-        yield transport
-    finally:
-        await transport.aclose()
-
-
-def future(seconds: int = 600) -> int:
-    return int(time.time()) + seconds
 
 
 # ------------------------------------------------------------ §2: request_token on results
