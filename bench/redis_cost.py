@@ -15,7 +15,10 @@ Read from every Redis node before and after, so only the daemons' work counts:
 
 The watcher's own LLEN/INFO calls are left out. The daemons share the machine's cores
 with Redis, so rates are the machine's; CPU per message is Redis's own.
-Run: ``python -m bench.redis_cost [--quick]``.
+``--payload-keys``: the messages are queued with upstream's payload keys (each payload in
+``request-payload:<id>:<token>``; standalone only): one MGET per fetch and a DEL in the
+result's script more.
+Run: ``python -m bench.redis_cost [--quick] [--payload-keys]``.
 """
 
 from __future__ import annotations
@@ -119,10 +122,12 @@ def start_daemons(
         )
 
 
-async def submit(target: Target, queue: str, results: str, messages: int) -> None:
+async def submit(
+    target: Target, queue: str, results: str, messages: int, payload_keys: bool
+) -> None:
     conn = RedisConnection(url=target.url, mode=target.mode)  # type: ignore[arg-type]
     deadline = int(time.time()) + DEADLINE
-    async with SortedSetClient(conn, queue, results) as client:
+    async with SortedSetClient(conn, queue, results, payload_keys=payload_keys) as client:
         for start in range(0, messages, 2000):
             batch = [
                 {"id": f"m{i}", "deadline": deadline, "payload": payload()}
@@ -143,10 +148,12 @@ def result_node(target: Target, results: str) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=int(node.port))
 
 
-def measure(target: Target, sim: SimulatorProcess, batch: int, replicas: int, n: int) -> Cost:
+def measure(
+    target: Target, sim: SimulatorProcess, batch: int, replicas: int, n: int, payload_keys: bool
+) -> Cost:
     queue = f"cost-{target.mode}-b{batch}-r{replicas}-{time.monotonic_ns()}"
     results = f"{{{queue}}}:results" if target.mode == "cluster" else f"{queue}-results"
-    anyio.run(submit, target, queue, results, n)
+    anyio.run(submit, target, queue, results, n, payload_keys)
     watcher = result_node(target, results)
     polls = 0
     before = snapshot(target.ports)
@@ -179,9 +186,10 @@ def targets(stack: ExitStack) -> Iterator[list[Target]]:
     ]
 
 
-def run(messages: int) -> list[tuple[str, str]]:
+def run(messages: int, payload_keys: bool = False) -> list[tuple[str, str]]:
+    stored = ", payloads in their own keys" if payload_keys else ""
     rows = [("setup", f"{messages} messages per row, {WORKERS} workers per replica, "
-                      "zero-latency gateway; per message:")]  # fmt: skip
+                      f"zero-latency gateway{stored}; per message:")]  # fmt: skip
     header = (
         "commands (scripts)  round trips  Redis CPU µs  busiest node  ceiling msg/s/core  run s"
     )
@@ -190,9 +198,11 @@ def run(messages: int) -> list[tuple[str, str]]:
         sim = simulator(stack)
         with targets(stack) as all_targets:
             for target in all_targets:
+                if payload_keys and target.mode == "cluster":
+                    continue  # the client writes payload keys on standalone only (yet)
                 for replicas in REPLICAS:
                     for batch in BATCHES:
-                        c = measure(target, sim, batch, replicas, messages)
+                        c = measure(target, sim, batch, replicas, messages, payload_keys)
                         rows.append((f"{target.mode} / {replicas} / {batch}", _row(c)))
     return rows
 
@@ -208,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--messages", type=int, default=4000)
     p.add_argument("--quick", action="store_true", help="1,000 messages per row")
+    p.add_argument(
+        "--payload-keys", action="store_true", help="payloads in their own keys (standalone)"
+    )
     args = p.parse_args(argv)
-    table("what a message costs Redis", run(1000 if args.quick else args.messages))
+    rows = run(1000 if args.quick else args.messages, args.payload_keys)
+    table("what a message costs Redis", rows)
     return 0
 
 
