@@ -61,6 +61,26 @@ def test_submit_jsonl_then_cancel(tmp_path: Path, redis_url: str, unique: str) -
     assert r.get("request-cancel:a") == env_a.routing.request_token.encode()
 
 
+def test_submit_with_payload_keys_stores_each_payload_apart(
+    tmp_path: Path, redis_url: str, unique: str
+) -> None:
+    """Upstream's WithPayloadKeys() shape: payload_ref, no data.payload, the body in its key."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": f"{unique}-k", "payload": {"n": 12345678901234567890}}) + "\n")
+    queue = f"{unique}:q"
+    assert (
+        main(["submit", str(src), "--redis-url", redis_url, "--queue", queue, "--payload-keys"])
+        == 0
+    )
+    r = redis.Redis.from_url(redis_url)
+    [member] = r.zrange(queue, 0, -1)
+    envelope = decode_envelope(member)
+    key = f"request-payload:{unique}-k:{envelope.routing.request_token}"
+    assert envelope.routing.payload_ref == key
+    assert b'"payload":' not in member
+    assert r.get(key) == b'{"n":12345678901234567890}'
+
+
 def test_submit_names_a_bad_line_and_submits_nothing(
     tmp_path: Path, redis_url: str, unique: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
