@@ -12,6 +12,7 @@ import os
 import time
 
 from bench import (
+    held,
     in_flight,
     littles_law,
     memory,
@@ -27,6 +28,7 @@ BENCHES = {
     "littles_law": littles_law.main,
     "overhead": overhead.main,
     "pipeline": pipeline.main,
+    "held": held.main,
     "memory": memory.main,
     "in_flight": in_flight.main,
     "replicas": replicas.main,
