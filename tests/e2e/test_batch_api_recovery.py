@@ -57,3 +57,33 @@ def test_refuses_to_start_without_keys(tmp_path: pytest.TempPathFactory) -> None
     done = subprocess.run(api_command(config), capture_output=True, timeout=60)
     assert done.returncode == 2
     assert b"--api-keys-file is required (or --no-auth" in done.stderr
+
+
+def test_daemon_killed_mid_batch_loses_and_repeats_no_line(batch_stack: BatchStack) -> None:
+    batch_stack.simulator.configure(latency=0.1)
+    client = batch_stack.client()
+    batch = run_batch(client, [line(f"d{i}") for i in range(400)])
+    end = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < 50:
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    batch_stack.restart_daemon()  # its claims come back when their 2 s leases run out
+    done = wait_for(client, batch.id, timeout=120)
+    assert done.status == "completed", done
+    assert done.request_counts.completed == done.request_counts.total == 400
+    output = file_lines(client, done.output_file_id)
+    assert Counter(x["custom_id"] for x in output) == Counter(f"d{i}" for i in range(400))
+
+
+def test_two_replicas_share_the_work_and_the_state(batch_stack: BatchStack) -> None:
+    first, second = batch_stack.apis[-1], batch_stack.start_api(replica="r2")
+    one, two = batch_stack.client(api=first), batch_stack.client(api=second)
+    batches = [
+        run_batch(c, [line(f"{n}-{i}") for i in range(100)]) for n, c in (("a", one), ("b", two))
+    ]
+    for made in batches:  # each replica answers for the other's batch
+        done = wait_for(two if made in batches[:1] else one, made.id)
+        assert done.status == "completed" and done.request_counts.completed == 100
+        output = file_lines(one, done.output_file_id)
+        assert len(output) == len({x["custom_id"] for x in output}) == 100
+    assert {b.id for b in two.batches.list()} == {b.id for b in batches}
