@@ -17,6 +17,7 @@ from pathlib import Path
 import anyio
 import structlog
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from async_processor.api import batches, files
 from async_processor.api.auth import auth_middleware, load_keys
@@ -31,6 +32,7 @@ from async_processor.api.context import (
 )
 from async_processor.api.errors import errors_middleware
 from async_processor.api.keys import result_list
+from async_processor.api.metrics import ApiMetrics
 from async_processor.api.runner import Runner
 from async_processor.api.storage import DirStorage
 from async_processor.api.store import Store
@@ -46,16 +48,28 @@ log = structlog.get_logger(__name__)
 
 
 def build_app(ctx: Context, digests: dict[str, str] | None) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, auth_middleware(digests)])
+    middlewares = [ctx.metrics.middleware(), errors_middleware, auth_middleware(digests)]
+    app = web.Application(middlewares=middlewares)
     app[CONTEXT] = ctx
     files.add_routes(app)
     batches.add_routes(app)
+    ctx.metrics.add_route(app)
     app.router.add_get("/healthz", _ok)
-    app.router.add_get("/readyz", _ok)
+    app.router.add_get("/readyz", _ready)
     return app
 
 
 async def _ok(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    """Ready while Redis answers (every call needs it)."""
+    try:
+        with anyio.fail_after(2):
+            await request.app[CONTEXT].store.redis.ping()
+    except (TimeoutError, RedisError, OSError) as exc:
+        return web.json_response({"status": "unready", "reason": type(exc).__name__}, status=503)
     return web.json_response({"status": "ok"})
 
 
@@ -123,9 +137,11 @@ async def serve(args: argparse.Namespace) -> None:
     conn = redis_connection_file(args.transport_config_file, "")
     queue = _queue(args)
     host, port = _listen(args.listen)
-    store = Store(connect(conn))
+    metrics = ApiMetrics()
+    store = Store(connect(conn), moved=lambda status: metrics.batches.labels(status).inc())
     ctx = Context(
         store=store,
+        metrics=metrics,
         storage=DirStorage(Path(args.storage_dir)),
         queue=queue,
         limits=Limits(args.max_file_bytes, args.max_file_lines, args.max_open_lines),

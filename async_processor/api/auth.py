@@ -19,7 +19,7 @@ from aiohttp.typedefs import Middleware
 from async_processor.api.errors import ApiError, Handler
 from async_processor.errors import ConfigError
 
-OPEN_PATHS = ("/healthz", "/readyz")
+OPEN_PATHS = ("/healthz", "/readyz", "/metrics")
 NO_AUTH_TENANT = "default"
 _DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
 _TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")

@@ -10,6 +10,7 @@ dropped: nothing else writes to this list.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -19,7 +20,8 @@ from redis.exceptions import RedisError
 
 from async_processor.api import keys
 from async_processor.api.lines import result_line
-from async_processor.api.store import Store
+from async_processor.api.metrics import ApiMetrics
+from async_processor.api.store import Recorded, Store
 from async_processor.client import SortedSetClient, UndecodableResult
 from async_processor.errors import TransportError
 from async_processor.messages import Result
@@ -31,7 +33,7 @@ WAIT = 0.5  # seconds a read waits for the first result
 BACKOFF = 1.0  # seconds between attempts while Redis refuses
 
 
-async def collect(client: SortedSetClient, store: Store) -> None:
+async def collect(client: SortedSetClient, store: Store, metrics: ApiMetrics) -> None:
     """Forever: read a batch of results, record them (retrying until Redis takes them),
     then read on (which removes them from this replica's processing list)."""
     while True:
@@ -43,19 +45,23 @@ async def collect(client: SortedSetClient, store: Store) -> None:
             continue
         while results:
             try:
-                await record_results(store, results)
+                await record_results(store, results, metrics)
                 break
             except (RedisError, TransportError) as exc:
                 log.warning("api_results_record_failed", error=str(exc), results=len(results))
                 await anyio.sleep(BACKOFF)
 
 
-async def record_results(store: Store, results: Sequence[Result]) -> None:
+async def record_results(
+    store: Store, results: Sequence[Result], metrics: ApiMetrics | None = None
+) -> None:
     by_batch: dict[str, list[tuple[int, Result]]] = defaultdict(list)
     for result in results:
         where = None if isinstance(result, UndecodableResult) else keys.parse_line_id(result.id)
         if where is None:
             log.warning("api_result_dropped", request_id=result.id[:200], reason="not_a_line")
+            if metrics is not None:
+                metrics.lines.labels("dropped").inc()
             continue
         by_batch[where[0]].append((where[1], result))
     for batch_id, found in by_batch.items():
@@ -65,6 +71,16 @@ async def record_results(store: Store, results: Sequence[Result]) -> None:
             for (index, result), custom_id in zip(found, custom_ids, strict=True)
             if custom_id is not None
         ]
-        new = await store.record(batch_id, lines) if lines else -1
-        if new < 0 or len(lines) < len(found):  # finalized (or deleted): nothing to add to
+        done = await store.record(batch_id, lines) if lines else Recorded(new=-1)
+        if done.new < 0 or len(lines) < len(found):  # finalized (or deleted)
             log.info("api_results_for_closed_batch", batch_id=batch_id, results=len(found))
+        if metrics is not None:
+            _count(metrics, done, len(found))
+
+
+def _count(metrics: ApiMetrics, done: Recorded, results: int) -> None:
+    new = max(done.new, 0)
+    metrics.lines.labels("recorded").inc(new)
+    metrics.lines.labels("dropped").inc(results - new)
+    if new and done.answered == new:  # the batch's first results
+        metrics.first_result.observe(max(0.0, time.time() - done.created_at))

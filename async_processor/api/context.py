@@ -12,6 +12,7 @@ from typing import Literal
 from aiohttp import web
 
 from async_processor.api.errors import not_found
+from async_processor.api.metrics import ApiMetrics
 from async_processor.api.storage import Storage
 from async_processor.api.store import Store
 
@@ -37,6 +38,7 @@ class Context:
     store: Store
     storage: Storage
     queue: str
+    metrics: ApiMetrics = field(default_factory=ApiMetrics)
     limits: Limits = field(default_factory=Limits)
     endpoints: tuple[str, ...] = DEFAULT_ENDPOINTS
 

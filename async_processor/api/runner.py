@@ -42,7 +42,7 @@ class Runner:
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(collect, self.client, self.ctx.store)
+            tg.start_soon(collect, self.client, self.ctx.store, self.ctx.metrics)
             while True:
                 await self._schedule(tg)
                 await anyio.sleep(TICK)

@@ -9,7 +9,7 @@ line once (``record``), both as Lua scripts on one object's keys (one cluster sl
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,8 @@ return 0
 
 # KEYS: batch hash, done bitmap, out list, err list. ARGV: per line 8 values: index,
 # 'out' or 'err', the file line, input, output, total, cached, reasoning tokens.
-# Returns how many lines were new; -1 when the batch is gone or sealed.
+# Returns {new lines, lines answered now, the batch's created_at}; {-1} when the batch is
+# gone or sealed.
 RECORD = (
     _CHECK
     + """
@@ -55,7 +56,7 @@ for i, kind in ipairs({'hash', 'string', 'list', 'list'}) do
   local err = want(KEYS[i], kind)
   if err then return err end
 end
-if redis.call('HGET', KEYS[1], 'sealed') ~= '0' then return -1 end
+if redis.call('HGET', KEYS[1], 'sealed') ~= '0' then return {-1} end
 local usage = {'input_tokens', 'output_tokens', 'total_tokens', 'cached_tokens',
                'reasoning_tokens'}
 local new = 0
@@ -71,7 +72,8 @@ for i = 1, #ARGV, 8 do
     end
   end
 end
-return new
+local counts = redis.call('HMGET', KEYS[1], 'completed', 'failed', 'created_at')
+return {new, (tonumber(counts[1]) or 0) + (tonumber(counts[2]) or 0), tonumber(counts[3]) or 0}
 """
 )
 
@@ -94,9 +96,20 @@ class Line:
     usage: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What ``record`` did: lines new (-1: the batch is gone or finalized), lines of the
+    batch answered now, and the batch's ``created_at``."""
+
+    new: int
+    answered: int = 0
+    created_at: int = 0
+
+
 class Store:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, moved: Callable[[str], None] | None = None) -> None:
         self.redis = redis
+        self._moved = moved  # told each status this store moved a batch to (metrics)
         self._transition = redis.register_script(TRANSITION)
         self._record = redis.register_script(RECORD)
         self._lease = redis.register_script(LEASE)
@@ -151,22 +164,24 @@ class Store:
 
     async def transition(self, batch_id: str, to: str, from_: Sequence[str], now: int) -> bool:
         moved = await self._transition(keys=[keys.batch_key(batch_id)], args=[to, now, *from_])
+        if moved == 1 and self._moved is not None:
+            self._moved(to)
         if moved == 1 and to in TERMINAL:
             await self.redis.zrem(keys.OPEN_BATCHES, batch_id)
         return bool(moved == 1)
 
-    async def record(self, batch_id: str, lines: Sequence[Line]) -> int:
-        """Count and keep each line whose result is not recorded yet; how many were new
-        (-1: the batch is gone or already finalized)."""
+    async def record(self, batch_id: str, lines: Sequence[Line]) -> Recorded:
+        """Count and keep each line whose result is not recorded yet."""
         args: list[str | int] = []
         for line in lines:
             args += [line.index, "out" if line.ok else "err", line.text, *line.usage]
-        return int(
-            await self._record(
-                keys=[keys.batch_key(batch_id), *(keys.batch_part(batch_id, p) for p in PARTS)],
-                args=args,
-            )
+        reply = await self._record(
+            keys=[keys.batch_key(batch_id), *(keys.batch_part(batch_id, p) for p in PARTS)],
+            args=args,
         )
+        if int(reply[0]) < 0:
+            return Recorded(new=-1)
+        return Recorded(int(reply[0]), int(reply[1]), int(reply[2]))
 
     async def done(self, batch_id: str, start: int, stop: int) -> list[bool]:
         """Whether each line in [start, stop) has its result recorded."""

@@ -79,6 +79,10 @@ def test_batch_completes_with_output_and_error_files(batch_stack: BatchStack) ->
     # Every line went to the gateway exactly once.
     assert batch_stack.simulator.stats()["total"] == 31
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    metrics = batch_stack.apis[-1].metrics()
+    assert 'async_processor_api_batch_status_changes_total{status="completed"} 1.0' in metrics
+    assert 'async_processor_api_results_total{outcome="recorded"} 31.0' in metrics
+    assert 'route="/v1/batches/{batch_id}",status="200"' in metrics
 
 
 def test_bad_lines_fail_the_batch_naming_every_line(batch_stack: BatchStack) -> None:

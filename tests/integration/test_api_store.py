@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 
 from async_processor.api import keys
 from async_processor.api.collector import record_results
+from async_processor.api.metrics import ApiMetrics
 from async_processor.api.store import Line, Store
 from async_processor.messages import ErrorCode, Result
 
@@ -36,8 +37,13 @@ async def test_a_result_read_twice_is_recorded_once(redis_client: Redis, unique:
         Result.failure(keys.line_id(batch_id, 2), ErrorCode.CANCELLED, "cancelled"),
         Result(id="someone-else:7"),  # not a line: dropped, not an error
     ]
+    metrics = ApiMetrics()
     for _ in range(3):  # a reader killed before its ack reads them again
-        await record_results(store, results)
+        await record_results(store, results, metrics)
+    counted = metrics.registry.get_sample_value
+    assert counted("async_processor_api_results_total", {"outcome": "recorded"}) == 2
+    assert counted("async_processor_api_results_total", {"outcome": "dropped"}) == 7
+    assert counted("async_processor_api_first_result_seconds_count") == 1
     record = await store.batch(batch_id)
     assert record is not None
     assert (record["completed"], record["failed"], record["total_tokens"]) == ("1", "1", "10")
@@ -52,9 +58,9 @@ async def test_a_sealed_batch_takes_no_more_lines(redis_client: Redis, unique: s
     store = Store(redis_client)
     batch_id = await _batch(store, unique)
     await store.update(batch_id, {"sealed": 1})
-    assert await store.record(batch_id, [Line(1, True, "{}")]) == -1
+    assert (await store.record(batch_id, [Line(1, True, "{}")])).new == -1
     assert await store.done(batch_id, 0, 3) == [False, False, False]
-    assert await store.record("batch_gone", [Line(1, True, "{}")]) == -1
+    assert (await store.record("batch_gone", [Line(1, True, "{}")])).new == -1
 
 
 async def test_status_never_goes_backwards(redis_client: Redis, unique: str) -> None:
