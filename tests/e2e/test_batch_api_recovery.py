@@ -1,16 +1,17 @@
-"""The Batch API when things go wrong: the API killed mid-batch, a batch's window ending,
-the command refusing to start without keys."""
+"""The Batch API when things go wrong: the API killed mid-upload or mid-batch, the daemon
+killed mid-batch, two replicas, a batch's window ending, no keys at start."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from collections import Counter
 
 import pytest
 
-from tests.e2e.test_batch_api import file_lines, line, run_batch, wait_for
-from tests.fixtures.api import BatchStack, api_command
+from tests.e2e.test_batch_api import file_lines, jsonl, line, run_batch, wait_for
+from tests.fixtures.api import KEYS, BatchStack, api_command
 
 pytestmark = [pytest.mark.slow]
 
@@ -87,3 +88,25 @@ def test_two_replicas_share_the_work_and_the_state(batch_stack: BatchStack) -> N
         output = file_lines(one, done.output_file_id)
         assert len(output) == len({x["custom_id"] for x in output}) == 100
     assert {b.id for b in two.batches.list()} == {b.id for b in batches}
+
+
+def test_api_killed_mid_upload_leaves_no_file(batch_stack: BatchStack) -> None:
+    api, storage = batch_stack.apis[-1], batch_stack.tmp / "storage"
+    part = (
+        b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b'--b\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n'
+    )
+    head = (
+        f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS['acme']}\r\n"
+        f"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 10000000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", api.port)) as upload:
+        upload.sendall(head.encode() + part + jsonl([line(f"u{i}") for i in range(3000)]))
+        end = time.monotonic() + 10
+        while not list(storage.glob(".tmp-*")):  # streamed to a temporary, not yet a file
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        api.kill9()
+    client = batch_stack.client(api=batch_stack.start_api())
+    assert list(storage.iterdir()) == []  # the temporary was swept at start
+    assert list(client.files.list()) == []
