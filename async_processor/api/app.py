@@ -35,8 +35,8 @@ from async_processor.api.keys import result_list
 from async_processor.api.metrics import ApiMetrics
 from async_processor.api.runner import Runner
 from async_processor.api.storage import DirStorage
-from async_processor.api.store import Store
-from async_processor.cli.args import parse, subcommand_parser
+from async_processor.api.store import BATCH_RETENTION, Store
+from async_processor.cli.args import duration, parse, subcommand_parser
 from async_processor.client import SortedSetClient
 from async_processor.config import redis_connection_file
 from async_processor.errors import ConfigError
@@ -99,6 +99,18 @@ def _parser() -> argparse.ArgumentParser:
         default=MAX_OPEN_LINES,
         help="a batch's lines queued and unanswered at most",
     )
+    p.add_argument(
+        "--retention-interval",
+        type=duration,
+        default=60.0,
+        help="how often expired files and batches are looked for",
+    )
+    p.add_argument(
+        "--batch-retention",
+        type=duration,
+        default=BATCH_RETENTION,
+        help="how long a finished batch is kept",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="auto")
     return p
@@ -138,7 +150,11 @@ async def serve(args: argparse.Namespace) -> None:
     queue = _queue(args)
     host, port = _listen(args.listen)
     metrics = ApiMetrics()
-    store = Store(connect(conn), moved=lambda status: metrics.batches.labels(status).inc())
+    store = Store(
+        connect(conn),
+        moved=lambda status: metrics.batches.labels(status).inc(),
+        batch_retention=int(args.batch_retention),
+    )
     ctx = Context(
         store=store,
         metrics=metrics,
@@ -146,6 +162,7 @@ async def serve(args: argparse.Namespace) -> None:
         queue=queue,
         limits=Limits(args.max_file_bytes, args.max_file_lines, args.max_open_lines),
         endpoints=tuple(e for e in args.endpoints.split(",") if e),
+        retention_every=max(0.05, args.retention_interval),
     )
     client = SortedSetClient(conn, queue, result_list(queue), consumer=f"api-{args.replica}")
     app = build_app(ctx, digests)

@@ -17,6 +17,7 @@ from aiohttp import web
 from async_processor.api import keys
 from async_processor.api.context import Context, context, owned, tenant
 from async_processor.api.errors import ApiError, not_found
+from async_processor.api.files import DEFAULT_EXPIRY_SECONDS, expiry_seconds
 from async_processor.api.listing import page
 from async_processor.api.store import as_int, loads
 from async_processor.durations import parse_duration
@@ -124,10 +125,19 @@ async def _record(ctx: Context, owner: str, body: dict[str, Any]) -> dict[str, s
         "expires_at": now + seconds,
         "deadline": now + seconds,
         "metadata": json.dumps(_metadata(body.get("metadata"))),
-        "output_expires_after": json.dumps(body.get("output_expires_after")),
+        "output_expires_seconds": _output_expiry(body.get("output_expires_after")),
         "sealed": 0,
         "submitted": 0,
     }
+
+
+def _output_expiry(policy: object) -> int:
+    """Seconds from the batch's creation its output files are kept (default 30 days)."""
+    if policy is None:
+        return DEFAULT_EXPIRY_SECONDS
+    if not isinstance(policy, dict):
+        raise ApiError(400, "output_expires_after must be an object", param="output_expires_after")
+    return expiry_seconds(policy.get("anchor"), policy.get("seconds"), "output_expires_after")
 
 
 def _window_seconds(window: object) -> int:

@@ -41,6 +41,7 @@ class Context:
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
     limits: Limits = field(default_factory=Limits)
     endpoints: tuple[str, ...] = DEFAULT_ENDPOINTS
+    retention_every: float = 60.0  # seconds between looks for expired files and batches
 
 
 CONTEXT = web.AppKey("context", Context)

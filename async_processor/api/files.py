@@ -22,6 +22,7 @@ from async_processor.api.storage import Writer
 UPLOAD_CHUNK = 256 * 1024
 FIELD_BYTES = 1024  # a form field other than the file
 MAX_EXPIRY_SECONDS = 30 * 24 * 3600
+DEFAULT_EXPIRY_SECONDS = 30 * 24 * 3600  # a batch file expires after 30 days, as OpenAI's
 
 
 def file_object(record: Mapping[str, str]) -> dict[str, Any]:
@@ -85,18 +86,23 @@ def _record(
         "filename": filename,
         "purpose": "batch",
     }
-    seconds = fields.get("expires_after[seconds]")
-    if seconds is not None:
-        if fields.get("expires_after[anchor]") != "created_at":
-            raise ApiError(400, "expires_after.anchor must be created_at", param="expires_after")
-        if (
-            not seconds.isascii()
-            or not seconds.isdigit()
-            or not 3600 <= int(seconds) <= (MAX_EXPIRY_SECONDS)
-        ):
-            raise ApiError(400, "expires_after.seconds: 3600 to 2592000", param="expires_after")
-        record["expires_at"] = now + int(seconds)
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        record["expires_at"] = now + DEFAULT_EXPIRY_SECONDS
+    else:
+        record["expires_at"] = now + expiry_seconds(anchor, seconds, "expires_after")
     return record
+
+
+def expiry_seconds(anchor: object, seconds: object, param: str) -> int:
+    """``{anchor: created_at, seconds: 3600..2592000}``, as OpenAI takes it (form fields
+    are text)."""
+    if anchor != "created_at":
+        raise ApiError(400, f"{param}.anchor must be created_at", param=param)
+    text = str(seconds) if isinstance(seconds, int | str) and not isinstance(seconds, bool) else ""
+    if not text.isascii() or not text.isdigit() or not 3600 <= int(text) <= MAX_EXPIRY_SECONDS:
+        raise ApiError(400, f"{param}.seconds must be 3600 to 2592000", param=param)
+    return int(text)
 
 
 async def _field(part: BodyPartReader) -> str:

@@ -92,6 +92,7 @@ async def _write(ctx: Context, record: dict[str, str], part: str, file_id: str, 
             "created_at": int(time.time()),
             "filename": f"{record['id']}_{name}.jsonl",
             "purpose": "batch_output",
+            "expires_at": int(record["created_at"]) + int(record["output_expires_seconds"]),
         }
     )
     return True

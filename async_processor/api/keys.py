@@ -14,6 +14,8 @@ from async_processor.config.redis import hash_tag
 
 PREFIX = "async-processor:api"
 OPEN_BATCHES = f"{PREFIX}:open-batches"
+EXPIRIES = f"{PREFIX}:expiries"  # zset: "file:<id>" / "batch:<id>" -> when to delete it
+RETENTION_LOCK = f"{PREFIX}:retention-lock"  # the replica sweeping expiries
 FILE_PREFIX = "file-"
 BATCH_PREFIX = "batch_"
 

@@ -1,6 +1,7 @@
 """Drives each open batch through its statuses: validate, submit, finalize, cancel.
 
-Stage: the API's producer side. Input: the open batches in the store. Output: their
+Stage: the API's producer side (and, beside it, the result collector and the retention
+sweep). Input: the open batches in the store. Output: their
 lines as queue messages (through the client library, in bounded chunks from a saved
 cursor), their status moved on by compare-and-set, and at the end their output and
 error files (``finish``). One replica drives a batch at a time (a lease it renews at
@@ -23,6 +24,7 @@ from async_processor.api.collector import collect
 from async_processor.api.context import Context
 from async_processor.api.finish import CANCELLED, EXPIRED, close_lines, finalize
 from async_processor.api.lines import bodies, check_lines, line_request
+from async_processor.api.retention import keep_retention
 from async_processor.api.store import TERMINAL, as_int
 from async_processor.client import SortedSetClient
 
@@ -43,6 +45,7 @@ class Runner:
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(collect, self.client, self.ctx.store, self.ctx.metrics)
+            tg.start_soon(keep_retention, self.ctx, self.replica, self.ctx.retention_every)
             while True:
                 await self._schedule(tg)
                 await anyio.sleep(TICK)

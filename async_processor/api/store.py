@@ -19,6 +19,7 @@ from async_processor.api import keys
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 LEASE_MS = 15_000
+BATCH_RETENTION = 30 * 24 * 3600  # a finished batch object is kept this long, as OpenAI
 IDEMPOTENCY_TTL = 24 * 3600
 RETRY_MATCH_TTL = 600  # an SDK retry of the same body finds its batch this long
 
@@ -85,6 +86,12 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# KEYS: lock. ARGV: owner. Deletes the lock only if the owner holds it.
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class Line:
@@ -107,12 +114,19 @@ class Recorded:
 
 
 class Store:
-    def __init__(self, redis: Redis, moved: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        moved: Callable[[str], None] | None = None,
+        batch_retention: int = BATCH_RETENTION,
+    ) -> None:
         self.redis = redis
+        self.batch_retention = batch_retention  # seconds a finished batch is kept
         self._moved = moved  # told each status this store moved a batch to (metrics)
         self._transition = redis.register_script(TRANSITION)
         self._record = redis.register_script(RECORD)
         self._lease = redis.register_script(LEASE)
+        self._release = redis.register_script(RELEASE)
 
     # ------------------------------------------------------------------ files
 
@@ -120,6 +134,8 @@ class Store:
         file_id, tenant = str(record["id"]), str(record["tenant"])
         await self.redis.hset(keys.file_key(file_id), mapping=_fields(record))
         await self.redis.zadd(keys.files_index(tenant), {file_id: 0})
+        if "expires_at" in record:
+            await self.expire_at("file", file_id, int(record["expires_at"]))
 
     async def file(self, tenant: str, file_id: str) -> dict[str, str] | None:
         """The file's record if it is ``tenant``'s (another tenant's is None, as absent)."""
@@ -168,6 +184,7 @@ class Store:
             self._moved(to)
         if moved == 1 and to in TERMINAL:
             await self.redis.zrem(keys.OPEN_BATCHES, batch_id)
+            await self.expire_at("batch", batch_id, now + self.batch_retention)
         return bool(moved == 1)
 
     async def record(self, batch_id: str, lines: Sequence[Line]) -> Recorded:
@@ -202,8 +219,31 @@ class Store:
         return [None if v is None else text(v) for v in raw]
 
     async def lease(self, batch_id: str, owner: str) -> bool:
-        held = await self._lease(keys=[keys.batch_part(batch_id, "lease")], args=[owner, LEASE_MS])
-        return bool(held == 1)
+        return await self.hold(keys.batch_part(batch_id, "lease"), owner, LEASE_MS)
+
+    async def hold(self, key: str, owner: str, ms: int) -> bool:
+        """Take or extend the lock ``key`` for ``owner``; False while another holds it."""
+        return bool(await self._lease(keys=[key], args=[owner, ms]) == 1)
+
+    async def release(self, key: str, owner: str) -> None:
+        await self._release(keys=[key], args=[owner])
+
+    async def expire_at(self, kind: str, object_id: str, when: int) -> None:
+        """Have the retention sweep delete the file or batch at ``when`` (Unix seconds)."""
+        await self.redis.zadd(keys.EXPIRIES, {f"{kind}:{object_id}": when})
+
+    async def due(self, now: float, limit: int) -> list[str]:
+        """Members ``<kind>:<id>`` of the expiry schedule that are due."""
+        return [
+            text(m) for m in await self.redis.zrangebyscore(keys.EXPIRIES, "-inf", now, 0, limit)
+        ]
+
+    async def delete_batch(self, batch_id: str) -> None:
+        record = await self.batch(batch_id)
+        if record is not None:
+            await self.redis.zrem(keys.batches_index(record["tenant"]), batch_id)
+        parts = (keys.batch_part(batch_id, p) for p in (*PARTS, "ids", "lease"))
+        await self.redis.delete(keys.batch_key(batch_id), *parts)
 
     async def open_batches(self, limit: int = 1000) -> list[str]:
         ids = await self.redis.zrange(keys.OPEN_BATCHES, 0, limit - 1)

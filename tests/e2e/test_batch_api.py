@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 import pytest
+import redis
 
 from tests.fixtures.api import KEYS, BatchStack
 from tests.fixtures.lossy_proxy import lossy_proxy
@@ -264,3 +265,40 @@ async def test_an_sdk_retry_after_a_lost_reply_is_one_batch(batch_stack: BatchSt
         listed = [b.id async for b in client.batches.list()]
         await client.close()
     assert listed == [batch.id]
+
+
+def test_expired_files_and_batches_are_deleted(batch_stack: BatchStack) -> None:
+    api = batch_stack.start_api("--retention-interval", "0.2", replica="r2")
+    client = batch_stack.client(api=api)
+    upload = client.files.create(
+        file=("in.jsonl", jsonl([line("kept")])),
+        purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    assert upload.expires_at == upload.created_at + 7200
+    batch = wait_for(
+        client,
+        client.batches.create(
+            input_file_id=upload.id,
+            endpoint=ENDPOINT,
+            completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": 3600},
+        ).id,
+    )
+    output = client.files.retrieve(batch.output_file_id)
+    assert output.expires_at == batch.created_at + 3600
+    # The clock moved on: their expiries are now due (the schedule is the sweep's only input).
+    r = redis.Redis.from_url(batch_stack.redis_url)
+    for member in (f"file:{upload.id}", f"file:{output.id}", f"batch:{batch.id}"):
+        assert r.zscore("async-processor:api:expiries", member) is not None
+        r.zadd("async-processor:api:expiries", {member: 1})
+    end = time.monotonic() + 10
+    while list(client.files.list()) or list(client.batches.list()):
+        assert time.monotonic() < end
+        time.sleep(0.1)
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(output.id)
+    assert list((batch_stack.tmp / "storage").iterdir()) == []
+    assert r.keys(f"async-processor:api:batch:{{{batch.id}}}*") == []
