@@ -19,7 +19,7 @@ import structlog
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from async_processor.api import batches, files
+from async_processor.api import batches, files, requests
 from async_processor.api.auth import auth_middleware, load_keys
 from async_processor.api.context import (
     CONTEXT,
@@ -53,6 +53,7 @@ def build_app(ctx: Context, digests: dict[str, str] | None) -> web.Application:
     app[CONTEXT] = ctx
     files.add_routes(app)
     batches.add_routes(app)
+    requests.add_routes(app, ctx.endpoints)
     ctx.metrics.add_route(app)
     app.router.add_get("/healthz", _ok)
     app.router.add_get("/readyz", _ready)
@@ -165,6 +166,7 @@ async def serve(args: argparse.Namespace) -> None:
         retention_every=max(0.05, args.retention_interval),
     )
     client = SortedSetClient(conn, queue, result_list(queue), consumer=f"api-{args.replica}")
+    ctx.client = client
     app = build_app(ctx, digests)
     async with client, anyio.create_task_group() as tg, listening(app, host, port) as bound:
         log.info("api_listening", host=host, port=bound, queue=queue, replica=args.replica)

@@ -4,8 +4,9 @@ Stage: the API's consumer side. Input: results the daemon wrote to the API's res
 (``keys.result_list``), read through the client library's claimed-then-acknowledged
 ``drain_results`` (a result is removed only at the next read, after it was recorded).
 Output: each line's output or error file line, counted in its batch (``Store.record``:
-a result read twice counts once). A result that is not a batch line's is logged and
-dropped: nothing else writes to this list.
+a result read twice counts once), and each single request's answer in its record
+(``Store.finish_request``, once). Any other result is logged and dropped: nothing else
+writes to this list.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from async_processor.api import keys
-from async_processor.api.lines import result_line
+from async_processor.api.lines import outcome, result_line
 from async_processor.api.metrics import ApiMetrics
 from async_processor.api.store import Recorded, Store
 from async_processor.client import SortedSetClient, UndecodableResult
@@ -57,13 +58,19 @@ async def record_results(
 ) -> None:
     by_batch: dict[str, list[tuple[int, Result]]] = defaultdict(list)
     for result in results:
-        where = None if isinstance(result, UndecodableResult) else keys.parse_line_id(result.id)
-        if where is None:
-            log.warning("api_result_dropped", request_id=result.id[:200], reason="not_a_line")
+        known = not isinstance(result, UndecodableResult)
+        where = keys.parse_line_id(result.id) if known else None
+        single = keys.parse_request_message_id(result.id) if known else None
+        if where is not None:
+            by_batch[where[0]].append((where[1], result))
+        elif single is not None:
+            new = await _finish_single(store, result, *single)
+            if metrics is not None:
+                metrics.lines.labels("recorded" if new else "dropped").inc()
+        else:
+            log.warning("api_result_dropped", request_id=result.id[:200], reason="not_ours")
             if metrics is not None:
                 metrics.lines.labels("dropped").inc()
-            continue
-        by_batch[where[0]].append((where[1], result))
     for batch_id, found in by_batch.items():
         custom_ids = await store.custom_ids(batch_id, [index for index, _ in found])
         lines = [
@@ -76,6 +83,12 @@ async def record_results(
             log.info("api_results_for_closed_batch", batch_id=batch_id, results=len(found))
         if metrics is not None:
             _count(metrics, done, len(found))
+
+
+async def _finish_single(store: Store, result: Result, tenant: str, request_id: str) -> bool:
+    answer = outcome(result)
+    status = "completed" if answer.ok else "failed"
+    return await store.finish_request(tenant, request_id, status, answer.response, answer.error)
 
 
 def _count(metrics: ApiMetrics, done: Recorded, results: int) -> None:

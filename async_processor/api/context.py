@@ -15,6 +15,7 @@ from async_processor.api.errors import not_found
 from async_processor.api.metrics import ApiMetrics
 from async_processor.api.storage import Storage
 from async_processor.api.store import Store
+from async_processor.client import SortedSetClient
 
 DEFAULT_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
@@ -42,6 +43,7 @@ class Context:
     limits: Limits = field(default_factory=Limits)
     endpoints: tuple[str, ...] = DEFAULT_ENDPOINTS
     retention_every: float = 60.0  # seconds between looks for expired files and batches
+    client: SortedSetClient | None = None  # submits single requests (set before serving)
 
 
 CONTEXT = web.AppKey("context", Context)
@@ -55,12 +57,12 @@ def tenant(request: web.Request) -> str:
     return str(request["tenant"])
 
 
-async def owned(request: web.Request, kind: Literal["file", "batch"]) -> dict[str, str]:
-    """The record of the file or batch the path names, if it is the caller's; else 404
-    (another tenant's is answered as absent)."""
+async def owned(request: web.Request, kind: Literal["file", "batch", "request"]) -> dict[str, str]:
+    """The record of the file, batch or request the path names, if it is the caller's;
+    else 404 (another tenant's is answered as absent)."""
     object_id = request.match_info[f"{kind}_id"]
     store = context(request).store
-    find = store.file if kind == "file" else store.batch_for
+    find = {"file": store.file, "batch": store.batch_for, "request": store.request}[kind]
     record = await find(tenant(request), object_id)
     if record is None:
         raise not_found(kind, object_id)

@@ -65,3 +65,22 @@ def parse_line_id(request_id: str) -> tuple[str, int] | None:
     if not batch_id.startswith(BATCH_PREFIX) or not (index.isascii() and index.isdigit()):
         return None
     return batch_id, int(index)
+
+
+REQUEST_PREFIX = "areq:"
+
+
+def request_key(tenant: str, request_id: str) -> str:
+    return f"{PREFIX}:request:{{{tenant}:{request_id}}}"
+
+
+def request_message_id(tenant: str, request_id: str) -> str:
+    """The queue message id of a single request (tenants and request ids hold no ``:``)."""
+    return f"{REQUEST_PREFIX}{tenant}:{request_id}"
+
+
+def parse_request_message_id(message_id: str) -> tuple[str, str] | None:
+    if not message_id.startswith(REQUEST_PREFIX):
+        return None
+    tenant, _, request_id = message_id.removeprefix(REQUEST_PREFIX).partition(":")
+    return (tenant, request_id) if tenant and request_id else None

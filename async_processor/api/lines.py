@@ -153,25 +153,36 @@ def line_request(batch: dict[str, str], index: int, body: bytes, custom_id: str)
     )
 
 
-def result_line(result: Result, index: int, custom_id: str) -> Line:
-    """The output line (an HTTP 2xx) or error line of a line's result."""
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A result as OpenAI's files show it: ``response`` (an HTTP answer) or ``error``."""
+
+    ok: bool
+    response: dict[str, Any] | None
+    error: dict[str, str] | None
+    usage: tuple[int, int, int, int, int]
+
+
+def outcome(result: Result) -> Outcome:
     body = _json_or_text(result.payload)
     ok = not result.error_code and 200 <= result.status_code < 300
-    line: dict[str, Any] = {
+    if result.status_code <= 0:
+        error = {"code": result.error_code or "UNKNOWN", "message": result.error_message}
+        return Outcome(False, None, error, _NONE)
+    response = {"status_code": result.status_code, "request_id": result.id, "body": body}
+    return Outcome(ok, response, None, _usage(body) if ok else _NONE)
+
+
+def result_line(result: Result, index: int, custom_id: str) -> Line:
+    """The output line (an HTTP 2xx) or error line of a line's result."""
+    found = outcome(result)
+    line = {
         "id": "batch_req_" + hashlib.sha1(result.id.encode(), usedforsecurity=False).hexdigest(),
         "custom_id": custom_id,
-        "response": None,
-        "error": None,
+        "response": found.response,
+        "error": found.error,
     }
-    if result.status_code > 0:
-        line["response"] = {
-            "status_code": result.status_code,
-            "request_id": result.id,
-            "body": body,
-        }
-    else:
-        line["error"] = {"code": result.error_code or "UNKNOWN", "message": result.error_message}
-    return Line(index, ok, json.dumps(line, ensure_ascii=False), _usage(body) if ok else _NONE)
+    return Line(index, found.ok, json.dumps(line, ensure_ascii=False), found.usage)
 
 
 def failed_line(index: int, custom_id: str, request_id: str, code: str, message: str) -> Line:

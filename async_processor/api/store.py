@@ -9,6 +9,7 @@ line once (``record``), both as Lua scripts on one object's keys (one cluster sl
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,22 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# KEYS: a request's hash. ARGV: ttl, then field, value pairs. 1: made; 0: it exists.
+NEW_REQUEST = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+# KEYS: a request's hash. ARGV: status, time, response, error. Only a queued one changes.
+FINISH_REQUEST = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'completed_at', ARGV[2],
+           'response', ARGV[3], 'error', ARGV[4])
+return 1
+"""
+
 # KEYS: lock. ARGV: owner. Deletes the lock only if the owner holds it.
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -127,6 +144,8 @@ class Store:
         self._record = redis.register_script(RECORD)
         self._lease = redis.register_script(LEASE)
         self._release = redis.register_script(RELEASE)
+        self._new_request = redis.register_script(NEW_REQUEST)
+        self._finish_request = redis.register_script(FINISH_REQUEST)
 
     # ------------------------------------------------------------------ files
 
@@ -248,6 +267,34 @@ class Store:
     async def open_batches(self, limit: int = 1000) -> list[str]:
         ids = await self.redis.zrange(keys.OPEN_BATCHES, 0, limit - 1)
         return [text(i) for i in ids]
+
+    # ------------------------------------------------------------------ requests
+
+    async def new_request(
+        self, tenant: str, request_id: str, record: Mapping[str, str | int], ttl: int
+    ) -> bool:
+        """Keep a new request's record for ``ttl`` s; False when the id exists already."""
+        pairs = [x for item in record.items() for x in item]
+        made = await self._new_request(
+            keys=[keys.request_key(tenant, request_id)], args=[ttl, *pairs]
+        )
+        return bool(made == 1)
+
+    async def request(self, tenant: str, request_id: str) -> dict[str, str] | None:
+        return await self._owned(keys.request_key(tenant, request_id), tenant)
+
+    async def finish_request(
+        self,
+        tenant: str,
+        request_id: str,
+        status: str,
+        response: object,
+        error: object,
+    ) -> bool:
+        """Record a queued request's outcome once (a later one changes nothing)."""
+        args: list[str | int] = [status, int(time.time()), json.dumps(response), json.dumps(error)]
+        done = await self._finish_request(keys=[keys.request_key(tenant, request_id)], args=args)
+        return bool(done == 1)
 
     # ------------------------------------------------------------------ listing
 

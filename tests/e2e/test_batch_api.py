@@ -49,6 +49,14 @@ def wait_for(
     return batch
 
 
+def wait_completed(client: Any, batch_id: str, at_least: int, timeout: float = 60) -> None:
+    """Until ``at_least`` lines of the batch are answered with success."""
+    end = time.monotonic() + timeout
+    while client.batches.retrieve(batch_id).request_counts.completed < at_least:
+        assert time.monotonic() < end, f"fewer than {at_least} lines done after {timeout}s"
+        time.sleep(0.05)
+
+
 def file_lines(client: Any, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
@@ -157,10 +165,7 @@ def test_cancel_mid_run_keeps_finished_lines(batch_stack: BatchStack) -> None:
     batch_stack.simulator.configure(latency=0.3)
     client = batch_stack.client()
     batch = run_batch(client, [line(f"c{i}") for i in range(200)])
-    end = time.monotonic() + 30
-    while client.batches.retrieve(batch.id).request_counts.completed < 5:
-        assert time.monotonic() < end
-        time.sleep(0.05)
+    wait_completed(client, batch.id, 5)
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     started = time.monotonic()

@@ -10,7 +10,14 @@ from collections import Counter
 
 import pytest
 
-from tests.e2e.test_batch_api import file_lines, jsonl, line, run_batch, wait_for
+from tests.e2e.test_batch_api import (
+    file_lines,
+    jsonl,
+    line,
+    run_batch,
+    wait_completed,
+    wait_for,
+)
 from tests.fixtures.api import KEYS, BatchStack, api_command
 
 pytestmark = [pytest.mark.slow]
@@ -22,10 +29,7 @@ def test_api_killed_mid_batch_resumes_with_one_line_per_request(batch_stack: Bat
     client = batch_stack.client(api=batch_stack.start_api("--max-open-lines", "200"))
     batch = run_batch(client, [line(f"k{i}", max_tokens=3) for i in range(1500)])
     for at_least in (100, 600):  # mid-submission and mid-collection both
-        end = time.monotonic() + 60
-        while client.batches.retrieve(batch.id).request_counts.completed < at_least:
-            assert time.monotonic() < end
-            time.sleep(0.05)
+        wait_completed(client, batch.id, at_least)
         batch_stack.apis[-1].kill9()
         restarted = batch_stack.start_api("--max-open-lines", "200")  # the same replica name
         client = batch_stack.client(api=restarted)
@@ -64,10 +68,7 @@ def test_daemon_killed_mid_batch_loses_and_repeats_no_line(batch_stack: BatchSta
     batch_stack.simulator.configure(latency=0.1)
     client = batch_stack.client()
     batch = run_batch(client, [line(f"d{i}") for i in range(400)])
-    end = time.monotonic() + 60
-    while client.batches.retrieve(batch.id).request_counts.completed < 50:
-        assert time.monotonic() < end
-        time.sleep(0.05)
+    wait_completed(client, batch.id, 50)
     batch_stack.restart_daemon()  # its claims come back when their 2 s leases run out
     done = wait_for(client, batch.id, timeout=120)
     assert done.status == "completed", done
