@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--queue", default="", help="the queue batch lines go to (default: the config's one queue)"
     )
-    p.add_argument("--replica", default=socket.gethostname(), help="this replica's stable name")
+    p.add_argument("--replica", default=socket.gethostname(), help="this replica's name")
     p.add_argument(
         "--endpoints", default=",".join(DEFAULT_ENDPOINTS), help="allowed batch endpoints"
     )
@@ -111,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
         type=duration,
         default=BATCH_RETENTION,
         help="how long a finished batch is kept",
+    )
+    p.add_argument(
+        "--replica-timeout",
+        type=duration,
+        default=60.0,
+        help="silence after which a replica's taken results go back to the list",
     )
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="auto")
@@ -164,6 +170,7 @@ async def serve(args: argparse.Namespace) -> None:
         limits=Limits(args.max_file_bytes, args.max_file_lines, args.max_open_lines),
         endpoints=tuple(e for e in args.endpoints.split(",") if e),
         retention_every=max(0.05, args.retention_interval),
+        replica_timeout=max(0.3, args.replica_timeout),
     )
     client = SortedSetClient(conn, queue, result_list(queue), consumer=f"api-{args.replica}")
     ctx.client = client

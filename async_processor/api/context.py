@@ -43,6 +43,7 @@ class Context:
     limits: Limits = field(default_factory=Limits)
     endpoints: tuple[str, ...] = DEFAULT_ENDPOINTS
     retention_every: float = 60.0  # seconds between looks for expired files and batches
+    replica_timeout: float = 60.0  # seconds without a heartbeat before a replica is gone
     client: SortedSetClient | None = None  # submits single requests (set before serving)
 
 

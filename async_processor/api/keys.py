@@ -16,6 +16,7 @@ PREFIX = "async-processor:api"
 OPEN_BATCHES = f"{PREFIX}:open-batches"
 EXPIRIES = f"{PREFIX}:expiries"  # zset: "file:<id>" / "batch:<id>" -> when to delete it
 RETENTION_LOCK = f"{PREFIX}:retention-lock"  # the replica sweeping expiries
+REPLICAS = f"{PREFIX}:replicas"  # zset: replica name -> last heartbeat (Redis clock)
 FILE_PREFIX = "file-"
 BATCH_PREFIX = "batch_"
 

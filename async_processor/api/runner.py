@@ -24,6 +24,7 @@ from async_processor.api.collector import collect
 from async_processor.api.context import Context
 from async_processor.api.finish import CANCELLED, EXPIRED, close_lines, finalize
 from async_processor.api.lines import bodies, check_lines, line_request
+from async_processor.api.replicas import keep_watch
 from async_processor.api.retention import keep_retention
 from async_processor.api.store import TERMINAL, as_int
 from async_processor.client import SortedSetClient
@@ -46,6 +47,12 @@ class Runner:
         async with anyio.create_task_group() as tg:
             tg.start_soon(collect, self.client, self.ctx.store, self.ctx.metrics)
             tg.start_soon(keep_retention, self.ctx, self.replica, self.ctx.retention_every)
+            redis, results, timeout = (
+                self.ctx.store.redis,
+                self.client.result_queue,
+                self.ctx.replica_timeout,
+            )
+            tg.start_soon(keep_watch, redis, results, self.replica, timeout)
             while True:
                 await self._schedule(tg)
                 await anyio.sleep(TICK)

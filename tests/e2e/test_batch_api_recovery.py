@@ -111,3 +111,17 @@ def test_api_killed_mid_upload_leaves_no_file(batch_stack: BatchStack) -> None:
     client = batch_stack.client(api=batch_stack.start_api())
     assert list(storage.iterdir()) == []  # the temporary was swept at start
     assert list(client.files.list()) == []
+
+
+def test_a_replica_back_under_another_name_strands_no_result(batch_stack: BatchStack) -> None:
+    batch_stack.simulator.configure(latency=0.02)
+    client = batch_stack.client()
+    batch = run_batch(client, [line(f"n{i}") for i in range(1000)])
+    wait_completed(client, batch.id, 300)
+    batch_stack.apis[-1].kill9()  # whatever it had taken and not recorded is in its list
+    other = batch_stack.start_api("--replica-timeout", "1", replica="r-new")
+    client = batch_stack.client(api=other)
+    done = wait_for(client, batch.id, timeout=120)
+    assert done.status == "completed" and done.request_counts.completed == 1000
+    output = file_lines(client, done.output_file_id)
+    assert Counter(x["custom_id"] for x in output) == Counter(f"n{i}" for i in range(1000))

@@ -11,7 +11,9 @@ from redis.asyncio import Redis
 from async_processor.api import keys
 from async_processor.api.collector import record_results
 from async_processor.api.metrics import ApiMetrics
+from async_processor.api.replicas import adopt_silent
 from async_processor.api.store import Line, Store
+from async_processor.client.redis_sortedset import processing_key
 from async_processor.messages import ErrorCode, Result
 
 pytestmark = pytest.mark.anyio
@@ -102,3 +104,22 @@ async def test_pages_follow_an_id_cursor_even_a_deleted_one(
     assert await store.page(index, ids[2], 10, "asc") == (ids[3:], False)
     await redis_client.zrem(index, ids[4])
     assert await store.page(index, ids[4], 2, "desc") == ([ids[3], ids[2]], True)
+
+
+async def test_a_silent_replicas_taken_results_go_back_oldest_first(
+    redis_client: Redis, unique: str
+) -> None:
+    results = f"{{{unique}}}:api-results"
+    gone, alive = processing_key(results, "api-gone"), processing_key(results, "api-alive")
+    await redis_client.lpush(gone, b"r1", b"r2", b"r3")  # r1 the oldest (BLMOVE's LEFT end)
+    await redis_client.lpush(alive, b"a1")
+    await redis_client.lpush(results, b"new")
+    now, _ = await redis_client.time()
+    await redis_client.zadd(keys.REPLICAS, {"gone": now - 120, "alive": now, "me": now - 120})
+    assert await adopt_silent(redis_client, results, "me", timeout=60) == 3
+    # The next reader (BLMOVE from the RIGHT end) takes r1, r2, r3 first, then "new".
+    assert await redis_client.lrange(results, 0, -1) == [b"new", b"r3", b"r2", b"r1"]
+    assert await redis_client.lrange(alive, 0, -1) == [b"a1"]
+    assert await redis_client.zscore(keys.REPLICAS, "gone") is None
+    assert await redis_client.zscore(keys.REPLICAS, "alive") is not None
+    await redis_client.zrem(keys.REPLICAS, "alive", "me")
