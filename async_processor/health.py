@@ -14,16 +14,23 @@ aiohttp's default hour; and each server holds at most ``MAX_CONNECTIONS`` connec
 (aiohttp has no such cap): at the cap a new connection takes the place of the oldest one
 waiting for a request, or is closed at once if every one is in the middle of a request,
 so a flood of idle or half-sent connections costs neither file descriptors nor the
-probes' and scrapers' answers. A malformed request is one debug line, not an error
-traceback.
+probes' and scrapers' answers. A client that asks and never reads its answers counts as
+idle there: past the cap its connection gives way to a new one. The /metrics page is
+rendered at most once per ``RENDER_EVERY`` for each form asked (text or OpenMetrics,
+gzip or not, a ``name[]`` filter), and served from that render meanwhile, so 200 clients
+that pipeline requests cost one render a second, not one per request (issue 30, item 4).
+A malformed request is one debug line, not an error traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hmac
 import logging
+import math
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,9 +40,11 @@ import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestHandler
 from anyio.abc import TaskStatus
-from prometheus_client import CollectorRegistry
-from prometheus_client.aiohttp import make_aiohttp_handler
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.metrics_core import Metric
 
 from async_processor.errors import ConfigError
 from async_processor.logs import mask_url
@@ -46,6 +55,12 @@ SHUTDOWN_TIMEOUT = 5.0
 HEADER_TIMEOUT = 10.0
 # Probes and scrapers hold a connection or two each; far below the fd limit.
 MAX_CONNECTIONS = 64
+# The /metrics page is rendered at most this often (per form): below any scrape interval,
+# so every scrape still sees a fresh page, while a flood of requests costs one render.
+RENDER_EVERY = 1.0
+# Distinct page forms (format, gzip, name[] filter) rendered per RENDER_EVERY; past it, a
+# new form is answered 429: varying the filter must not buy a render per request.
+MAX_FORMS = 8
 
 Readiness = Callable[[], Awaitable[str | None]]
 log = structlog.get_logger(__name__)
@@ -83,13 +98,14 @@ async def serve_metrics(
     *,
     bearer_token: str = "",
     routes: Mapping[str, Handler] | None = None,
+    renders: Counter | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """GET /metrics (and any extra GET ``routes``), ``Bearer <token>`` required if set.
 
-    The handler is prometheus-client's own for aiohttp: the text format, or OpenMetrics
-    when the scraper asks for it (``Accept``), gzip when it accepts that, ``name[]``
-    filters. This only puts the token check in front.
+    As prometheus-client's handler: the text format, or OpenMetrics when the scraper asks
+    for it (``Accept``), gzip when it accepts that, ``name[]`` filters; rendered by
+    ``MetricsPage`` (``renders`` counts its renders).
     """
     expected = f"Bearer {bearer_token}".encode()
 
@@ -104,9 +120,77 @@ async def serve_metrics(
         return check
 
     app = web.Application()
-    for path, handler in {"/metrics": make_aiohttp_handler(registry), **(routes or {})}.items():
+    page = MetricsPage(registry, renders)
+    for path, handler in {"/metrics": page.handle, **(routes or {})}.items():
         app.router.add_get(path, guarded(handler))
     await _serve(app, host, port, "metrics", task_status)
+
+
+class MetricsPage:
+    """The /metrics page: the registry collected at most once per ``RENDER_EVERY``, each
+    form encoded once per collection (at most ``MAX_FORMS``), and served from there."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        renders: Counter | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._registry = registry
+        self._renders = renders
+        self._clock = clock
+        self._collected_at = -math.inf
+        self._families: list[Metric] = []
+        # Each form's body and headers, for the current collection.
+        self._forms: dict[tuple[str, bool, frozenset[str]], tuple[bytes, dict[str, str]]] = {}
+
+    async def handle(self, request: web.Request) -> web.Response:
+        encoder, content_type = choose_encoder(",".join(request.headers.getall("Accept", [])))
+        names = frozenset(request.query.getall("name[]", []))
+        gzipped = gzip_accepted(request.headers.get("Accept-Encoding", ""))
+        if self._clock() - self._collected_at >= RENDER_EVERY:
+            self._collect()
+        form = (content_type, gzipped, names)
+        if (cached := self._forms.get(form)) is None:
+            if len(self._forms) >= MAX_FORMS:
+                return web.Response(status=429, text="too many page forms\n", headers=_AGAIN)
+            body = encoder(_Families(self._families, names))
+            headers = {"Content-Type": content_type}
+            if gzipped:
+                body, headers["Content-Encoding"] = gzip.compress(body, 6), "gzip"
+            cached = self._forms[form] = (body, headers)
+        return web.Response(body=cached[0], headers=cached[1])
+
+    def _collect(self) -> None:
+        if self._renders is not None:
+            self._renders.inc()  # before collecting, so the page counts itself
+        self._families = list(self._registry.collect())
+        self._collected_at = self._clock()
+        self._forms = {}
+
+
+_AGAIN = {"Retry-After": f"{RENDER_EVERY:g}"}
+
+
+class _Families:
+    """Collected families as a registry for prometheus-client's encoders, with only the
+    samples named ``names`` when any are (as its ``restricted_registry``)."""
+
+    def __init__(self, families: list[Metric], names: frozenset[str]) -> None:
+        self._families = families
+        self._names = names
+
+    def collect(self) -> list[Metric]:
+        if not self._names:
+            return self._families
+        kept = []
+        for family in self._families:
+            samples = [s for s in family.samples if s.name in self._names]
+            if samples:
+                copy = Metric(family.name, family.documentation, family.type, family.unit)
+                copy.samples = samples
+                kept.append(copy)
+        return kept
 
 
 async def _check(readiness: Readiness) -> str | None:
@@ -207,10 +291,11 @@ class _Doorman:
     """aiohttp's connection factory with at most ``limit`` connections open.
 
     At the cap, a new connection closes the oldest one waiting for a request (idle
-    between requests, or still sending its headers), or, when every one is in the middle
-    of a request, is itself closed unanswered. So an abusive client's idle connections
-    give way to a probe's, whose request arrives with its connection; a request being
-    answered is never cut."""
+    between requests, or still sending its headers), else the one whose client leaves
+    the most of its answers unread (``_not_reading``), or, when every one is in the
+    middle of a request, is itself closed unanswered. So an abusive client's idle or
+    never-reading connections give way to a probe's, whose request arrives with its
+    connection; a request being answered to a client that reads is never cut."""
 
     def __init__(self, server: web.Server, limit: int) -> None:
         self._server = server
@@ -224,10 +309,11 @@ class _Doorman:
             return self._server()
         # aiohttp keeps no public "busy" flag; this one spans handler and response write.
         idle = next((c for c in live if not c._request_in_progress), None)
-        self._note_full(evicted=idle is not None)
-        if idle is None:
+        victim = idle or _not_reading(live)
+        self._note_full(evicted=victim is not None)
+        if victim is None:
             return _Refused()
-        idle.force_close()
+        victim.force_close()
         return self._server()
 
     def _note_full(self, *, evicted: bool) -> None:
@@ -235,6 +321,19 @@ class _Doorman:
         level = logging.DEBUG if self._warned else logging.WARNING
         self._warned = True
         log.log(level, "server_connections_full", limit=self._limit, evicted_idle=evicted)
+
+
+def _not_reading(live: list[RequestHandler]) -> RequestHandler | None:
+    """The connection with the most answer bytes its client has not read, if any: one
+    that pipelines requests and never reads is stuck writing, not being answered (its
+    writes wait for a reader that never comes), and must not hold its place."""
+    unread = max(live, key=_unread)
+    return unread if _unread(unread) > 0 else None
+
+
+def _unread(connection: RequestHandler) -> int:
+    transport = connection.transport
+    return 0 if transport is None else transport.get_write_buffer_size()
 
 
 class _Refused(asyncio.Protocol):

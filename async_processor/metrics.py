@@ -116,6 +116,11 @@ class Metrics:
             "redis-sortedset idle-queue probes that failed (those queues were claimed instead).",
             registry=r,
         )
+        self.metrics_renders_total = Counter(
+            PREFIX + "metrics_renders",
+            "Renders of the /metrics page (at most one a second per form, however many ask).",
+            registry=r,
+        )
         self.redis_dataset_lost_total = Counter(
             PREFIX + "redis_dataset_lost",
             "redis-sortedset: times the Redis data set was found replaced by an empty one.",

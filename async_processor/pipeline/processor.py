@@ -349,7 +349,14 @@ async def _serve_metrics(
     *,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    await serve_metrics(host, port, metrics.registry, bearer_token=token, task_status=task_status)
+    await serve_metrics(
+        host,
+        port,
+        metrics.registry,
+        bearer_token=token,
+        renders=metrics.metrics_renders_total,
+        task_status=task_status,
+    )
 
 
 def _template(config: AppConfig) -> list[QueueSpec]:

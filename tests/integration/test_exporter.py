@@ -66,6 +66,15 @@ async def backlog_becomes(url: str, want: int) -> None:
             await anyio.sleep(0.05)
 
 
+async def page_shows(url: str, line: str) -> str:
+    """The /metrics page once it has ``line``: a page is rendered at most once a second
+    (health.RENDER_EVERY), so one asked right after a change may be the last render."""
+    with anyio.fail_after(10):
+        while line not in (text := (await get(url))[1]).splitlines():
+            await anyio.sleep(0.1)
+    return text
+
+
 @pytest.mark.anyio
 async def test_backlog_follows_the_queue_retries_and_claims(
     tmp_path: Path, private_redis: RedisServer, unique: str
@@ -82,15 +91,14 @@ async def test_backlog_follows_the_queue_retries_and_claims(
         r.zadd(f"{queue}-retry", {"later": time.time() + 60})  # a parked retry is work too
         r.zadd(f"{queue}:inflight", {"claim": time.time() + 30})  # so is a held claim
         await backlog_becomes(f"{metrics}/backlog", 5)
-        _, text = await get(f"{metrics}/metrics")
         retries = f'llm_d_async_exporter_retries{{retry_set="{queue}-retry",state="parked"}} 1.0'
-        assert retries in text
+        await page_shows(f"{metrics}/metrics", retries)
         r.delete(queue, f"{queue}-retry", f"{queue}:inflight")
         await backlog_becomes(f"{metrics}/backlog", 0)  # what lets KEDA scale to zero
         r.zadd(queue, {"m": deadline})
         r.lpush(f"{queue}:dead-letter", "x")
         await backlog_becomes(f"{metrics}/backlog", 1)
-        _, text = await get(f"{metrics}/metrics")
+        text = await page_shows(f"{metrics}/metrics", "llm_d_async_exporter_backlog 1.0")
         # A removed tenant draining: its claim is work, what waits on it nobody polls.
         r.zadd("gone", {"a": deadline, "b": deadline})
         r.zadd("gone:inflight", {"claim": time.time() + 30})
@@ -118,7 +126,7 @@ async def test_an_unreachable_broker_is_unknown_not_zero(
             while (await get(f"{metrics}/backlog"))[0] != 503:
                 await anyio.sleep(0.05)
         assert (await get(f"{health}/readyz"))[0] == 503
-        assert "llm_d_async_exporter_up 0.0" in (await get(f"{metrics}/metrics"))[1]
+        await page_shows(f"{metrics}/metrics", "llm_d_async_exporter_up 0.0")
 
 
 @pytest.mark.anyio
