@@ -4,6 +4,7 @@
 - ``processor``: wiring, one task group; start, ready, drain, stop.
 - ``discovery``: finds the queues a pattern names and starts or stops their pollers.
 - ``poller``: one per queue; fetches under the queue gate's budget, into a merge lane.
+- ``idle_gates``: reads the gates of queues waiting for a message (true gauges).
 - ``held``: what waits in memory for a worker, answered at its deadline.
 - ``admission``: the pool gates' verdicts on each message (Continue, Refuse, Drop, Wait).
 - ``worker``: one message's life (admit, build, send, classify, settle).

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from contextlib import aclosing
+from contextlib import AbstractContextManager, aclosing, nullcontext
 
 import anyio
 import structlog
@@ -40,6 +40,7 @@ from async_processor.messages import (
 )
 from async_processor.metrics import QueueMetrics
 from async_processor.pipeline.held import HeldWork
+from async_processor.pipeline.idle_gates import IdleGates, read_budget
 from async_processor.pipeline.settle import Settler
 from async_processor.retry import REFUSE_DELAY, expired, last_answer
 from async_processor.transports.base import (
@@ -68,6 +69,7 @@ class Poller:
         lane: ObjectSendStream[Work],
         metrics: QueueMetrics,
         held: HeldWork | None = None,
+        idle_gates: IdleGates | None = None,
         bound_in_flight: bool = True,
     ) -> None:
         self.queue = queue
@@ -83,6 +85,7 @@ class Poller:
         self._idle = False
         self._signals = transport if isinstance(transport, SignalsMessages) else None
         self._payloads = transport if isinstance(transport, LoadsPayloads) else None
+        self._idle_gates = idle_gates  # reads the gate while the queue waits for a message
         self._bound_in_flight = bound_in_flight
         self._in_flight = 0  # forwarded to the lane, not yet released by the worker
         self._fetching = 0  # slots of fetches under way, not yet admitted
@@ -119,9 +122,10 @@ class Poller:
             # a slot held through the wait is one the pool's busy queues lack (with 20 of
             # 200 queues busy their lanes then held one offer each, and the merge found a
             # weight-4 queue empty at its turn). The budget is read after the wait: a gate
-            # closed meanwhile is obeyed.
-            await self._signals.until_ready(self.queue)
-        budget = await self._budget()
+            # closed meanwhile is obeyed; meanwhile IdleGates reads it for the gauges.
+            with self._waiting_read():
+                await self._signals.until_ready(self.queue)
+        budget = await read_budget(self._gate, self._log)
         self._metrics.dispatch_budget.set(budget)
         wanted = self._wanted(budget)
         if wanted <= 0:
@@ -146,6 +150,12 @@ class Poller:
                 await self._fetch_and_admit(reserved)
             finally:
                 self._fetching -= reserved
+
+    def _waiting_read(self) -> AbstractContextManager[None]:
+        """The gate read (and its gauges set) by ``IdleGates`` while the queue is idle."""
+        if self._idle_gates is None:
+            return nullcontext()
+        return self._idle_gates.waiting(self._gate, self._metrics.dispatch_budget, self._log)
 
     async def _fetch_and_admit(self, reserved: int) -> None:
         # Where the transport signals messages, an empty queue waits in _cycle, not here.
@@ -187,16 +197,6 @@ class Poller:
         if not self._bound_in_flight:
             return self._capacity.slots
         return math.ceil(budget * self._capacity.slots) - self._in_flight - self._fetching
-
-    async def _budget(self) -> float:
-        """The gate's budget clamped to [0, 1]; a failing or NaN budget counts as closed
-        (as the reference's gates fail closed) instead of stopping the daemon."""
-        try:
-            budget = await self._gate.budget()
-        except Exception as exc:
-            self._log.warning("queue_gate_budget_failed", error=str(exc))
-            return 0.0
-        return min(1.0, max(0.0, budget))  # max(0.0, nan) is 0.0
 
     async def _admit_all(self, deliveries: Sequence[Delivery]) -> None:
         # Let through by the gate, their payloads stored apart: loaded together, then sent.

@@ -37,6 +37,7 @@ from async_processor.pipeline.capacity import PoolCapacity, ShedPause, lane_size
 from async_processor.pipeline.discovery import QueueRefresh
 from async_processor.pipeline.dispatch import DispatchSettings, stamped_header_names
 from async_processor.pipeline.held import HeldWork
+from async_processor.pipeline.idle_gates import IdleGates
 from async_processor.pipeline.poller import Poller
 from async_processor.pipeline.results import ResultWriter
 from async_processor.pipeline.settle import Settler
@@ -94,8 +95,11 @@ class Processor:
             config.merge_policy, MergeContext(metrics=self.metrics)
         )
         self.queue_gates = QueueGates(self.gate_ctx)
-        for queue in [*config.queue_specs(), *_template(config)]:
+        specs = [*config.queue_specs(), *_template(config)]
+        for queue in specs:
             self.queue_gates.of(queue)  # every gate built (and checked) at startup
+        # Idle queues' gates, read at the shortest poll interval (their gauges stay true).
+        self._idle_gates = IdleGates(min((q.poll_interval for q in specs), default=1.0))
         self._discovery: QueueRefresh | None = None
         self.pools = [self._pool(p, config.queue_specs()) for p in config.effective_pools()]
         self.ready = False
@@ -171,6 +175,7 @@ class Processor:
         )
         await tg.start(self.transport.run)
         tg.start_soon(self._cancels.run)
+        tg.start_soon(self._idle_gates.run)
         if rt.metrics_backlog_poll_interval > 0:
             tg.start_soon(self._backlog_loop, rt.metrics_backlog_poll_interval)
 
@@ -299,6 +304,7 @@ class Processor:
             lane=lane_in,
             metrics=self.metrics.queue(queue.id, queue.name, pool.config.id),
             held=pool.held,
+            idle_gates=self._idle_gates,
             bound_in_flight=self.config.runtime.budget_scope == "in-flight",
         )
         return Source(queue, lane_out), poller
