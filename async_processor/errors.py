@@ -68,6 +68,13 @@ class PartialWrite(TransportError):
 class NoAnswer(AsyncProcessorError):
     """No usable answer from the gateway: refused, reset, timed out, too large.
 
-    ``fatal``: sending again cannot help (``retry.Attempt.fatal``)."""
+    ``fatal``: sending again cannot help (``retry.Attempt.fatal``). ``reason``: a short
+    snake_case tag from a fixed set (``httpclients.base.NO_ANSWER_REASONS``), a metric label."""
 
     fatal = False
+    reason = "no_answer"
+
+    def __init__(self, message: str = "", *, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason

@@ -7,6 +7,13 @@ deadline, a cancelled caller, the peer closing early) closes the connection at o
 the gateway sees the request abandoned and no half-read answer is ever reused. Only the
 headers the retry rules read are kept; the body is read into a list of chunks checked
 against the limit as they come (a declared length over it is refused before any body).
+
+The answer is untrusted input. It is whole only when llhttp reports the message complete
+(``on_message_complete``), with the body it framed; a clean close ends it only when llhttp
+says the close delimits it (``llhttp_end``); a reset never does. Every other byte is
+bounded too (``base.HEAD_LIMIT``, ``FIELD_LIMIT``, ``framing_allowance``), checked after
+each read: at most one receive buffer past a limit, so nothing grows without bound and
+nothing is re-copied quadratically.
 """
 
 from __future__ import annotations
@@ -18,21 +25,28 @@ from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
 from async_processor.errors import NoAnswer
 from async_processor.headers import DROPPED_REASON_HEADER
-from async_processor.httpclients.base import Answer, AttemptTimeout, too_large
+from async_processor.httpclients.base import (
+    FIELD_LIMIT,
+    HEAD_LIMIT,
+    Answer,
+    AttemptTimeout,
+    cut_short,
+    framing_allowance,
+    framing_too_large,
+    too_large,
+)
+from async_processor.httpclients.llhttp_end import finish
 
 Origin = tuple[str, str, int]  # scheme, host, port: the pool's key
 _RETRY_AFTER = b"retry-after"
 _DROPPED = DROPPED_REASON_HEADER.lower().encode()
 LARGE_BODY = 1 << 16  # from here the body is written apart from the head
-# Bytes of an answer's head held unparsed at most (llhttp sets no bound: httptools gathers
-# each field whole). A gateway's head is well under 8 KiB; aiohttp and hyper refuse long ones.
-HEAD_LIMIT = 1 << 16
 
 
 class Connection(asyncio.BufferedProtocol):
     # Slots, not a dict: one of these is held per request in flight (issue 13's memory).
     __slots__ = (
-        "answered", "buffer", "chunks", "dropped", "framed", "head", "idle_since",
+        "answered", "buffer", "chunked", "chunks", "dropped", "fed", "idle_since",
         "keep_alive", "limit", "origin", "parser", "retry_after", "size", "status",
         "transport", "waiter",
     )  # fmt: skip
@@ -50,14 +64,19 @@ class Connection(asyncio.BufferedProtocol):
 
     def _reset(self, limit: int) -> None:
         self.limit = limit
+        self.fed = 0  # bytes of this exchange's answers read (interim ones too)
+        self.chunked = 0  # chunks framed so far
+        self.answered = False  # some byte of the answer arrived
+        self._interim_done()
+
+    def _interim_done(self) -> None:
+        """Ready for the (next) answer's head: what an interim answer set is forgotten,
+        but not the bytes it took (``fed``), so endless 1xx answers meet the head limit."""
         self.status = 0
         self.chunks: list[bytes] = []
         self.size = 0
-        self.head = 0  # bytes read while the head was not complete
         self.retry_after: str | None = None
         self.dropped = ""
-        self.framed = False  # a length or chunking was declared (else: read to EOF)
-        self.answered = False  # some byte of the answer arrived
         self.keep_alive = False  # read when the answer ends: llhttp forgets it after
 
     @property
@@ -128,19 +147,27 @@ class Connection(asyncio.BufferedProtocol):
             self.close()
             return
         self.answered = True
+        self.fed += nbytes
         if self.parser is None:
             self.parser = HttpResponseParser(self)
         try:
             self.parser.feed_data(self.buffer[:nbytes])
         except HttpParserUpgrade:
-            self._fail(NoAnswer("the gateway switched protocols"))
+            self._fail(NoAnswer("the gateway switched protocols", reason="bad_status"))
         except HttpParserError as exc:
-            self._fail(NoAnswer(f"malformed answer from the gateway: {exc}"))
+            self._fail(NoAnswer(f"malformed answer from the gateway: {exc}", reason="malformed"))
+        else:
+            self._bound()
+
+    def _bound(self) -> None:
+        """Ends the exchange once the answer's bytes outside its body pass their limits."""
+        if not self._pending():
             return
-        if not self.status:  # all of it went to the head (or to an interim answer)
-            self.head += nbytes
-            if self.head > HEAD_LIMIT:
-                self._fail(NoAnswer(f"the gateway's answer head is over {HEAD_LIMIT} bytes"))
+        if not self.status and self.fed > HEAD_LIMIT:
+            error = f"the gateway's answer head is over {HEAD_LIMIT} bytes"
+            self._fail(NoAnswer(error, reason="head_too_large"))
+        elif self.fed - self.size > framing_allowance(self.chunked):
+            self._fail(framing_too_large())
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -149,36 +176,42 @@ class Connection(asyncio.BufferedProtocol):
         self.transport = None
         if not self._pending():
             return
-        if self.status and not self.framed:  # an answer delimited by the close itself
-            self.on_message_complete()
-        elif not self.answered:
+        if exc is None and self.parser is not None and finish is not None:
+            finish(self.parser)  # completes an answer the close delimits, and no other
+        if not self._pending():
+            return
+        if not self.answered:
             reason = f": {exc}" if exc else ""
-            self._fail(NoAnswer(f"the gateway closed the connection before answering{reason}"))
+            error = f"the gateway closed the connection before answering{reason}"
+            self._fail(NoAnswer(error, reason="closed"))
         else:
-            self._fail(NoAnswer("the gateway closed the connection before the answer was complete"))
+            self._fail(cut_short(exc))
 
     # httptools callbacks (called from feed_data)
 
     def on_message_begin(self) -> None:
         if not self._pending():  # a second answer to one request
-            self._fail(NoAnswer("an answer nobody asked for"))
+            self._fail(NoAnswer("an answer nobody asked for", reason="malformed"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > FIELD_LIMIT:
+            error = f"a header or trailer field of the gateway's answer is over {FIELD_LIMIT} bytes"
+            self._fail(NoAnswer(error, reason="head_too_large"))
+            return
         name = name.lower()
         if name == _RETRY_AFTER:
             self.retry_after = value.decode("latin-1")
         elif name == _DROPPED:
             self.dropped = value.decode("latin-1")
-        elif name == b"content-length":
-            self.framed = True
-            if value.isdigit() and int(value) > self.limit:  # refused before any body
-                self._fail(too_large(int(value), self.limit))
-        elif name == b"transfer-encoding" and value.lower().endswith(b"chunked"):
-            self.framed = True
+        elif name == b"content-length" and value.isdigit() and int(value) > self.limit:
+            self._fail(too_large(int(value), self.limit))  # refused before any body
 
     def on_headers_complete(self) -> None:
         assert self.parser is not None  # callbacks come from its feed_data
         self.status = self.parser.get_status_code()
+
+    def on_chunk_header(self) -> None:
+        self.chunked += 1
 
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
@@ -189,8 +222,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def on_message_complete(self) -> None:
         if 100 <= self.status < 200:  # an interim answer (100 Continue, 103): the real one follows
-            self._reset(self.limit)
-            self.answered = True
+            self._interim_done()
             return
         if self._pending() and self.waiter is not None and self.parser is not None:
             self.keep_alive = self.parser.should_keep_alive()
@@ -198,4 +230,9 @@ class Connection(asyncio.BufferedProtocol):
             # for could follow this one's, and they close the connection)
             chunks = self.chunks
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            self.waiter.set_result(Answer(self.status, body, self.retry_after, self.dropped))
+            try:
+                answer = Answer(self.status, body, self.retry_after, self.dropped)
+            except NoAnswer as error:  # a status outside 200-599
+                self._fail(error)
+                return
+            self.waiter.set_result(answer)

@@ -61,7 +61,7 @@ class Target:
 class HttptoolsClient:
     def __init__(self, tls: TLSConfig, connections: int) -> None:
         del connections  # no pool cap: the workers bound the connections
-        self._tls = ssl_context(tls) or ssl.create_default_context()
+        self._tls = ssl_context(tls)  # the system's, when first needed: loading it takes ~50 ms
         self._idle: dict[Origin, deque[Connection]] = {}
         self._targets: dict[str, Target] = {}
         self._buffer = memoryview(bytearray(RECEIVE_BUFFER))
@@ -135,7 +135,9 @@ class HttptoolsClient:
         scheme, host, port = origin
         loop = asyncio.get_running_loop()
         conn = Connection(origin, self._buffer)
-        tls = self._tls if scheme == "https" else None
+        tls = None
+        if scheme == "https":
+            tls = self._tls = self._tls or ssl.create_default_context()
         with anyio.CancelScope(deadline=deadline) as scope:
             try:
                 await loop.create_connection(lambda: conn, host, port, ssl=tls)

@@ -90,7 +90,7 @@ class PyreqwestClient:
         except BuilderError as exc:
             raise Unsendable(f"invalid URL {url}: {_describe(exc)}") from None
         except PyreqwestError as exc:
-            raise NoAnswer(_describe(exc)) from None
+            raise NoAnswer(_describe(exc), reason=_reason(exc)) from None
 
     async def aclose(self) -> None:
         await self.client.close()
@@ -105,10 +105,34 @@ def _describe(exc: PyreqwestError) -> str:
     return f"{type(exc).__name__}: {exc.message}{cause}"
 
 
+def _reason(exc: PyreqwestError) -> str:
+    name = type(exc).__name__
+    if name == "ConnectError":
+        return "refused"
+    if name == "DecodeError":  # hyper refused the head
+        return "malformed"
+    return "cut_short" if name in ("ReadError", "BodyDecodeError") else "no_answer"
+
+
+def _declared_length(response: Response) -> int | None:
+    """The Content-Length, refusing framing hyper accepts and llhttp does not (the other
+    clients): a length beside chunking (RFC 9112 §6.3: ought to be an error), a list or
+    a repeated header, even of one value."""
+    declared = response.get_header_all("Content-Length")
+    if not declared:
+        return None
+    if (
+        len(declared) > 1
+        or not declared[0].isdigit()
+        or response.get_header("Transfer-Encoding") is not None
+    ):
+        raise NoAnswer(f"conflicting framing: Content-Length {declared}", reason="malformed")
+    return int(declared[0])
+
+
 async def _read_capped(response: Response, limit: int) -> bytes:
     """The body, refusing one larger than ``limit`` as soon as it is known to be."""
-    declared = response.get_header("Content-Length")
-    length = int(declared) if declared and declared.isdigit() else None
+    length = _declared_length(response)
     reader = response.body_reader
     if length is not None and length <= limit:
         return (await reader.bytes()).to_bytes()

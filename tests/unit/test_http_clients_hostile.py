@@ -296,6 +296,7 @@ async def test_a_request_lost_after_it_was_sent_is_not_resent(client: HttpClient
         {"": "1"},
         {"content-length": "2"},
         {"Transfer-Encoding": "chunked"},
+        {"Expect": "100-continue"},
     ],
     ids=[
         "crlf",
@@ -308,6 +309,7 @@ async def test_a_request_lost_after_it_was_sent_is_not_resent(client: HttpClient
         "no-name",
         "length",
         "chunked",
+        "expect",
     ],
 )
 async def test_a_header_that_could_smuggle_a_line_is_refused(
