@@ -33,9 +33,10 @@ DEFAULT_DEADLINE_HEADER = "x-request-deadline"
 # Read from the gateway's answer: why llm-d dropped a request (a shed, retried).
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 
-# Never from a message (docs/architecture.md G10): framing and routing headers, and the
-# daemon's own (objective, fairness, priority; the deadline header and stamped names are
-# added per request). ``Proxy-*`` is refused by prefix.
+# Never from a message (docs/architecture.md G10): framing and routing headers, those that
+# change the exchange (``Expect: 100-continue`` held the body back for an answer a gateway
+# may never send), and the daemon's own (objective, fairness, priority; the deadline
+# header and stamped names are added per request). ``Proxy-*`` is refused by prefix.
 RESERVED_HEADERS = frozenset(
     (
         "host",
@@ -46,6 +47,7 @@ RESERVED_HEADERS = frozenset(
         "te",
         "trailer",
         "keep-alive",
+        "expect",
         OBJECTIVE_HEADER,
         DEFAULT_FAIRNESS_HEADER,
         DEFAULT_PRIORITY_HEADER,

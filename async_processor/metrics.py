@@ -139,6 +139,13 @@ class Metrics:
             ("queue_name", "pool_name"),
             registry=r,
         )
+        self.no_answer_total = counter(
+            "gateway_no_answer",
+            "HTTP attempts without a usable answer, by reason (timeout, refused, closed, "
+            "cut_short, malformed, head_too_large, framing_too_large, too_large, bad_status, "
+            "unsendable, no_answer).",
+            (*Q_LABELS, "reason"),
+        )
         self.gate_decisions_total = counter(
             "gate_decisions", "Gate decisions other than continue.", (*Q_LABELS, "reason")
         )
@@ -316,6 +323,10 @@ class QueueMetrics:
     def message_latency(self) -> Histogram:
         """Bound on first use, not with the rest (see ``Metrics.message_latency``)."""
         return self._parent.message_latency.labels(*self.labels)
+
+    def no_answer(self, reason: str) -> None:
+        """Bound at the first such attempt: most queues never see one."""
+        self._parent.no_answer_total.labels(*self.labels, reason).inc()
 
     def gate_decision(self, reason: str) -> None:
         self.gate_decisions[reason].inc()

@@ -51,6 +51,7 @@ class Attempt:
     dropped_reason: str = ""
     error: str = ""  # why no (usable) response: refused, reset, timeout, ...
     fatal: bool = False  # the request can never be sent as is (bad URL, ...)
+    reason: str = ""  # the error's metric label (``NoAnswer.reason``)
 
     @property
     def shed(self) -> bool:

@@ -10,6 +10,7 @@ The HTTP library is behind ``httpclients.base.HttpClient`` (``--http-client``).
 from __future__ import annotations
 
 import posixpath
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from async_processor.transforms.base import Outgoing
 from async_processor.work import Work
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # C0 and DEL
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +121,16 @@ def join_url(base: str, path: str) -> str:
     parts = urlsplit(base)
     if "://" in path or path.startswith("//") or "?" in path or "#" in path:
         raise InvalidMessage(f"endpoint {path!r} must be a path, not a URL", reason="bad_endpoint")
+    decoded = _fully_unquoted(path)
+    # Clients drop tabs and line ends from a URL (``.\t.`` went out as ``..``): none is sent.
+    if _CONTROL.search(decoded):
+        raise InvalidMessage(f"endpoint {path!r} holds a control character", reason="bad_endpoint")
     root = "/" + parts.path.strip("/") if parts.path.strip("/") else ""
     joined = _normalized(root, path)
-    # The gateway (or a proxy before it) may decode %2e%2e and %2f before resolving dots.
-    if not _within(root, _normalized(root, _fully_unquoted(path))):
+    # Checked as the strictest reader resolves it: the gateway (or a proxy before it) may
+    # decode %2e%2e and %2f before resolving dots, and a WHATWG parser (pyreqwest's) reads
+    # a backslash as a slash.
+    if not _within(root, _normalized(root, decoded.replace("\\", "/"))):
         raise InvalidMessage(
             f"endpoint {path!r} leaves the base path {root or '/'!r}", reason="bad_endpoint"
         )
@@ -165,10 +173,10 @@ async def send(
         answer = await client.post(
             out.url, _taken(out), headers, timeout=timeout, limit=limit or MAX_RESPONSE_BYTES
         )
-    except AttemptTimeout:
-        return Attempt(error=f"attempt timed out after {timeout:.3g}s")
+    except AttemptTimeout as exc:
+        return Attempt(error=f"attempt timed out after {timeout:.3g}s", reason=exc.reason)
     except NoAnswer as exc:
-        return Attempt(error=str(exc), fatal=exc.fatal)
+        return Attempt(error=str(exc), fatal=exc.fatal, reason=exc.reason)
     return Attempt(
         status=answer.status,
         body=answer.body,

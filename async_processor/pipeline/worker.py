@@ -239,12 +239,7 @@ class Worker:
         latency = time.monotonic() - started
         if self.tokens is not None and 200 <= attempt.status < 300:  # count() never raises
             self.tokens.count(work.queue.name, self.pool, request.metadata, attempt.body)
-        work.metrics.inference_latency.observe(latency * 1000)
-        if attempt.shed:
-            work.metrics.shedded_total.inc()
-            if self.shed_pause is not None:
-                self.shed_pause.shed(attempt.retry_after)
-        self._feedback(envelope, attempt, latency)
+        self._observe(work, attempt, latency)
         decision = decide(
             request.id,
             attempt,
@@ -287,6 +282,17 @@ class Worker:
             f"a {self.transport.kind} result can carry"
         )
         return _failure(final.result.id, ErrorCode.INFERENCE_ERROR, text, Counter.FAILED)
+
+    def _observe(self, work: Work, attempt: Attempt, latency: float) -> None:
+        """The attempt's metrics, the shed pause and the learning gates."""
+        work.metrics.inference_latency.observe(latency * 1000)
+        if attempt.reason:
+            work.metrics.no_answer(attempt.reason)
+        if attempt.shed:
+            work.metrics.shedded_total.inc()
+            if self.shed_pause is not None:
+                self.shed_pause.shed(attempt.retry_after)
+        self._feedback(work.envelope, attempt, latency)
 
     def _feedback(self, envelope: Envelope, attempt: Attempt, latency: float) -> None:
         """Gates that learn from outcomes (adaptive-concurrency, pool-headroom) get every

@@ -22,7 +22,10 @@ from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import MergePolicyConfig
 from async_processor.health import listening
 from async_processor.messages import Envelope, Request, Result, Routing
-from tests.fixtures.inprocess import running, sortedset_config, submit
+from tests.fixtures.inprocess import metric, running, sortedset_config, submit
+from tests.fixtures.scripted_gateway import Script, scripted_gateway
+
+TEXT = b'{"choices":[{"text":'  # 20 bytes: chunk size 14
 
 pytestmark = pytest.mark.anyio
 
@@ -87,6 +90,7 @@ HOSTILE = {
     "te": {"TE": "trailers"},
     "trailer": {"Trailer": "X-A"},
     "keep-alive": {"Keep-Alive": "timeout=5"},
+    "expect": {"Expect": "100-continue"},  # aiohttp held the body back for a 100 Continue
     "proxy": {"Proxy-Authorization": "Basic eA=="},
     "deadline": {"X-Request-Deadline": "9999999999"},
     "objective": {"x-gateway-inference-objective": "critical"},
@@ -184,3 +188,36 @@ async def test_endpoint_cannot_climb_out_of_the_base_path(
     assert "leaves the base path '/api'" in results["out"].error_message
     assert results["in"].status_code == 200
     assert gateway.hits == {"/api/v1/chat": 1}
+
+
+async def test_an_endpoint_with_a_control_character_is_refused(
+    redis_url: str, unique: str, gateway: Gateway
+) -> None:
+    """Clients drop a tab or line end from a URL: ``/.\t./`` went out as ``/../``."""
+    requests = [_req("tab", endpoint="/v1/.\t./.\t./admin"), _req("lf", endpoint="/.\n./x")]
+    results = await _results(redis_url, unique, gateway.url + "/api", *requests)
+    for name in ("tab", "lf"):
+        assert results[name].error_code == "INVALID_REQUEST"
+        assert "control character" in results[name].error_message
+    assert not gateway.hits
+
+
+async def test_a_cut_short_answer_is_retried_never_a_result(redis_url: str, unique: str) -> None:
+    """Finding 1 of issue 31 end to end: ``chunked `` (a trailing space), one chunk, a
+    close. The attempt is no answer (counted by reason) and the retry's whole answer is
+    the result."""
+    cut = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked \r\n\r\n14\r\n" + TEXT + b"\r\n"
+    whole = b'HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 11\r\n\r\n{"ok":true}'
+    async with scripted_gateway() as scripted:
+        scripted.play(Script((cut,), "close"))
+        scripted.play(Script((whole,)))
+        config = sortedset_config(redis_url, scripted.url.removesuffix("/v1/completions"), unique)
+        async with running(config) as processor:
+            client = await submit(redis_url, unique, _req("r"))
+            (result,) = await client.drain_results(1, 20)
+            await client.aclose()
+            cut_short = metric(
+                processor, "llm_d_async_async_gateway_no_answer_total", reason="cut_short"
+            )
+    assert (result.status_code, result.payload) == (200, '{"ok":true}')
+    assert cut_short == 1
