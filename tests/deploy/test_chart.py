@@ -127,6 +127,7 @@ def populated_metrics() -> Metrics:
     m = Metrics()
     queue = m.queue("q", "q", "default")
     queue.dead_letter("no_id")
+    queue.no_answer("cut_short")  # bound at the first attempt without an answer
     queue.message_latency.observe(1)  # registered by the first Pub/Sub ack
     queue.gate_gauges("pool")
     queue.result_written(Result.failure("r", ErrorCode.GATE_DROPPED, ""), None, 0.0)
