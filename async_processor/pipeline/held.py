@@ -2,8 +2,8 @@
 
 Stage: beside the pool, between the poller and the workers. Input: each ``Work`` a poller
 hands on (``hold``), and the worker that takes it (``take``). Output: a message whose
-deadline passes while it waits (in the poller's hand-off, its queue's lane, the merge
-policy, the pool's stream) settled through the pool's ``Settler`` with one
+deadline passes while it waits (in its poller's line behind a full lane, its queue's lane,
+the merge policy, the pool's stream) settled through the pool's ``Settler`` with one
 ``DEADLINE_EXCEEDED`` result (or its last HTTP answer), its slot and gate permits given
 back, at once instead of when a busy worker frees up (up to ``--request-timeout``).
 
@@ -25,13 +25,16 @@ import heapq
 import itertools
 import math
 import time
+from collections import deque
+from collections.abc import Callable
 
 import anyio
 import structlog
+from anyio.abc import ObjectSendStream
 
 from async_processor.pipeline.settle import Settler
 from async_processor.retry import expired, last_answer
-from async_processor.work import ANSWERED, HELD, TAKEN, Work
+from async_processor.work import ANSWERED, HELD, TAKEN, Work, put, put_nowait
 
 log = structlog.get_logger(__name__)
 
@@ -105,3 +108,51 @@ class HeldWork:
         envelope = work.envelope
         log.info("held_request_expired", request_id=envelope.id, queue=work.queue.name)
         await self._settler.settle_within(work, expired(envelope.id, last_answer(envelope.routing)))
+
+
+class HeldLine:
+    """A poller's messages that its full lane cannot take yet, in order, each held (so
+    answered at its deadline) while the poller admits the rest of its batch, instead of
+    the rest waiting unheld behind the first one's blocked send."""
+
+    def __init__(
+        self, held: HeldWork, lane: ObjectSendStream[Work], gone: Callable[[], None]
+    ) -> None:
+        self._held = held
+        self._lane = lane
+        self._gone = gone  # one of them will never reach the merge
+        self._works: deque[Work] = deque()
+        self._sending = False
+
+    def forward(self, work: Work) -> None:
+        """``work`` held from now on: into the lane if it has room and none waits, else in
+        line."""
+        self._held.hold(work)
+        if self._works or not put_nowait(self._lane, work):
+            self._works.append(work)
+
+    async def send(self) -> None:
+        """What waits, into the lane in order as it finds room; one answered meanwhile
+        leaves the line unsent. One sender at a time (a queue's fetch loops share it)."""
+        if self._sending:
+            return
+        self._sending = True
+        try:
+            while self._works:
+                work = self._works[0]
+                if work.answered:
+                    self._gone()
+                else:
+                    await put(self._lane, work)  # cut short: it stays in line
+                self._works.popleft()
+        finally:
+            self._sending = False
+
+    def take_back(self) -> list[Work]:
+        """The line emptied, nothing more sent (a stop): those still the poller's, i.e.
+        not answered at their deadline."""
+        works = list(self._works)
+        self._works.clear()
+        for _ in works:
+            self._gone()
+        return [work for work in works if self._held.take(work)]

@@ -39,7 +39,7 @@ from async_processor.messages import (
     Result,
 )
 from async_processor.metrics import QueueMetrics
-from async_processor.pipeline.held import HeldWork
+from async_processor.pipeline.held import HeldLine, HeldWork
 from async_processor.pipeline.idle_gates import IdleGates, read_budget
 from async_processor.pipeline.settle import Settler
 from async_processor.retry import REFUSE_DELAY, expired, last_answer
@@ -50,7 +50,7 @@ from async_processor.transports.base import (
     Transport,
     abandon,
 )
-from async_processor.work import Work, put
+from async_processor.work import Work
 
 log = structlog.get_logger(__name__)
 
@@ -68,7 +68,7 @@ class Poller:
         settler: Settler,
         lane: ObjectSendStream[Work],
         metrics: QueueMetrics,
-        held: HeldWork | None = None,
+        held: HeldWork,
         idle_gates: IdleGates | None = None,
         bound_in_flight: bool = True,
     ) -> None:
@@ -78,7 +78,8 @@ class Poller:
         self._settler = settler  # this poller's own: it closes the writer's sender when done
         self._capacity = settler.capacity
         self._lane = lane
-        self._held = held  # the pool's: what waits in memory is answered at its deadline
+        # What waits for the lane is held by the pool's expiry: answered at its deadline.
+        self._line = HeldLine(held, lane, self._picked)
         self._metrics = metrics
         self._log = log.bind(queue=queue.name, pool=queue.pool)
         self._error_backoff = 0.0
@@ -214,8 +215,10 @@ class Poller:
                     raise
                 self._handed_on.discard(delivery)
             await self._load_and_forward(loading)
+            await self._line.send()
         except BaseException:
             await self._give_back(loading)
+            await self._give_back(self._line.take_back())
             raise
 
     async def _admit(self, delivery: Delivery) -> Work | None:
@@ -252,7 +255,7 @@ class Poller:
         for outcome in outcomes:
             work = loading[0]
             if outcome is None:
-                await self._forward(work)
+                self._forward(work)
                 del loading[0]
             else:
                 del loading[0]
@@ -263,8 +266,8 @@ class Poller:
             self._handed_on.discard(work.delivery)  # settled: no _admit holds it
 
     async def _give_back(self, loading: list[Work]) -> None:
-        """Works not sent on: their gate permits released, their messages handed back
-        (but one the held expiry answered while its forward was cut short: ``_forward``)."""
+        """Works not sent on (loading, or in line for the lane): their gate permits
+        released, their messages handed back, but for one already handed on."""
         works = [w for w in loading if w.delivery not in self._handed_on]
         loading[:] = []
         with anyio.CancelScope(shield=True):
@@ -288,7 +291,8 @@ class Poller:
                 if self._payloads is not None and self._payloads.stored_apart(delivery):
                     forwarded = True  # its permits go with it to _load_and_forward
                     return work
-                forwarded = await self._forward(work)
+                self._forward(work)
+                forwarded = True
                 self._handed_on.add(delivery)
             elif verdict.action is Action.REFUSE:
                 self._metrics.gate_decision(refusal_decision(envelope))
@@ -309,21 +313,10 @@ class Poller:
                     await releases.release_all()
         return None
 
-    async def _forward(self, work: Work) -> bool:
-        """``work`` into the lane, held (answered at its deadline) from now on, also while
-        the lane is full. Cut short (a stop), it is ours again unless it was answered."""
+    def _forward(self, work: Work) -> None:
+        """Into the lane, or in line for it with the batch's rest admitted meanwhile."""
         self._unpicked += 1
-        if self._held is not None:
-            self._held.hold(work)
-        try:
-            await put(self._lane, work)
-        except BaseException:
-            self._unpicked -= 1
-            if self._held is None or self._held.take(work):
-                raise
-            self._handed_on.add(work.delivery)  # answered meanwhile: not to hand back
-            raise
-        return True
+        self._line.forward(work)
 
     def _waiting(self) -> int:
         """This queue's messages the merge has not taken yet (fetching ones included)."""

@@ -293,6 +293,7 @@ class Processor:
         self, pool: _Pool, queue: QueueSpec, writer: ResultWriter
     ) -> tuple[Source, Poller]:
         """A queue's lane (the merge's source) and its poller."""
+        assert pool.held is not None  # the pipeline is running: _start_pools made it
         workers, queues = pool.config.workers, len(pool.queues)
         lane = lane_size(queue, pool.capacity.slots, workers, queues)
         lane_in, lane_out = anyio.create_memory_object_stream[Work](lane)

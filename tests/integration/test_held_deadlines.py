@@ -111,19 +111,28 @@ async def test_prefetched_messages_are_answered_at_their_deadline(
         await answered_at_deadline(redis_client, processor, simulator, late, [unique])
 
 
-def two_queue_config(
-    redis_url: str, gateway: str, unique: str, policy: str, workers: int
+def queues_config(
+    redis_url: str,
+    gateway: str,
+    unique: str,
+    policy: str,
+    workers: int,
+    names: tuple[str, ...] = ("a", "b"),
+    batch_size: int = 10,
 ) -> AppConfig:
+    """Queues ``<unique>:<name>`` into one pool, fetched ``batch_size`` at a time."""
+    queues = [
+        {"queue_name": f"{unique}:{name}", "igw_base_url": gateway, "worker_pool_id": "p"}
+        for name in names
+    ]
     transport = SortedSetConfig.model_validate(
         {
             "url": redis_url,
-            "result_queue_name": f"{unique}:a:results",
+            "result_queue_name": f"{unique}:{names[0]}:results",
             "retry_queue_name": f"{unique}:retry",
             "poll_interval_ms": 50,
-            "queues": [
-                {"queue_name": f"{unique}:{name}", "igw_base_url": gateway, "worker_pool_id": "p"}
-                for name in ("a", "b")
-            ],
+            "batch_size": batch_size,
+            "queues": queues,
         }
     )
     return AppConfig(
@@ -144,7 +153,7 @@ async def test_messages_held_in_the_merge_are_answered_at_their_deadline(
     # Two queues into one pool of 8: slots 8 + 2 + 1; what is fetched beyond the busy
     # workers waits in the merge (offers, or a tier lane) and the pool's stream.
     simulator.configure(latency=BUSY_FOR)
-    config = two_queue_config(redis_url, simulator.url, unique, policy, workers=8)
+    config = queues_config(redis_url, simulator.url, unique, policy, workers=8)
     queues = [f"{unique}:a", f"{unique}:b"]
     async with running(config) as processor:
         busy = [request(f"busy{i}", 600) for i in range(8)]
@@ -154,6 +163,26 @@ async def test_messages_held_in_the_merge_are_answered_at_their_deadline(
         late = [request(f"late{i}", 3) for i in range(3)]
         await submit(redis_url, queues[0], *late[:2])
         await submit(redis_url, queues[1], *late[2:])
+        await answered_at_deadline(redis_client, processor, simulator, late, queues)
+
+
+async def test_a_batch_behind_a_full_lane_is_answered_at_its_deadline(
+    redis_url: str, unique: str, simulator: SimulatorProcess, redis_client: Redis
+) -> None:
+    # 16 workers, four queues: 16 + 4 + 3 slots. Queue a's lane holds 2 (a batch); with
+    # the pool's stream and the merge full, a's last fetch of 2 waits in its poller, both
+    # held (the one behind the first waited unheld, for the lane).
+    simulator.configure(latency=BUSY_FOR)
+    names = ("a", "b", "c", "d")
+    config = queues_config(
+        redis_url, simulator.url, unique, "random-robin", 16, names, batch_size=2
+    )
+    queues = [f"{unique}:{name}" for name in names]
+    async with running(config) as processor:
+        await submit(redis_url, queues[0], *[request(f"busy{i}", 600) for i in range(16)])
+        await until_in_flight(processor, 16)
+        late = [request(f"late{i}", 3) for i in range(7)]
+        await submit(redis_url, queues[0], *late)
         await answered_at_deadline(redis_client, processor, simulator, late, queues)
 
 

@@ -18,6 +18,7 @@ from async_processor.gates.base import CONTINUE, REFUSE, Releases, Verdict
 from async_processor.messages import Envelope
 from async_processor.metrics import Metrics
 from async_processor.pipeline.capacity import PoolCapacity
+from async_processor.pipeline.held import HeldWork
 from async_processor.pipeline.poller import Poller
 from async_processor.pipeline.results import Op
 from async_processor.pipeline.settle import Settler
@@ -81,13 +82,15 @@ async def polling(url: str, name: str, poll_ms: int) -> AsyncIterator[Running]:
     capacity, gate = PoolCapacity(SLOTS), CountingGate()
     async with opened(config) as transport, lane_out, writer_out:
         [queue] = transport.queues
+        settler = Settler(transport=transport, writer=writer_in, capacity=capacity)
         poller = Poller(
             queue=queue,
             transport=transport,
             gate=gate,
-            settler=Settler(transport=transport, writer=writer_in, capacity=capacity),
+            settler=settler,
             lane=lane_in,
             metrics=Metrics().queue(queue.id, queue.name, queue.pool),
+            held=HeldWork(settler),
         )
         async with anyio.create_task_group() as tg:
             tg.start_soon(poller.run)

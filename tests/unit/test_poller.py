@@ -16,6 +16,7 @@ from async_processor.gates.base import ConstantGate, Gate
 from async_processor.messages import Envelope, ErrorCode, Result, decode_envelope
 from async_processor.metrics import Metrics, QueueMetrics
 from async_processor.pipeline.capacity import PoolCapacity
+from async_processor.pipeline.held import HeldWork
 from async_processor.pipeline.poller import Poller
 from async_processor.pipeline.results import Op
 from async_processor.pipeline.settle import Settler
@@ -47,6 +48,7 @@ def _poller(
         settler=settler,
         lane=lane,
         metrics=metrics,
+        held=HeldWork(settler),
         bound_in_flight=bound_in_flight,
     )
 
@@ -382,3 +384,32 @@ async def test_a_failed_payload_read_hands_the_batch_back_and_frees_its_slots() 
         "ref-b",
     ]
     assert capacity.free == 8
+
+
+async def test_a_batch_behind_a_full_lane_waits_held_and_a_stop_hands_back_the_rest() -> None:
+    # The lane takes one; the other two wait in line, held: the last is answered at its
+    # deadline there (it waited unheld behind the first), the other handed back at the
+    # stop, and neither twice.
+    await anyio.sleep(1 - time.time() % 1)  # deadlines are whole seconds: a second away
+    soon, far = int(time.time()) + 1, time.time() + 600
+    transport = FakeTransport([message("m0", far), message("m1", far), message("m2", soon)])
+    lane_in, lane_out = anyio.create_memory_object_stream[Work](1)
+    writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
+    metrics = Metrics().queue("q", "q", "default")
+    capacity = PoolCapacity(8)
+    fake = cast(Transport, transport)
+    poller = _poller(QUEUE, fake, ConstantGate(1.0), capacity, lane_in, writer_in, metrics)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(poller._line._held.run)
+        tg.start_soon(poller.run)
+        await anyio.sleep(1.3)  # past m2's deadline
+        tg.cancel_scope.cancel()
+    async with lane_out, writer_out:
+        lane, ops = _drain(lane_out), _drain(writer_out)
+    assert [w.envelope.id for w in lane] == ["m0"]
+    assert [(type(op).__name__, op.delivery.envelope.id) for op in ops] == [  # type: ignore[union-attr]
+        ("Completion", "m2"),
+        ("Deferral", "m1"),
+    ]
+    assert capacity.free == 8 - 1  # m0's slot stays with it
+    assert poller._waiting() == 1 and poller._in_flight == 1
