@@ -21,11 +21,14 @@ import anyio
 
 from async_processor.cli.args import duration, parse, subcommand_parser
 from async_processor.client.redis_sortedset import SortedSetClient
+from async_processor.client.served import Served, served_queues
 from async_processor.client.submission import as_request
-from async_processor.config import redis_connection_file
+from async_processor.config import ENV_PREFIX, redis_connection_file, usable_env
 from async_processor.config.redis import RedisConnection
 from async_processor.errors import ConfigError, TransportError
 from async_processor.messages import Request
+from async_processor.redis.conn import connect, redis_errors
+from async_processor.redis.keys import DEFAULT_REQUEST_QUEUE, DEFAULT_RESULT_LIST
 
 CHUNK = 1000
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
@@ -107,6 +110,7 @@ def _requests(args: argparse.Namespace, deadline: int) -> list[Request]:
 
 async def _submit(args: argparse.Namespace) -> int:
     requests = _requests(args, int(time.time() + args.deadline_in))
+    await _require_served(args)
     progress = Progress("submitted", len(requests))
     async with SortedSetClient(
         _connection(args), args.queue, args.result_queue, payload_keys=args.payload_keys
@@ -137,6 +141,7 @@ async def _results(args: argparse.Namespace) -> int:
 
 
 async def _cancel(args: argparse.Namespace) -> int:
+    await _require_served(args)
     async with SortedSetClient(_connection(args)) as client:
         marked = await client.cancel(args.ids, queue=args.queue)
     print(f"cancelled {marked} of {len(args.ids)} (others were finished or unknown)")
@@ -147,6 +152,51 @@ def _connection(args: argparse.Namespace) -> RedisConnection:
     if args.transport_config_file:
         return redis_connection_file(args.transport_config_file, _redis_url(args))
     return RedisConnection(url=_redis_url(args))
+
+
+def _targets(command: str, args: argparse.Namespace) -> None:
+    """Fill ``args.queue`` / ``args.result_queue`` when not given: from the daemon's config
+    file when there is one (its one queue, the queue's result list), else the defaults."""
+    served = served_queues(args.transport_config_file) if args.transport_config_file else None
+    args.served = served
+    if served is not None:
+        _require_sorted_set()
+    if command != "results" and not args.queue:
+        args.queue = served.default_queue() if served else DEFAULT_REQUEST_QUEUE
+    if command == "submit" and not args.result_queue:
+        args.result_queue = served.result_list_of(args.queue) if served else DEFAULT_RESULT_LIST
+    if command == "results" and not args.result_queue:
+        args.result_queue = served.default_result_list() if served else DEFAULT_RESULT_LIST
+
+
+def _require_sorted_set() -> None:
+    """The producer commands write sorted-set queues: a pod of another transport says so."""
+    transport = os.environ.get(f"{ENV_PREFIX}TRANSPORT", "")
+    if usable_env(transport) and transport != "redis-sortedset":
+        raise ConfigError(
+            f"{ENV_PREFIX}TRANSPORT={transport}: submit, results and cancel work on "
+            "redis-sortedset queues only"
+        )
+
+
+async def _require_served(args: argparse.Namespace) -> None:
+    """A ConfigError when the daemon's config (if given) does not serve ``args.queue``:
+    requests there would wait forever, and cancels there would match nothing."""
+    served: Served | None = args.served
+    if served is None or args.force or served.statically_served(args.queue):
+        return
+    if served.set_key:
+        client = connect(_connection(args))
+        try:
+            with redis_errors("queue_discovery set"):
+                if await client.sismember(served.set_key, args.queue):
+                    return
+        finally:
+            await client.aclose()
+    raise ConfigError(
+        f"queue {args.queue!r} is not served by {served.source} (it serves "
+        f"{served.describe()}): pass --force to use it anyway"
+    )
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
@@ -170,13 +220,14 @@ def _parser(command: str) -> argparse.ArgumentParser:
             help="JSONL of requests or OpenAI batch-input lines ('-' = stdin)",
         )
         p.add_argument(
-            "--queue", default="request-sortedset", metavar="NAME", help="request sorted set"
+            "--queue", default="", metavar="NAME", help=f"request sorted set {QUEUE_DEFAULT}"
         )
         p.add_argument(
             "--result-queue",
-            default="result-list",
+            default="",
             metavar="NAME",
-            help="result list named in each request's routing",
+            help="result list named in each request's routing (default: the queue's in the "
+            f"config file, else {DEFAULT_RESULT_LIST})",
         )
         p.add_argument(
             "--deadline-in",
@@ -196,7 +247,10 @@ def _parser(command: str) -> argparse.ArgumentParser:
         )
     elif command == "results":
         p.add_argument(
-            "--result-queue", default="result-list", metavar="NAME", help="result list to read"
+            "--result-queue",
+            default="",
+            metavar="NAME",
+            help=f"result list to read (default: the config file's, else {DEFAULT_RESULT_LIST})",
         )
         p.add_argument(
             "--output",
@@ -225,11 +279,24 @@ def _parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("ids", nargs="+", metavar="ID", help="request ids to cancel")
         p.add_argument(
             "--queue",
-            default="request-sortedset",
+            default="",
             metavar="NAME",
-            help="the queue they were submitted to: only its submissions are cancelled",
+            help="the queue they were submitted to: only its submissions are cancelled "
+            f"{QUEUE_DEFAULT}",
+        )
+    if command != "results":
+        p.add_argument(
+            "--force",
+            action="store_true",
+            help="use --queue even if the config file's daemon does not serve it",
         )
     return p  # fmt: skip
+
+
+QUEUE_DEFAULT = (
+    "(default: the config file's queue when it has one, else "
+    f"{DEFAULT_REQUEST_QUEUE}; with a config file, one the daemon serves)"
+)
 
 
 DESCRIPTIONS = {
@@ -252,6 +319,7 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     args = parse(_parser(command), rest)
     try:
+        _targets(command, args)
         with contextlib.ExitStack() as stack:
             if command == "results":
                 args.out = (

@@ -24,7 +24,12 @@ from async_processor.config.flags import (
     parse_settings,
     usable_env,
 )
-from async_processor.config.load import build_config, load_config, redis_connection_file
+from async_processor.config.load import (
+    build_config,
+    load_config,
+    read_transport_file,
+    redis_connection_file,
+)
 from async_processor.config.models import (
     AppConfig,
     MergePolicyConfig,
@@ -71,6 +76,7 @@ __all__ = [
     "flag_parser",
     "load_config",
     "parse_settings",
+    "read_transport_file",
     "redis_connection_file",
     "usable_env",
 ]

@@ -113,12 +113,19 @@ def _fits(model: type[BaseModel], raw: Any) -> bool:
     return True
 
 
-def redis_connection_file(path: str, url: str) -> RedisConnection:
-    """The connection a Redis transport config file describes (its queues are ignored);
-    ``url`` fills an empty one. For the producer commands, so they connect as the daemon."""
+def read_transport_file(path: str) -> dict[str, Any]:
+    """A transport config file as raw JSON (unvalidated): for the operator commands, which
+    read its queue names and connection without needing every gate's secret set."""
     raw = _read_json("--transport-config-file", path)
     if not isinstance(raw, dict):
         raise ConfigError(f"--transport-config-file {path}: not a JSON object")
+    return raw
+
+
+def redis_connection_file(path: str, url: str) -> RedisConnection:
+    """The connection a Redis transport config file describes (its queues are ignored);
+    ``url`` fills an empty one. For the producer commands, so they connect as the daemon."""
+    raw = read_transport_file(path)
     wanted = {"url", "mode", *RedisConnectionFields.model_fields}
     fields = {k: v for k, v in raw.items() if k in wanted}
     fields["url"] = fields.get("url") or url
