@@ -11,19 +11,29 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from async_processor.config import (
     ENV_PREFIX,
+    FLAGS,
     AppConfig,
     ExtendParser,
     build_config,
+    flag_parser,
     parse_settings,
     usable_env,
 )
 from async_processor.durations import parse_duration
+from async_processor.errors import ConfigError
 from async_processor.logs import configure_logging
+
+# In a pod, PID 1 is the daemon (the image's entrypoint): its command line holds the
+# config flags the chart passes, which ``kubectl exec ... async-processor status`` lacks.
+DAEMON_CMDLINE = "/proc/1/cmdline"
+TRANSPORT_CONFIG_ENV = (f"{ENV_PREFIX}TRANSPORT_CONFIG_FILE", f"{ENV_PREFIX}TRANSPORT_CONFIG")
+DAEMON_COMMANDS = ("run", "exporter")  # PID 1 commands whose flags are the daemon's config
 
 
 def duration(text: str) -> float:
@@ -104,6 +114,65 @@ def daemon_config(
 
     Logs go to stderr as the daemon's would; stdout stays the command's output.
     """
+    argv = with_pod_flags(argv, os.environ, prog)
     settings = parse_settings(argv, os.environ, prog=prog, extend=extend)
     configure_logging(settings.log_level, settings.log_format)
     return build_config(settings, os.environ), settings.extra
+
+
+def with_pod_flags(argv: list[str], env: Mapping[str, str], prog: str) -> list[str]:
+    """``argv`` after the daemon's own config flags when neither it nor ``env`` names a
+    transport config and PID 1 is the daemon (an operator command run in its pod); the
+    command's flags still win. Otherwise a ConfigError saying where it looked."""
+    if _names_transport_config(argv, env) or {"-h", "--help"} & set(argv):
+        return argv
+    daemon, why = daemon_flags()
+    if not daemon.get("transport-config-file") and not daemon.get("transport-config"):
+        raise ConfigError(
+            "no transport config: pass the daemon's --transport and --transport-config-file "
+            f"(or set {TRANSPORT_CONFIG_ENV[0]}); looked at this command's flags, "
+            f"{' and '.join(TRANSPORT_CONFIG_ENV)}, and {DAEMON_CMDLINE} ({why})"
+        )
+    print(f"{prog}: using the daemon's flags from {DAEMON_CMDLINE}", file=sys.stderr)
+    return [*(f"--{name}={value}" for name, value in daemon.items()), *argv]
+
+
+def _names_transport_config(argv: list[str], env: Mapping[str, str]) -> bool:
+    given = any(arg.startswith("--transport-config") for arg in argv)
+    return given or any(usable_env(env.get(name, "")) for name in TRANSPORT_CONFIG_ENV)
+
+
+def daemon_flags() -> tuple[dict[str, str], str]:
+    """The daemon's flags from PID 1's command line (flag name -> value), or ``{}`` and
+    why not."""
+    try:
+        with open(DAEMON_CMDLINE, "rb") as handle:
+            words = handle.read().decode(errors="replace").split("\0")
+    except OSError as exc:
+        return {}, f"unreadable: {exc.strerror}"
+    rest = _after_program(words)
+    if rest is None:
+        return {}, "PID 1 is not async-processor"
+    if rest and not rest[0].startswith("-"):
+        if rest[0] not in DAEMON_COMMANDS:
+            return {}, f"PID 1 is async-processor {rest[0]}"
+        rest = rest[1:]
+    try:
+        known, _ = flag_parser().parse_known_args(rest)
+    except ConfigError as exc:
+        return {}, f"PID 1's flags do not parse: {exc}"
+    values = vars(known)
+    flags = {f.name: values[f.dest] for f in FLAGS if values.get(f.dest) is not None}
+    return flags, "" if flags.keys() & {"transport-config", "transport-config-file"} else (
+        "PID 1 names no transport config"
+    )
+
+
+def _after_program(words: list[str]) -> list[str] | None:
+    """The words after ``async-processor`` (or ``python -m async_processor``), or None."""
+    for index, word in enumerate(words):
+        if os.path.basename(word) == "async-processor" or (
+            word == "async_processor" and index and words[index - 1] == "-m"
+        ):
+            return [w for w in words[index + 1 :] if w]
+    return None

@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 import structlog
 
+from async_processor.cli.args import with_pod_flags
 from async_processor.config import AppConfig, build_config, parse_settings
 from async_processor.errors import ConfigError
 from async_processor.logs import configure_logging, redact
@@ -115,7 +116,9 @@ def _tune_gc() -> None:
 
 def check_config(argv: Sequence[str], env: Mapping[str, str]) -> int:
     """Validate flags, files and plugin types; print the effective config as JSON."""
-    settings = parse_settings(argv, env, prog=f"{PROG} check-config", extend=_probe_flag)
+    prog = f"{PROG} check-config"
+    argv = with_pod_flags(list(argv), env, prog)
+    settings = parse_settings(argv, env, prog=prog, extend=_probe_flag)
     configure_logging(settings.log_level, settings.log_format)  # stderr: stdout is the JSON
     config = build_config(settings, env)
     validate_plugins: Callable[[AppConfig], Any] | None = getattr(

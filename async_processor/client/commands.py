@@ -19,7 +19,13 @@ from typing import IO, Any
 
 import anyio
 
-from async_processor.cli.args import duration, parse, subcommand_parser
+from async_processor.cli.args import (
+    DAEMON_CMDLINE,
+    daemon_flags,
+    duration,
+    parse,
+    subcommand_parser,
+)
 from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.client.served import Served, served_queues
 from async_processor.client.submission import as_request
@@ -157,10 +163,18 @@ def _connection(args: argparse.Namespace) -> RedisConnection:
 def _targets(command: str, args: argparse.Namespace) -> None:
     """Fill ``args.queue`` / ``args.result_queue`` when not given: from the daemon's config
     file when there is one (its one queue, the queue's result list), else the defaults."""
+    transport = os.environ.get(f"{ENV_PREFIX}TRANSPORT", "")
+    if not args.transport_config_file:  # in the daemon's pod: its config file
+        daemon, _ = daemon_flags()
+        args.transport_config_file = daemon.get("transport-config-file", "")
+        transport = daemon.get("transport", "redis-pubsub") if daemon else transport
+        if args.transport_config_file:
+            print(f"async-processor {command}: using the daemon's --transport-config-file "
+                  f"from {DAEMON_CMDLINE}", file=sys.stderr)  # fmt: skip
     served = served_queues(args.transport_config_file) if args.transport_config_file else None
     args.served = served
     if served is not None:
-        _require_sorted_set()
+        _require_sorted_set(transport)
     if command != "results" and not args.queue:
         args.queue = served.default_queue() if served else DEFAULT_REQUEST_QUEUE
     if command == "submit" and not args.result_queue:
@@ -169,12 +183,11 @@ def _targets(command: str, args: argparse.Namespace) -> None:
         args.result_queue = served.default_result_list() if served else DEFAULT_RESULT_LIST
 
 
-def _require_sorted_set() -> None:
-    """The producer commands write sorted-set queues: a pod of another transport says so."""
-    transport = os.environ.get(f"{ENV_PREFIX}TRANSPORT", "")
+def _require_sorted_set(transport: str) -> None:
+    """The producer commands write sorted-set queues: a daemon of another transport says so."""
     if usable_env(transport) and transport != "redis-sortedset":
         raise ConfigError(
-            f"{ENV_PREFIX}TRANSPORT={transport}: submit, results and cancel work on "
+            f"the daemon's transport is {transport}: submit, results and cancel work on "
             "redis-sortedset queues only"
         )
 

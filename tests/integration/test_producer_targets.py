@@ -124,4 +124,5 @@ def test_a_pod_of_another_transport_is_told_so(
     config = _config(tmp_path, redis_url, queues=[_queue("q")])
     monkeypatch.setenv("ASYNC_PROCESSOR_TRANSPORT", "redis-pubsub")
     assert main(["submit", _jsonl(tmp_path, "x"), "--transport-config-file", config]) == 1
-    assert "work on redis-sortedset queues only" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the daemon's transport is redis-pubsub: submit, results and cancel work on" in err
