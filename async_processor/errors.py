@@ -16,6 +16,11 @@ returns it as a ``retry.Attempt``, and ``retry.decide`` classifies it (retry, sh
 
 from __future__ import annotations
 
+import os
+import re
+
+_REDIS_CONNECT = re.compile(r"Error (\d+) connecting to (\S+?)\.( |$)")
+
 
 class AsyncProcessorError(Exception):
     """Root of every error the daemon raises on purpose."""
@@ -78,3 +83,31 @@ class NoAnswer(AsyncProcessorError):
         super().__init__(message)
         if reason is not None:
             self.reason = reason
+
+
+def plain(exc: BaseException) -> str:
+    """A failure in plain words, for operators: ``cannot connect to h:1: connection
+    refused``, ``timed out``; never a library's class names or reprs."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    host, port = getattr(exc, "host", None), getattr(exc, "port", None)
+    where = f" to {host}:{port}" if host else ""
+    cause = getattr(exc, "os_error", None) or exc
+    while not isinstance(cause, OSError) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if isinstance(cause, TimeoutError):
+        return f"timed out connecting{where}"
+    if isinstance(cause, OSError):
+        errno = cause.errno if isinstance(cause.errno, int) else 0
+        reason = _strerror(errno) if errno > 0 else cause.strerror or str(cause)
+        return f"cannot connect{where}: {reason[:1].lower()}{reason[1:]}"
+    text = str(exc)
+    # redis-py words a refused connection "Error 111 connecting to h:1. Connect call ...".
+    redis_style = _REDIS_CONNECT.match(text)
+    if redis_style:
+        return f"cannot connect to {redis_style[2]}: {_strerror(int(redis_style[1])).lower()}"
+    return text or exc.__class__.__name__
+
+
+def _strerror(errno: int) -> str:
+    return os.strerror(errno)

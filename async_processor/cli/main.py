@@ -48,7 +48,8 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "run": Command("run the daemon (the default when only flags are given)"),
     "check-config": Command(
-        "validate the config and print it, secrets masked; --probe: run each gate's query once"
+        "validate the config and print it, secrets masked; --probe: reach the broker, "
+        "the gateways and each gate's source once"
     ),
     "sim": Command("serve the OpenAI-compatible inference simulator", "sim.app"),
     "demo": Command("the whole pipeline on this machine, with a live summary", "demo.run"),
@@ -133,7 +134,8 @@ def check_config(argv: Sequence[str], env: Mapping[str, str]) -> int:
 def _probe_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--probe", action="store_true",
-        help="then run each metric gate's query once and print what it would use",
+        help="then reach the broker and each gateway, run each metric gate's query once, "
+        "print what it would use; exit 1 on any failure",
     )  # fmt: skip
 
 

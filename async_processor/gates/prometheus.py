@@ -18,7 +18,7 @@ import aiohttp
 import structlog
 from pydantic import Field
 
-from async_processor.errors import ConfigError, GateError
+from async_processor.errors import ConfigError, GateError, plain
 from async_processor.gates.base import GATES, Gate, GateContext
 from async_processor.gates.epp import (
     FLOW_CONTROL_QUEUE_SIZE,
@@ -139,7 +139,7 @@ class PromQLSource:
             ) as r:
                 body: Any = await r.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise GateError(f"prometheus query failed: {exc!r}") from exc
+            raise GateError(f"prometheus at {self.url} failed: {plain(exc)}") from exc
         if not isinstance(body, dict) or body.get("status") != "success":
             error = body.get("error") if isinstance(body, dict) else None
             raise GateError(f"prometheus query failed (HTTP {r.status}): {error or body!r}")
@@ -156,7 +156,7 @@ def _vector(data: Any) -> list[Sample]:
     try:
         return [Sample(float(s["value"][1]), dict(s.get("metric") or {})) for s in data["result"]]
     except (AttributeError, KeyError, IndexError, TypeError, ValueError) as exc:
-        raise GateError(f"malformed prometheus vector: {exc!r}") from exc
+        raise GateError(f"malformed prometheus vector: {plain(exc)}") from exc
 
 
 def _require_url(ctx: GateContext, gate: str) -> str:

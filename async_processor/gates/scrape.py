@@ -21,7 +21,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BeforeValidator, Field, model_validator
 
-from async_processor.errors import GateError
+from async_processor.errors import GateError, plain
 from async_processor.gates.base import GATES, Gate, GateContext
 from async_processor.gates.metric import MetricGate, Sample, cached
 from async_processor.gates.params import Float, Params, Str, StrMap
@@ -45,11 +45,11 @@ async def fetch_page(ctx: GateContext, url: str) -> list[Metric]:
                 raise GateError(f"scrape of {url} answered HTTP {response.status}")
             text = await response.text()
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: bad charset
-        raise GateError(f"scrape of {url} failed: {exc!r}") from exc
+        raise GateError(f"scrape of {url} failed: {plain(exc)}") from exc
     try:
         return list(text_string_to_metric_families(text))
     except Exception as exc:  # the parser raises several types on malformed pages
-        raise GateError(f"scrape of {url}: unparsable exposition: {exc!r}") from exc
+        raise GateError(f"scrape of {url}: unparsable exposition: {plain(exc)}") from exc
 
 
 def select(families: list[Metric], metrics: Sequence[str], labels: dict[str, str]) -> list[Sample]:

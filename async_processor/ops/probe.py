@@ -5,8 +5,10 @@ Stage: outside the pipeline (the first check after ``helm install``). Input: a v
 ``endpoint-scrape``, also inside ``composite`` / ``wait-on-refuse`` /
 ``tier-priority-admission``) of every queue and pool, with the budget it would use and the
 value it read, or its fallback budget and why it would fall back, and the queries it
-runs. Exit code 0, or 1 when any gate would fall back (a blind gate). Nothing is
-dispatched and no metric is registered; gates without a metric source are not probed.
+runs; before them, whether the broker and each gateway answer (``ops.targets``). Exit
+code 0, or 1 when a target is unreachable or any gate would fall back (a blind gate).
+Nothing is dispatched and no metric is registered; gates without a metric source are
+not probed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.gates.basic import CompositeGate
 from async_processor.gates.metric import CascadeSource, MetricGate, Reading
 from async_processor.gates.shared import InnerGate
+from async_processor.ops.targets import check_targets
 
 BLIND_EXIT = 1
 
@@ -35,10 +38,13 @@ class Probe:
 
 
 def main(config: AppConfig) -> int:
-    """Print the report for ``config``; 1 when any metric gate would fall back."""
+    """Print the report for ``config``; 1 when a target is unreachable or any metric gate
+    would fall back."""
+    checks = anyio.run(check_targets, config)
     probes = anyio.run(probe, config)
-    print(report(probes))
-    return BLIND_EXIT if any(p.reading.value is None for p in probes) else 0
+    print("\n".join([*(check.line() for check in checks), report(probes)]))
+    failed = any(c.problem for c in checks) or any(p.reading.value is None for p in probes)
+    return BLIND_EXIT if failed else 0
 
 
 async def probe(config: AppConfig) -> list[Probe]:

@@ -51,9 +51,13 @@ def gate(gate_type: str, **params: Any) -> dict[str, Any]:
 
 
 def check_config_probe(
-    tmp_path: Path, prometheus_url: str, queues: list[dict[str, Any]], pool_gate: dict[str, Any]
+    tmp_path: Path,
+    prometheus_url: str,
+    queues: list[dict[str, Any]],
+    pool_gate: dict[str, Any],
+    redis_url: str = "redis://127.0.0.1:1/0",
 ) -> int:
-    transport = {"url": "redis://127.0.0.1:1/0", "queues": queues}
+    transport = {"url": redis_url, "queues": queues}
     pools = tmp_path / "pools.json"
     pools.write_text(json.dumps([{"id": "default", "workers": 2, **pool_gate}]))
     argv = ["check-config", "--transport", "redis-sortedset", "--transport-config",
@@ -88,7 +92,7 @@ def test_probe_prints_each_gates_value_or_why_it_falls_back(
     pool_gate = gate("wait-on-refuse", gate=gate("composite", gates=[scrape, query]))
     assert check_config_probe(tmp_path, prometheus.url, queues, pool_gate) == 1  # a blind gate
     out = capsys.readouterr().out
-    report = out[out.index("probe: ") :].splitlines()
+    report = out[out.index("probe: queue") :].splitlines()  # after the broker and gateway
     assert report[0] == (
         "probe: queue 'sat' prometheus-saturation: budget 0.8 (read 1, closed at <= 0.2)"
     )
@@ -110,6 +114,7 @@ def test_probe_prints_each_gates_value_or_why_it_falls_back(
 @pytest.mark.slow
 def test_probe_exits_0_when_every_gate_reads_and_names_the_source(
     tmp_path: Path,
+    redis_url: str,
     simulator: SimulatorProcess,
     prometheus_factory: Callable[[list[str]], PrometheusServer],
     capsys: pytest.CaptureFixture[str],
@@ -117,9 +122,9 @@ def test_probe_exits_0_when_every_gate_reads_and_names_the_source(
     simulator.configure(epp_metrics="legacy")  # an old EPP: the fallback names answer
     prometheus = prometheus_factory([f"127.0.0.1:{simulator.port}"])
     wait_for_series(prometheus, "inference_pool_ready_pods")
-    queues = [{"queue_name": "q", "igw_base_url": "http://gw", **gate(
+    queues = [{"queue_name": "q", "igw_base_url": simulator.url, **gate(
         "prometheus-budget", pool="sim-pool", max_concurrency=10)}]  # fmt: skip
-    assert check_config_probe(tmp_path, prometheus.url, queues, {}) == 0
+    assert check_config_probe(tmp_path, prometheus.url, queues, {}, redis_url) == 0
     out = capsys.readouterr().out
     assert "probe: queue 'q' prometheus-budget: budget 0.95 (read 1, closed at <= 0.05)" in out
     assert "from source [0]" in out
