@@ -13,6 +13,9 @@ series and break every query summing it), so the error code has its own counter.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -27,12 +30,24 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
-from async_processor.messages import Request, Result
+from async_processor.messages import ErrorCode, Request, Result
 
 PREFIX = "llm_d_async_async_"
 Q_LABELS = ("queue_id", "queue_name", "pool_name")
 G_LABELS = (*Q_LABELS, "inference_pool")
 GATE_REASONS = ("gate_closed", "quota_exhausted", "dropped", "error")
+# Why a message without a usable id is parked (messages.decode_envelope's reasons, and
+# the sorted set's "superseded"): each queue has every series at 0 from the start.
+DEAD_LETTER_REASONS = (
+    "malformed", "missing_id", "too_large", "unknown_kind", "invalid_deadline", "superseded",
+)  # fmt: skip
+# The broker operations the daemon runs (each ``redis_errors`` action and Pub/Sub RPC,
+# spaces and dashes as "_"): at 0 from the start, so the first failure is an increase.
+BROKER_OPERATIONS = (
+    "claim", "complete", "defer", "dead_letter", "retry_move", "retry_put_back", "expire",
+    "cancel_check", "queue_discovery", "ping", "probe", "backlog", "publish_result",
+    "publish", "pull", "acknowledge", "extend", "get_subscription",
+)  # fmt: skip
 
 INFERENCE_BUCKETS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
 RESIDENCE_BUCKETS = (
@@ -111,6 +126,15 @@ class Metrics:
             ("queue_name", "reason"),
             registry=r,
         )
+        self.broker_errors_total = Counter(
+            PREFIX + "broker_errors",
+            "Broker calls that failed (Redis or Pub/Sub unreachable, refused, timed out), by "
+            "operation; each is retried or its message comes back.",
+            ("operation",),
+            registry=r,
+        )
+        for operation in BROKER_OPERATIONS:
+            self.broker_errors_total.labels(operation)
         self.idle_probe_errors_total = Counter(
             PREFIX + "idle_probe_errors",
             "redis-sortedset idle-queue probes that failed (those queues were claimed instead).",
@@ -299,6 +323,11 @@ class QueueMetrics:
 
     @classmethod
     def bind(cls, m: Metrics, labels: tuple[str, str, str]) -> QueueMetrics:
+        if labels[1]:  # a queue, not a pool's own series: its counters at 0 from the start
+            for reason in DEAD_LETTER_REASONS:
+                m.dead_letter_total.labels(*labels, reason)
+            for code in ErrorCode:
+                m.error_results_total.labels(*labels, code.value)
         return cls(
             labels=labels,
             request_total=m.request_total.labels(*labels),
@@ -355,6 +384,27 @@ class QueueMetrics:
             p.gate_metric_threshold.labels(*labels),
             p.gate_metric_source_available.labels(*labels),
         )
+
+
+_BROKER_ERRORS: ContextVar[Counter | None] = ContextVar("broker_errors", default=None)
+
+
+@contextmanager
+def counting_broker_errors(metrics: Metrics) -> Iterator[None]:
+    """Within this block (and the tasks it starts), ``broker_error`` counts on ``metrics``:
+    the broker's error paths have no metrics object of their own to count on."""
+    token = _BROKER_ERRORS.set(metrics.broker_errors_total)
+    try:
+        yield
+    finally:
+        _BROKER_ERRORS.reset(token)
+
+
+def broker_error(operation: str) -> None:
+    """One broker call failed; counted when a daemon is running (not in operator tools)."""
+    family = _BROKER_ERRORS.get()
+    if family is not None:
+        family.labels(operation.replace(" ", "_").replace("-", "_")).inc()
 
 
 def _process_collectors(registry: CollectorRegistry) -> None:

@@ -41,6 +41,7 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from async_processor.config.redis import DEFAULT_URL, RedisConnection, host_port
 from async_processor.errors import TransportError
+from async_processor.metrics import broker_error
 
 # "Redis is away": what a call raises when its server cannot be reached or answer. The
 # cluster client raises its own RedisClusterException (not a RedisError) when no node
@@ -219,12 +220,15 @@ def redis_errors(action: str) -> Iterator[None]:
         # while it refreshes its slot map. They are a lost connection, nothing more.
         if not _raised_in_redis_connection(exc):
             raise
+        broker_error(action)
         raise TransportError(f"redis {action} failed: connection closed: {exc}") from exc
 
 
 def transport_error(action: str, exc: BaseException) -> TransportError:
     """``exc`` (a Redis or socket failure) as the ``TransportError`` callers retry; also
-    for one command's error in a pipeline run with ``raise_on_error=False``."""
+    for one command's error in a pipeline run with ``raise_on_error=False``. Counted in
+    ``broker_errors_total``."""
+    broker_error(action)
     return TransportError(f"redis {action} failed: {type(exc).__name__}: {exc}")
 
 

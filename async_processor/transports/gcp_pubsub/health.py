@@ -18,6 +18,7 @@ from google.api_core import exceptions as gexc
 from google.auth.exceptions import GoogleAuthError
 
 from async_processor.errors import TransportError
+from async_processor.metrics import broker_error
 from async_processor.transports.gcp_pubsub.leases import ACK_ID_ERRORS
 
 HEALTH_WINDOW = 30.0  # a pull/publish outcome newer than this decides readiness
@@ -41,6 +42,7 @@ class Readiness:
             yield
         except (gexc.GoogleAPIError, GoogleAuthError) as exc:
             error = f"{type(exc).__name__}: {exc}"
+            broker_error(action)
             if not isinstance(exc, ACK_ID_ERRORS):  # about some ack ids, not the resource
                 status = self._status[resource]
                 status.error_at, status.error = time.monotonic(), error

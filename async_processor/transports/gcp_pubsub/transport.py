@@ -77,6 +77,8 @@ from async_processor.transports.gcp_pubsub.publish import (
 from async_processor.transports.gcp_pubsub.pull import Puller
 
 log = structlog.get_logger(__name__)
+# Why the pipeline gives a message up to its ack deadline (``abandon``).
+ABANDON_REASONS = ("write_failed", "settle_timeout", "dead_letter_failed")
 
 LEASE_TICK = 1.0
 MAX_ACK_DEADLINE = 600  # Pub/Sub's maximum; longer deferrals come back after 600 s
@@ -118,6 +120,10 @@ class GcpPubSubTransport:
             q.name: resource_path(config.project_id, "subscriptions", q.name) for q in self.queues
         }
         self._result_topic = resource_path(config.project_id, "topics", config.result_topic_id)
+        if ctx.metrics is not None:  # every series at 0 from the start, so alerts see a rise
+            for queue in self.queues:
+                for reason in ABANDON_REASONS:
+                    ctx.metrics.abandoned_total.labels(queue.name, reason)
         self._emulator = bool(os.environ.get("PUBSUB_EMULATOR_HOST"))
         self._backlog = backlog_reader or BacklogReader(
             config.project_id, enabled=not self._emulator
