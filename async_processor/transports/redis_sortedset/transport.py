@@ -76,8 +76,12 @@ from async_processor.transports.redis_sortedset.writes import HEAD_BYTES, Result
 log = structlog.get_logger(__name__)
 
 ABANDON_REASONS = (
-    "write_failed", "settle_timeout", "dead_letter_failed", "hand_back_timeout", "lease_entry_missing",
-)  # fmt: skip
+    "write_failed",
+    "settle_timeout",
+    "dead_letter_failed",
+    "hand_back_timeout",
+    "lease_entry_missing",  # the reaper's (upkeep)
+)
 # What ``_got_back`` found per delivery: its bytes held (again), its claim no longer held,
 # or its claim held without its bytes, and answered with a failure result.
 Back = Literal["held", "lapsed", "answered"]
