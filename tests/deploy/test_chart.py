@@ -720,6 +720,9 @@ ALERTS = {
     "AsyncProcessorDispatchBudgetZero": "== 0",
     "AsyncProcessorGateBlind": "== 0",
     "AsyncProcessorDeadLetters": "> 0",
+    "AsyncProcessorAbandonedClaims": "abandoned_claims_total",
+    "AsyncProcessorResultsTrimmed": "results_trimmed_total",
+    "AsyncProcessorBrokerErrors": "broker_errors_total",
 }
 
 
@@ -821,7 +824,7 @@ def expected(rule: dict[str, Any], **labels: str) -> dict[str, Any]:
 
 
 def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
-    """Synthetic series drive four alerts over their threshold, and one stays quiet."""
+    """Synthetic series drive each alert over its threshold; blips stay quiet."""
     tool = promtool()
     rules = {r["alert"]: r for r in write_rules(tmp_path)}
     p = "llm_d_async_async_"
@@ -834,6 +837,12 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
         series(p + "broker_backlog", "0+50x60", **q, pod="a"),
         series(p + "dispatch_budget", "0x60", **q, pod="a"),
         series(p + "dead_letter_total", "0x20 1x40", **q, reason="no_id"),
+        # The daemon's first failure: series at 0 from startup, so one event is an increase.
+        series(p + "abandoned_claims_total", "0x20 1x40", queue_name="q",
+               reason="lease_entry_missing"),
+        series(p + "results_trimmed_total", "0x20 3x40", result_list="results"),
+        # Redis away from minute 20 on; a single error at minute 5 does not last 5m.
+        series(p + "broker_errors_total", "0x5 1x15 2+2x40", operation="claim"),
         # Blind from minute 10 on one replica; a one-minute blip on pool "blip" stays quiet.
         series(p + "gate_metric_source_available", "1x10 0x50", **q, inference_pool="ip", pod="a"),
         series(p + "gate_metric_source_available", "1x60", **q, inference_pool="ip", pod="b"),
@@ -857,6 +866,14 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
                    inference_pool="ip")]),
         ("AsyncProcessorDeadLetters", "25m",
          [expected(rules["AsyncProcessorDeadLetters"], queue_name="q", reason="no_id")]),
+        ("AsyncProcessorAbandonedClaims", "25m",
+         [expected(rules["AsyncProcessorAbandonedClaims"], queue_name="q",
+                   reason="lease_entry_missing")]),
+        ("AsyncProcessorResultsTrimmed", "25m",
+         [expected(rules["AsyncProcessorResultsTrimmed"], result_list="results")]),
+        ("AsyncProcessorBrokerErrors", "12m", []),  # one error at minute 5: not lasting
+        ("AsyncProcessorBrokerErrors", "27m",
+         [expected(rules["AsyncProcessorBrokerErrors"], operation="claim")]),
         ("AsyncProcessorScrapeFailing", "30m",
          [expected(rules["AsyncProcessorScrapeFailing"], pod="a")]),
         ("AsyncProcessorDown", "30m", []),  # b is still up
