@@ -2,6 +2,7 @@
 
 AsyncProcessorError
 ├── ConfigError                 startup: bad flag, file or field (exit code 2)
+│   └── UsageError              a command used wrongly (exit 2, not called a config error)
 ├── MessageError                a message that cannot be processed as sent
 │   ├── InvalidMessage          undecodable / invalid -> INVALID_REQUEST or dead-letter
 │   └── PayloadUnavailable      a referenced payload could not be fetched
@@ -28,6 +29,11 @@ class AsyncProcessorError(Exception):
 
 class ConfigError(AsyncProcessorError):
     """A configuration problem; the message names the field and the problem."""
+
+
+class UsageError(ConfigError):
+    """An operator command used wrongly: a missing argument, an unknown entry id or queue.
+    Exit code 2 like a config error, but the message does not call it one."""
 
 
 class MessageError(AsyncProcessorError):

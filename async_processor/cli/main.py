@@ -28,7 +28,7 @@ import structlog
 
 from async_processor.cli.args import with_pod_flags
 from async_processor.config import AppConfig, build_config, parse_settings
-from async_processor.errors import ConfigError
+from async_processor.errors import ConfigError, UsageError
 from async_processor.logs import configure_logging, redact
 
 PROG = "async-processor"
@@ -85,7 +85,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         config_error = _find_config_error(exc)
         if config_error is None:
             raise
-        print(f"{PROG}: config error: {config_error}", file=sys.stderr)
+        label = f" {command}:" if isinstance(config_error, UsageError) else ": config error:"
+        print(f"{PROG}{label} {config_error}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
 
 

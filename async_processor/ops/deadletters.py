@@ -13,10 +13,12 @@ the entry by its exact content in one atomic step (a Lua script), so two operato
 replay the same entry twice.
 
 Replay puts the message back on its queue: on the sorted set scored by its deadline, its
-own (default) or ``--deadline-in`` from now, written into the message when it decodes;
-on redis-pubsub it is published to its channel, and stays on the list when nobody
-subscribes (a published message with no subscriber is lost). An entry that kept only a
-prefix of a large message (``truncated``) is never replayed. gcp-pubsub copies dead
+own (default) or ``--deadline-in`` from now, written into the message; on redis-pubsub it
+is published to its channel, and stays on the list when nobody subscribes (a published
+message with no subscriber is lost). A message that does not decode is never replayed
+(the daemon would only park it again): the operator is told why, and it stays on the
+list to be shown and purged; nor is an entry that kept only a prefix of a large message
+(``truncated``). Either makes the exit code 1. gcp-pubsub copies dead
 letters to a topic (``<subscription>-dead-letter``); read them with a subscription there.
 """
 
@@ -37,7 +39,7 @@ from redis.asyncio import Redis
 
 from async_processor.cli.args import daemon_config, duration
 from async_processor.config import AppConfig, GcpPubSubConfig, RedisPubSubConfig, SortedSetConfig
-from async_processor.errors import ConfigError, InvalidMessage, TransportError
+from async_processor.errors import InvalidMessage, TransportError, UsageError
 from async_processor.json_scan import peek_id
 from async_processor.messages import decode_envelope
 from async_processor.ops.status import served_queues
@@ -47,6 +49,7 @@ from async_processor.redis.scripts import lua_source
 
 log = structlog.get_logger(__name__)
 
+PROG = "async-processor dead-letters"
 ACTIONS = ("list", "show", "replay", "purge")
 DETAIL_WIDTH = 60
 ID_BYTES = 5  # 10 hex digits: unique enough among one queue's dead letters
@@ -109,7 +112,8 @@ class DeadLetters:
 
     async def replay(self, entry: Entry, deadline_in: float | None, now: float) -> int:
         """1 replayed, 0 gone meanwhile, -1 kept (no subscriber on the channel), -2 kept
-        (the entry holds only a prefix of the message: replaying it would corrupt it)."""
+        (the entry holds only a prefix of the message: replaying it would corrupt it);
+        InvalidMessage (kept) when the message does not decode."""
         if entry.fields.get("truncated"):
             return -2
         message, score = _message(entry, deadline_in, now)
@@ -126,17 +130,13 @@ class DeadLetters:
 
 
 def _message(entry: Entry, deadline_in: float | None, now: float) -> tuple[bytes, float]:
-    """The message to put back and its sorted-set score (its deadline).
+    """The message to put back and its sorted-set score (its deadline); InvalidMessage
+    when it does not decode (the daemon would park it again at once).
 
-    A message that decodes keeps its bytes unless ``deadline_in`` gives it a fresh
-    deadline; one that does not (why it was parked) goes back as it was, due now, so the
-    daemon looks at it again (after a fix, it may now decode).
+    It keeps its bytes unless ``deadline_in`` gives it a fresh deadline.
     """
     raw = str(entry.fields.get("raw", "")).encode()
-    try:
-        envelope = decode_envelope(raw)
-    except InvalidMessage:
-        return raw, now + (deadline_in or 0.0)
+    envelope = decode_envelope(raw)
     if deadline_in is None:
         return raw, float(envelope.request.deadline)
     envelope.request.deadline = int(now + deadline_in)
@@ -163,28 +163,29 @@ def _flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Exit 0 when done, 1 when Redis cannot be reached, 2 on a usage or config error."""
-    config, extra = daemon_config(argv, "async-processor dead-letters", _flags)
+    """Exit 0 when done, 1 when Redis cannot be reached or an entry cannot be replayed,
+    2 on a usage or config error."""
+    config, extra = daemon_config(argv, PROG, _flags)
     opts = argparse.Namespace(**extra)
     _check(config, opts)
     try:
         return anyio.run(_run, config, opts)
     except TransportError as exc:
-        print(f"async-processor dead-letters: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
 
 
 def _check(config: AppConfig, opts: argparse.Namespace) -> None:
     transport = config.transport_config
     if isinstance(transport, GcpPubSubConfig):
-        raise ConfigError(
+        raise UsageError(
             "gcp-pubsub copies dead letters to the topic <subscription>-dead-letter; "
             "read them with a subscription to it"
         )
     if opts.action in ("replay", "purge") and not (opts.ids or opts.all):
-        raise ConfigError(f"{opts.action} needs entry ids or --all")
+        raise UsageError(f"{opts.action} needs entry ids or --all")
     if opts.action == "show" and not opts.ids:
-        raise ConfigError("show needs entry ids")
+        raise UsageError("show needs entry ids")
 
 
 async def _run(config: AppConfig, opts: argparse.Namespace) -> int:
@@ -195,7 +196,7 @@ async def _run(config: AppConfig, opts: argparse.Namespace) -> int:
         lists = DeadLetters(transport, client)
         await lists.load([pool.gate_params for pool in config.pools])
         if opts.queue and opts.queue not in lists.queues:
-            raise ConfigError(f"--queue {opts.queue!r} is not a queue the daemon serves")
+            raise UsageError(f"--queue {opts.queue!r} is not a queue the daemon serves")
         with redis_errors("time"):
             seconds, micros = await client.time()
         now = seconds + micros / 1e6
@@ -207,7 +208,7 @@ async def _run(config: AppConfig, opts: argparse.Namespace) -> int:
     finally:
         await client.aclose()
     print(json.dumps(counts) if opts.json else _counts_text(opts.action, counts))
-    return 0
+    return 1 if counts.keys() & {"undecodable", "truncated"} else 0
 
 
 async def _select(lists: DeadLetters, opts: argparse.Namespace) -> list[Entry]:
@@ -219,7 +220,7 @@ async def _select(lists: DeadLetters, opts: argparse.Namespace) -> list[Entry]:
         return entries
     missing = set(opts.ids) - {e.id for e in entries}
     if missing:
-        raise ConfigError(f"no dead letter with id {', '.join(sorted(missing))}")
+        raise UsageError(f"no dead letter with id {', '.join(sorted(missing))}")
     return list({e.id: e for e in entries if e.id in opts.ids}.values())  # one per id
 
 
@@ -230,8 +231,7 @@ async def _act(
     outcomes: Counter[str] = Counter()
     for entry in entries:
         if opts.action == "replay":
-            done = await lists.replay(entry, opts.deadline_in, now)
-            outcome = {1: "replayed", 0: "gone", -1: "no_subscriber", -2: "truncated"}[done]
+            outcome = await _replay(lists, entry, opts.deadline_in, now)
         else:
             outcome = "purged" if await lists.purge(entry) else "gone"
         outcomes[outcome] += 1
@@ -240,6 +240,24 @@ async def _act(
                  entry=entry.id, reason=summary["reason"],
                  request_id=summary["request_id"])  # fmt: skip
     return dict(outcomes)
+
+
+async def _replay(lists: DeadLetters, entry: Entry, deadline_in: float | None, now: float) -> str:
+    """Replay one entry; the outcome's name. One that cannot be replayed is said on stderr."""
+    try:
+        done = await lists.replay(entry, deadline_in, now)
+    except InvalidMessage as exc:
+        _cannot_replay(entry, f"the message does not decode ({exc})")
+        return "undecodable"
+    if done == -2:
+        _cannot_replay(entry, "the entry holds only the start of a message too large to keep")
+    return {1: "replayed", 0: "gone", -1: "no_subscriber", -2: "truncated"}[done]
+
+
+def _cannot_replay(entry: Entry, why: str) -> None:
+    print(f"{PROG}: {entry.id} on {entry.queue} cannot be replayed: {why}; it stays on the "
+          f"dead-letter list ('show {entry.id}' to read it, 'purge {entry.id}' once the "
+          "producer is fixed)", file=sys.stderr)  # fmt: skip
 
 
 def _print(entries: list[Entry], opts: argparse.Namespace, now: float) -> None:

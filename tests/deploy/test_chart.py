@@ -838,8 +838,9 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
         series(p + "dispatch_budget", "0x60", **q, pod="a"),
         series(p + "dead_letter_total", "0x20 1x40", **q, reason="no_id"),
         # The daemon's first failure: series at 0 from startup, so one event is an increase.
-        series(p + "abandoned_claims_total", "0x20 1x40", queue_name="q",
-               reason="lease_entry_missing"),
+        series(
+            p + "abandoned_claims_total", "0x20 1x40", queue_name="q", reason="lease_entry_missing"
+        ),
         series(p + "results_trimmed_total", "0x20 3x40", result_list="results"),
         # Redis away from minute 20 on; a single error at minute 5 does not last 5m.
         series(p + "broker_errors_total", "0x5 1x15 2+2x40", operation="claim"),

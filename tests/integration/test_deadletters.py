@@ -118,20 +118,26 @@ def test_list_show_replay_purge(
     assert (code, out.strip()) == (0, "purged 1")
     assert r.llen(f"{queue}:dead-letter") == 1
     code, _, err = run(capsys, "replay", m3, *flags)
-    assert code == 2 and f"no dead letter with id {m3}" in err
-    # The undecodable one goes back as it was, due now, for the daemon to look at again.
-    code, out, _ = run(capsys, "replay", bad, *flags)
-    assert out.strip() == "replayed 1" and abs(r.zscore(queue, b"not json") - time.time()) < 30
+    assert err == f"async-processor dead-letters: no dead letter with id {m3}\n"  # not config
+    assert code == 2
+    # The undecodable one is not replayed (the daemon would park it again at once): the
+    # operator is told why and it stays on the list.
+    before = r.zcard(queue)
+    code, out, err = run(capsys, "replay", bad, *flags)
+    assert (code, out.strip()) == (1, "undecodable 1")
+    assert f"{bad} on {queue} cannot be replayed: the message does not decode (" in err
+    assert f"it stays on the dead-letter list ('show {bad}'" in err
+    assert r.zcard(queue) == before and r.llen(f"{queue}:dead-letter") == 1
     # An entry holding only a prefix of a large message is never replayed.
     prefix = {"reason": "oversized", "raw": '{"id":"big","deadline":1', "truncated": True}
     r.lpush(f"{queue}:dead-letter", json.dumps(prefix))
-    before = r.zcard(queue)
-    code, out, _ = run(capsys, "replay", "--all", *flags)
-    assert out.strip() == "truncated 1" and r.zcard(queue) == before
+    code, out, err = run(capsys, "replay", "--all", *flags)
+    assert (code, out.strip()) == (1, "truncated 1, undecodable 1") and r.zcard(queue) == before
+    assert "holds only the start of a message too large to keep" in err
     assert json.loads(run(capsys, "list", *flags, "--json")[1])[0]["truncated"] is True
     r.lpush(f"{queue}:dead-letter", "x", "y")
     code, out, _ = run(capsys, "purge", "--all", *flags)
-    assert out.strip() == "purged 3" and r.llen(f"{queue}:dead-letter") == 0
+    assert out.strip() == "purged 4" and r.llen(f"{queue}:dead-letter") == 0
 
 
 def test_replayed_entry_cannot_be_replayed_twice(
@@ -180,7 +186,9 @@ def test_redis_pubsub_replay_keeps_the_entry_when_nobody_subscribes(
     path.write_text(json.dumps(raw))
     flags = ["--transport", "redis-pubsub", "--transport-config-file", str(path)]
     r = redis.Redis.from_url(redis_url)
-    entry = {"reason": "malformed", "detail": "", "raw": "m", "time": time.time(), "queue": channel}
+    parked = message("p1", time.time() + 600)
+    entry = {"reason": "superseded", "detail": "", "raw": parked.decode(), "time": time.time(),
+             "queue": channel}  # fmt: skip
     r.lpush(f"{channel}:dead-letter", json.dumps(entry))
     code, out, _ = run(capsys, "replay", "--all", *flags)
     assert (code, out.strip()) == (0, "no subscriber 1")  # a PUBLISH to nobody would lose it
@@ -191,6 +199,6 @@ def test_redis_pubsub_replay_keeps_the_entry_when_nobody_subscribes(
         code, out, _ = run(capsys, "replay", "--all", *flags)
         assert out.strip() == "replayed 1" and r.llen(f"{channel}:dead-letter") == 0
         got = [subscriber.get_message(timeout=5) for _ in range(2)]  # subscribe ack, then it
-        assert got[-1] is not None and got[-1]["data"] == b"m"
+        assert got[-1] is not None and got[-1]["data"] == parked
     finally:
         subscriber.close()
