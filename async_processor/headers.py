@@ -28,7 +28,8 @@ DEFAULT_FAIRNESS_ATTRIBUTE = "userid"
 MAX_FAIRNESS_ID_BYTES = 256
 DEFAULT_PRIORITY_HEADER = "x-gateway-priority"  # tier-priority's
 DEFAULT_OBJECTIVE_HEADER = "x-llm-d-inference-objective"  # tier-priority's lane objective
-# The deadline sent to the gateway (--deadline-header; empty sends none).
+# The request's deadline sent to the gateway, absolute Unix seconds (--deadline-header;
+# empty sends none).
 DEFAULT_DEADLINE_HEADER = "x-request-deadline"
 # Read from the gateway's answer: why llm-d dropped a request (a shed, retried).
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"

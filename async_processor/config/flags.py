@@ -75,7 +75,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("health-port", "port of /healthz and /readyz", "health_port"),
     Flag("metrics-port", "port of /metrics", "metrics_port"),
     Flag("bind-address", "address the health and metrics servers listen on", "bind_address"),
-    Flag("deadline-header", "header carrying the remaining deadline (empty disables)",
+    Flag("deadline-header", "header carrying the request's deadline to the gateway, as "
+         "absolute Unix seconds (not the time left; empty disables)",
          "deadline_header"),
     Flag("max-message-bytes", "largest accepted message", "max_message_bytes"),
     Flag("metrics-bearer-token-file", "file holding a bearer token required on /metrics"),

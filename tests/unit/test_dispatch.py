@@ -140,3 +140,19 @@ async def test_response_body_over_the_cap_is_a_fatal_attempt(
     assert attempt.fatal and attempt.status == 0
     assert "larger than 4096" in attempt.error
     assert (fine.status, len(fine.body)) == (200, 5000)
+
+
+def test_deadline_header_help_docs_and_behaviour_agree() -> None:
+    """The help said "remaining deadline" while the header carries the absolute deadline."""
+    from pathlib import Path
+
+    from async_processor.config import flag_parser
+
+    root = Path(__file__).resolve().parents[2]
+    out = build_request(_work(), DispatchSettings(deadline_header="x-request-deadline"))
+    assert out.headers["x-request-deadline"] == str(_work().envelope.request.deadline)
+    assert "absolute Unix seconds" in " ".join(flag_parser().format_help().split())
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for line in path.read_text().splitlines():
+            if "--deadline-header" in line:
+                assert "remaining" not in line, f"{path.name}: {line}"
