@@ -13,10 +13,12 @@ at once, or ``modules`` per type, so that only the module of the type in use is 
 
 from __future__ import annotations
 
+import difflib
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from types import UnionType
+from typing import Annotated, Any, Generic, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -69,7 +71,8 @@ class Registry(Generic[T, C]):
         try:
             return entry.params.model_validate(dict(raw or {}))
         except ValidationError as exc:
-            raise ConfigError(f"{self.kind} {type_name!r}: {describe_validation(exc)}") from exc
+            problem = describe_validation(exc, entry.params)
+            raise ConfigError(f"{self.kind} {type_name!r}: {problem}") from exc
 
     def build(self, type_name: str, raw: Mapping[str, Any] | None, ctx: C) -> T:
         params = self.params(type_name, raw)
@@ -82,8 +85,10 @@ class Registry(Generic[T, C]):
         try:
             return self._entries[type_name]
         except KeyError:
+            known = self.known()
             raise ConfigError(
-                f"unknown {self.kind} type {type_name!r} (known: {', '.join(self.known())})"
+                f"unknown {self.kind} type {type_name!r}{did_you_mean(type_name, known)} "
+                f"(known: {', '.join(known)})"
             ) from None
 
     def _load_plugins(self) -> None:
@@ -105,16 +110,60 @@ def lazy_exports(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]
     return __getattr__
 
 
-def describe_validation(exc: ValidationError) -> str:
+def describe_validation(exc: ValidationError, model: Any = None) -> str:
     """One line naming the first bad field and the problem (for startup errors).
 
-    A misspelled key is named before the "Field required" it causes: the typo is the news.
+    A misspelled key is named before the "Field required" it causes: the typo is the news,
+    with the closest key ``model`` (the type validated) knows at that place, if one is close.
     """
     errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
-    where = ".".join(str(part) for part in first["loc"]) or "value"
+    where = ".".join(str(part) for part in first["loc"])
     message = first["msg"].removeprefix("Value error, ")
-    return mask_url(f"{where}: {_unechoed(message, first['loc'], first.get('input'))}")
+    if first["type"] == "extra_forbidden" and first["loc"]:
+        known = _keys_at(model, first["loc"][:-1])
+        message += did_you_mean(str(first["loc"][-1]), known)
+    message = _unechoed(message, first["loc"], first.get("input"))
+    return mask_url(f"{where}: {message}" if where else message)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or "" when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _keys_at(model: Any, path: Sequence[int | str]) -> list[str]:
+    """The keys the model found by following ``path`` from ``model`` accepts (names and
+    aliases), or none when the path leaves the models (a dict of anything, a union)."""
+    for part in path:
+        model = _unwrap(model)
+        if isinstance(part, int) or model is None:  # a list item: the list's item type
+            model = get_args(model)[0] if get_origin(model) in (list, tuple) else model
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return []
+        field = model.model_fields.get(part) or next(
+            (f for f in model.model_fields.values() if f.alias == part), None
+        )
+        model = field.annotation if field is not None else None
+    model = _unwrap(model)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return []
+    names: list[str] = []
+    for name, field in model.model_fields.items():
+        names += [name, field.alias] if field.alias else [name]
+    return list(dict.fromkeys(names))
+
+
+def _unwrap(annotation: Any) -> Any:
+    """``X`` from ``Annotated[X, ...]`` and ``X | None``; anything else as is."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, UnionType):
+        options = [a for a in get_args(annotation) if a is not type(None)]
+        annotation = options[0] if len(options) == 1 else annotation
+    return annotation
 
 
 def _unechoed(message: str, loc: tuple[int | str, ...], value: Any) -> str:

@@ -172,6 +172,8 @@ def _targets(command: str, args: argparse.Namespace) -> None:
             print(f"async-processor {command}: using the daemon's --transport-config-file "
                   f"from {DAEMON_CMDLINE}", file=sys.stderr)  # fmt: skip
     served = served_queues(args.transport_config_file) if args.transport_config_file else None
+    if served is not None and not served.lists_queues():
+        served = None  # a file with only the connection fields names no queue to check
     args.served = served
     if served is not None:
         _require_sorted_set(transport)

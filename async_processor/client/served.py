@@ -30,6 +30,9 @@ class Served:
     key_prefix: str = ""  # queue_discovery.key_prefix: queues whose name starts so
     template_results: str = ""  # the discovery template's result_queue_name
 
+    def lists_queues(self) -> bool:
+        return bool(self.queues or self.set_key or self.key_prefix)
+
     def describe(self) -> str:
         """The served queues in words, for an error message."""
         parts = [", ".join(self.queues)] if self.queues else []

@@ -6,7 +6,8 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any
+from types import UnionType
+from typing import Annotated, Any, ClassVar, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -16,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationInfo,
+    model_validator,
 )
 
 DEFAULT_POOL = "default"
@@ -24,7 +26,47 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 
 
 class Strict(BaseModel):
+    """A config file's model: unknown keys are errors, and so is a number or a boolean
+    written as text (``"batch_size": "10"``; the Go daemon refuses it too). Models built
+    from flags (text by nature) set ``text_values``."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+    text_values: ClassVar[bool] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_quoted_scalars(cls, data: Any) -> Any:
+        if cls.text_values or not isinstance(data, dict):
+            return data
+        for key, value in data.items():
+            kind = _scalar_kind(cls, key) if isinstance(value, str) else ""
+            if kind:
+                raise ValueError(f"{key}: {value!r} is text, not {kind}: write it without quotes")
+        return data
+
+
+def _scalar_kind(model: type[BaseModel], key: str) -> str:
+    """ "a number" / "a boolean" when field ``key`` takes only that (no text), else ""."""
+    field = model.model_fields.get(key) or next(
+        (f for f in model.model_fields.values() if f.alias == key), None
+    )
+    if field is None:
+        return ""
+    annotation = _bare(field.annotation)
+    union = get_origin(annotation) in (Union, UnionType)
+    options = {_bare(a) for a in get_args(annotation)} if union else {annotation}
+    options.discard(type(None))
+    if options and options <= {bool}:
+        return "a boolean"
+    if options and options <= {int, float}:
+        return "a number"
+    return ""
+
+
+def _bare(annotation: Any) -> Any:
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation
 
 
 def _json_object_or_string(value: Any) -> Any:

@@ -88,7 +88,7 @@ def _transport_config(
         if not raw["url"]:
             raise ConfigError(f"{source}: url is required for {transport} (or set REDIS_URL)")
     validate = partial(model.model_validate, context={"env": env})
-    config = cast(TransportConfig, _validate(validate, source, raw))
+    config = cast(TransportConfig, _validate(validate, source, raw, model))
     return config, source
 
 
@@ -142,6 +142,7 @@ def _pools(settings: Settings, env: Mapping[str, str]) -> list[PoolConfig]:
         partial(TypeAdapter(list[PoolConfig]).validate_python, context={"env": env}),
         source,
         _read_json("--pool-config-file", path),
+        list[PoolConfig],
     )
     if not pools:
         raise ConfigError(f"{source}: at least one pool is required")
@@ -200,14 +201,16 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 def _from_file(model: type[ModelT], option: str, path: str) -> ModelT:
-    return _validate(model.model_validate, f"{option} {path}", _read_json(option, path))
+    return _validate(model.model_validate, f"{option} {path}", _read_json(option, path), model)
 
 
-def _validate(validate: Callable[[Any], T], source: str, raw: Any) -> T:
+def _validate(validate: Callable[[Any], T], source: str, raw: Any, model: Any = None) -> T:
+    """``validate(raw)``; a ConfigError naming ``source`` and the first problem (``model``,
+    the type validated, lets it suggest a key for a misspelled one)."""
     try:
         return validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: {describe_validation(exc)}") from None
+        raise ConfigError(f"{source}: {describe_validation(exc, model)}") from None
 
 
 def _read_text(option: str, path: str) -> str:

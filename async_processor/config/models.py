@@ -78,6 +78,7 @@ class TransformConfig(Strict):
 
 
 class TLSConfig(Strict):
+    text_values = True  # from flags
     ca_cert: str = ""
     cert: str = ""
     key: str = ""
@@ -92,6 +93,8 @@ class TLSConfig(Strict):
 
 class RuntimeConfig(Strict):
     """Flag-level settings the pipeline reads (the rest of ``AppConfig``)."""
+
+    text_values = True  # from flags
 
     concurrency: Annotated[int, Field(gt=0)] = 64
     request_timeout: Annotated[Duration, Field(gt=0)] = 300.0

@@ -361,5 +361,5 @@ def test_gate_config_error_names_the_queue_and_the_misspelled_key(
     assert code == 2
     assert err == (
         "async-processor: config error: queue 'q1': gate 'redis-quota': adress: "
-        "Extra inputs are not permitted"
+        "Extra inputs are not permitted (did you mean 'address'?)"
     )
