@@ -12,7 +12,7 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from async_processor.config import (
@@ -84,7 +84,10 @@ def describe(parser: argparse.ArgumentParser) -> None:
         if default not in (None, "", False, argparse.SUPPRESS) and "(default" not in action.help:
             notes.append(f"default: {default}")
         notes.append(f"env {env_name(action.dest)}")
-        action.help = f"{action.help} ({'; '.join(notes)})"
+        if action.help.endswith(")") and "(default" in action.help:  # one pair of brackets
+            action.help = f"{action.help[:-1]}; {'; '.join(notes)})"
+        else:
+            action.help = f"{action.help} ({'; '.join(notes)})"
 
 
 def subcommand_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -106,8 +109,16 @@ def parse(
     return parser.parse_args(argv)
 
 
+# The daemon's flags an operator command's --help lists: those that choose the broker, its
+# keys and the gates' keys (status, dead-letters), and the logs.
+CONFIG_FLAGS = (
+    "transport", "transport-config", "transport-config-file", "pool-config-file",
+    "log-level", "log-format",
+)  # fmt: skip
+
+
 def daemon_config(
-    argv: list[str], prog: str, extend: ExtendParser
+    argv: list[str], prog: str, extend: ExtendParser, shown: Sequence[str] = CONFIG_FLAGS
 ) -> tuple[AppConfig, Mapping[str, Any]]:
     """For operator commands (status, dead-letters): the daemon's flags, env and config
     files (so they look at the daemon's own keys), plus the command's own flags.
@@ -115,7 +126,7 @@ def daemon_config(
     Logs go to stderr as the daemon's would; stdout stays the command's output.
     """
     argv = with_pod_flags(argv, os.environ, prog)
-    settings = parse_settings(argv, os.environ, prog=prog, extend=extend)
+    settings = parse_settings(argv, os.environ, prog=prog, extend=extend, shown=shown)
     configure_logging(settings.log_level, settings.log_format)
     return build_config(settings, os.environ), settings.extra
 

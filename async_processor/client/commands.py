@@ -41,7 +41,8 @@ LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 
 
 class Progress:
-    """A small progress display on stderr (no dependency)."""
+    """Progress on stderr (no dependency): a bar redrawn in place on a terminal; elsewhere
+    (a log, a pipe) a plain count every 5 s and at the end, no bar."""
 
     def __init__(self, label: str, total: int | None, stream: IO[str] = sys.stderr) -> None:
         self.label, self.total, self.stream = label, total, stream
@@ -62,7 +63,10 @@ class Progress:
 
     def _show(self, end: str) -> None:
         rate = self.done / max(1e-6, time.monotonic() - self._started)
-        if self.total:
+        if not self._tty:  # a log or a pipe: plain counts, no bar
+            of = f"/{self.total}" if self.total else ""
+            text = f"{self.label} {self.done}{of} ({rate:.0f}/s)"
+        elif self.total:
             width = 30
             filled = int(width * self.done / self.total)
             bar = "#" * filled + "-" * (width - filled)

@@ -7,9 +7,9 @@ the flags not given, and checks choices. ``config.load`` turns the result into m
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, get_args
+from typing import Any, Literal, NoReturn, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -106,18 +106,24 @@ ExtendParser = Callable[[argparse.ArgumentParser], None]
 
 
 def flag_parser(
-    prog: str = "async-processor run", extend: ExtendParser | None = None
+    prog: str = "async-processor run",
+    extend: ExtendParser | None = None,
+    shown: Collection[str] | None = None,
 ) -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog=prog,
-        allow_abbrev=False,
-        epilog=(f"Every flag can also be set as {ENV_PREFIX}<FLAG_IN_UPPER_SNAKE>; flags win."),
-    )
+    """The daemon's flags (then ``extend``'s). ``shown``: the flags ``--help`` lists (None:
+    all); an operator command lists those that choose what it looks at, and accepts the
+    others unlisted, so it still takes the pod's whole command line."""
+    epilog = f"Every flag can also be set as {ENV_PREFIX}<FLAG_IN_UPPER_SNAKE>; flags win."
+    if shown is not None:
+        epilog += " It also accepts (and ignores) the other flags of 'async-processor run'."
+    parser = _Parser(prog=prog, allow_abbrev=False, epilog=epilog)
     for flag in FLAGS:
         default = flag.default or _field_default(flag.field)
         # A default the help text already explains (or none at all) is not repeated.
-        shown = f"default: {default}; " if default and "(default" not in flag.help else ""
-        help_text = f"{flag.help} ({shown}env {flag.env})"
+        noted = f"default: {default}; " if default and "(default" not in flag.help else ""
+        help_text = f"{flag.help} ({noted}env {flag.env})"
+        if shown is not None and flag.name not in shown:
+            help_text = argparse.SUPPRESS
         if flag.boolean:
             parser.add_argument(
                 flag.option, dest=flag.dest, nargs="?", const="true", metavar="BOOL", help=help_text
@@ -144,6 +150,8 @@ def _metavar(flag: Flag) -> str:
         annotation = (TLSConfig if group else RuntimeConfig).model_fields[name].annotation
         # Unwrap Optional and Annotated: ``Annotated[Duration, ...] | None`` counts as float.
         args = get_args(annotation)
+        if get_origin(annotation) is Literal:  # a closed set: show it, as choices are shown
+            return "{" + ",".join(str(arg) for arg in args) + "}"
         kinds = {annotation, *args, *(inner for arg in args for inner in get_args(arg))}
         if float in kinds:  # the Duration fields (Go syntax)
             return "DURATION"
@@ -183,9 +191,10 @@ def parse_settings(
     *,
     prog: str = "async-processor run",
     extend: ExtendParser | None = None,
+    shown: Collection[str] | None = None,
 ) -> Settings:
     """Flags, then ``ASYNC_PROCESSOR_*`` for the flags not given; choices checked."""
-    parsed = vars(flag_parser(prog, extend).parse_args(list(argv)))
+    parsed = vars(flag_parser(prog, extend, shown).parse_args(list(argv)))
     extra = {k: parsed.pop(k) for k in list(parsed) if k not in _BY_DEST}
     given = {k: v for k, v in parsed.items() if v is not None}
     values: dict[str, str] = {}

@@ -32,7 +32,7 @@ from aiohttp import web
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry, Gauge
 
-from async_processor.cli.args import daemon_config, duration
+from async_processor.cli.args import CONFIG_FLAGS, daemon_config, duration
 from async_processor.config import AppConfig
 from async_processor.errors import ConfigError, TransportError
 from async_processor.health import serve_health, serve_metrics
@@ -159,7 +159,9 @@ def _flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str]) -> int:
-    config, opts = daemon_config(argv, "async-processor exporter", _flags)
+    shown = (*CONFIG_FLAGS, "health-port", "metrics-port", "bind-address",
+             "metrics-bearer-token-file")  # fmt: skip
+    config, opts = daemon_config(argv, "async-processor exporter", _flags, shown)
     if opts["interval"] <= 0:
         raise ConfigError(f"--interval must be > 0, not {opts['interval']:g}s")
     try:

@@ -92,6 +92,8 @@ def _text(value: object) -> str:
 
 
 def _relative(seconds: float) -> str:
-    """``in 4m10s`` or ``12s ago`` (whole seconds)."""
+    """``in 4m10s``, ``12s ago`` (whole seconds), or ``now`` (not "in 0s")."""
+    if round(seconds) == 0:
+        return "now"
     text = format_duration(abs(round(seconds)))
     return f"in {text}" if seconds >= 0 else f"{text} ago"

@@ -64,8 +64,9 @@ DEAD_LETTER_HOLD = 1000
 DEDUP_TTL_SECONDS = 86400
 CLOSE_TIMEOUT = 10.0
 DEPRECATION = (
-    "redis-pubsub is deprecated: use redis-sortedset. Its limits: every replica receives "
-    "every message (fan-out), and messages or results published while nobody is "
+    "redis-pubsub is deprecated (it is the default only as in the Go daemon): set "
+    "--transport redis-sortedset (or ASYNC_PROCESSOR_TRANSPORT). Its limits: every replica "
+    "receives every message (fan-out), and messages or results published while nobody is "
     "subscribed are lost."
 )
 

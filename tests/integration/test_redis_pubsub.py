@@ -269,8 +269,9 @@ async def test_not_ready_before_subscribing_and_deprecation_logged(
             await t.health()
     finally:
         await t.aclose()
-    [warning] = [e for e in logs if e["event"] == "redis_pubsub_deprecated"]
-    assert "redis-sortedset" in warning["message"] and "fan-out" in warning["message"]
+    [warning] = [e for e in logs if e["event"] == "redis_pubsub_deprecated"]  # one
+    assert "set --transport redis-sortedset" in warning["message"]  # the flag to set
+    assert "fan-out" in warning["message"]
 
 
 def routed(request_id: str, channel: str) -> bytes:
