@@ -1,5 +1,5 @@
 """The aiohttp implementation of ``HttpClient`` (``--http-client aiohttp``; the default until
-httptools measured a third less CPU per message: README, Benchmarks).
+httptools measured a third less CPU per message: docs/performance.md).
 
 One ``ClientSession`` for all workers: keep-alive connections, no cap beyond the workers.
 

@@ -4,7 +4,7 @@ Protocols, parsed by llhttp (the C parser Node.js and uvicorn use).
 It does what the seam needs and nothing else: a POST with headers and a body, keep-alive
 connections pooled per origin, TLS and mTLS from ``TLSConfig``, no redirects, no
 compression, no proxies, no cookies. Why it is the default: the daemon spends about a third
-less CPU per message on it than on aiohttp (README, Benchmarks, has the figures). Host
+less CPU per message on it than on aiohttp (docs/performance.md has the figures). Host
 names are resolved at each new connection (aiohttp caches them for 10 s). No cap on open
 connections: one is opened only when no idle one to its origin is free, so an origin
 has at most as many as the calls in flight at once, which the workers bound.
