@@ -42,7 +42,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestHandler
 from anyio.abc import TaskStatus
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.metrics_core import Metric
 
@@ -108,6 +108,9 @@ async def serve_metrics(
     ``MetricsPage`` (``renders`` counts its renders).
     """
     expected = f"Bearer {bearer_token}".encode()
+    # No ``<counter>_created`` series: they doubled every counter's and histogram's series
+    # (the Go daemon's client exports none), and nothing here reads them.
+    disable_created_metrics()  # type: ignore[no-untyped-call]
 
     def guarded(handler: Handler) -> Handler:
         async def check(request: web.Request) -> web.StreamResponse:

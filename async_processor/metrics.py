@@ -36,8 +36,7 @@ PREFIX = "llm_d_async_async_"
 Q_LABELS = ("queue_id", "queue_name", "pool_name")
 G_LABELS = (*Q_LABELS, "inference_pool")
 GATE_REASONS = ("gate_closed", "quota_exhausted", "dropped", "error")
-# Why a message without a usable id is parked (messages.decode_envelope's reasons, and
-# the sorted set's "superseded"): each queue has every series at 0 from the start.
+# Why a message without a usable id is parked (decode_envelope's, the sorted set's "superseded").
 DEAD_LETTER_REASONS = (
     "malformed", "missing_id", "too_large", "unknown_kind", "invalid_deadline", "superseded",
 )  # fmt: skip
@@ -218,11 +217,8 @@ class Metrics:
             buckets=SLACK_BUCKETS,
             registry=r,
         )
-        self.build_info = Gauge(
-            "llm_d_async_build_info", "1, labelled with the version and transport.",
-            ("version", "transport"), registry=r,
-        )  # fmt: skip
-        _process_collectors(r)
+        self.build_info = build_info_gauge(r)
+        process_collectors(r)
         self._bound: dict[tuple[str, str, str], QueueMetrics] = {}
         self._message_latency: Histogram | None = None
 
@@ -407,7 +403,13 @@ def broker_error(operation: str) -> None:
         family.labels(operation.replace(" ", "_").replace("-", "_")).inc()
 
 
-def _process_collectors(registry: CollectorRegistry) -> None:
+def build_info_gauge(registry: CollectorRegistry) -> Gauge:
+    """``llm_d_async_build_info``: the daemon's and the exporter's."""
+    return Gauge("llm_d_async_build_info", "1, labelled with the version and transport.",
+                 ("version", "transport"), registry=registry)  # fmt: skip
+
+
+def process_collectors(registry: CollectorRegistry) -> None:
     """process_* (CPU, memory, fds) and python_* (version, GC) on ``registry``.
 
     The default registry has them already; an injected one needs its own.

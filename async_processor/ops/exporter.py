@@ -32,10 +32,12 @@ from aiohttp import web
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry, Gauge
 
+from async_processor import __version__
 from async_processor.cli.args import CONFIG_FLAGS, daemon_config, duration
 from async_processor.config import AppConfig
 from async_processor.errors import ConfigError, TransportError
 from async_processor.health import serve_health, serve_metrics
+from async_processor.metrics import build_info_gauge, process_collectors
 from async_processor.ops.status import collect
 from async_processor.ops.status_table import QueueStatus, Status
 
@@ -136,6 +138,8 @@ async def serve(
 ) -> None:
     """Refresh every ``interval`` and serve; ``task_status`` gets (health, metrics) ports."""
     registry = CollectorRegistry()
+    process_collectors(registry)  # process_* and python_*, as the daemon's /metrics has
+    build_info_gauge(registry).labels(__version__, config.transport).set(1)
     exporter = Exporter(config, registry)
     rt = config.runtime
     metrics = partial(serve_metrics, bearer_token=rt.metrics_bearer_token,
