@@ -25,6 +25,13 @@ from async_processor.config import (
     parse_settings,
     usable_env,
 )
+from async_processor.config.environment import (
+    apply_env,
+    command_of,
+    env_names,
+    options,
+    warn_unknown,
+)
 from async_processor.durations import parse_duration
 from async_processor.errors import ConfigError
 from async_processor.logs import configure_logging
@@ -34,6 +41,8 @@ from async_processor.logs import configure_logging
 DAEMON_CMDLINE = "/proc/1/cmdline"
 TRANSPORT_CONFIG_ENV = (f"{ENV_PREFIX}TRANSPORT_CONFIG_FILE", f"{ENV_PREFIX}TRANSPORT_CONFIG")
 DAEMON_COMMANDS = ("run", "exporter")  # PID 1 commands whose flags are the daemon's config
+# Flags named as the daemon's (e.g. --transport-config-file) share its variable.
+DAEMON_DESTS = frozenset(flag.dest for flag in FLAGS)
 
 
 def duration(text: str) -> float:
@@ -50,40 +59,17 @@ def duration(text: str) -> float:
     return seconds
 
 
-def env_name(dest: str) -> str:
-    return ENV_PREFIX + dest.upper()
-
-
-def read_env(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """Defaults of ``parser``'s options from ``ASYNC_PROCESSOR_<DEST>`` where set (flags win).
-
-    The value goes through the option's ``type`` as a flag's would (argparse converts
-    string defaults), so a bad variable is reported like a bad flag. Empty means unset, and
-    so does a service link: a Service named ``async-processor`` injects
-    ``ASYNC_PROCESSOR_PORT=tcp://...`` into every pod of its namespace (``sim --port``).
-    """
-    for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", "version"):
-            continue
-        value = env.get(env_name(action.dest), "")
-        if not usable_env(value):  # empty, or a Kubernetes service link (tcp://...)
-            continue
-        if action.const is not None and action.nargs == 0:  # store_true / store_false
-            action.default = value.lower() in ("1", "true", "yes", "on")
-        else:
-            action.default = value
-
-
 def describe(parser: argparse.ArgumentParser) -> None:
     """Append "(default: X; env NAME)" to each option's help, once, where it applies."""
-    for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", "version") or not action.help:
+    command = command_of(parser.prog)
+    for action in options(parser):
+        if not action.help or action.help == argparse.SUPPRESS:
             continue
         notes = []
         default = action.default
         if default not in (None, "", False, argparse.SUPPRESS) and "(default" not in action.help:
             notes.append(f"default: {default}")
-        notes.append(f"env {env_name(action.dest)}")
+        notes.append(f"env {env_names(action, command, DAEMON_DESTS)[0]}")
         if action.help.endswith(")") and "(default" in action.help:  # one pair of brackets
             action.help = f"{action.help[:-1]}; {'; '.join(notes)})"
         else:
@@ -96,16 +82,23 @@ def subcommand_parser(prog: str, description: str) -> argparse.ArgumentParser:
         prog=prog,
         description=description,
         allow_abbrev=False,
-        epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG_IN_UPPER_SNAKE>; flags win.",
+        epilog=f"Each flag can also be set in the environment (the name is in its help: "
+        f"{ENV_PREFIX}<COMMAND>_<FLAG>, or {ENV_PREFIX}<FLAG> for the daemon's own flags); "
+        "flags win.",
     )
 
 
 def parse(
     parser: argparse.ArgumentParser, argv: list[str], env: Mapping[str, str] | None = None
 ) -> argparse.Namespace:
-    """Describe the options, take env defaults (``os.environ`` by default), parse ``argv``."""
+    """Describe the options, take env defaults (``os.environ`` by default; scoped names
+    first, config.environment), warn about variables no flag reads, parse ``argv``."""
+    environ = os.environ if env is None else env
     describe(parser)
-    read_env(parser, os.environ if env is None else env)
+    command = command_of(parser.prog)
+    apply_env(parser.prog, options(parser), environ, command, DAEMON_DESTS, legacy=True)
+    own = {n for a in options(parser) for n in env_names(a, command, DAEMON_DESTS)}
+    warn_unknown(parser.prog, environ, own | {flag.env for flag in FLAGS})
     return parser.parse_args(argv)
 
 

@@ -14,15 +14,14 @@ Import from this package, not from its modules.
 """
 
 from async_processor.config.base import DEFAULT_POOL
+from async_processor.config.environment import ENV_PREFIX, usable_env
 from async_processor.config.flags import (
-    ENV_PREFIX,
     FLAGS,
     ExtendParser,
     Flag,
     Settings,
     flag_parser,
     parse_settings,
-    usable_env,
 )
 from async_processor.config.load import (
     build_config,

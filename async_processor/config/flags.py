@@ -15,13 +15,21 @@ from pydantic import (
     BaseModel,
 )
 
+from async_processor.config.environment import (
+    ENV_PREFIX,
+    apply_env,
+    command_of,
+    env_names,
+    options,
+    usable_env,
+    warn_unknown,
+)
 from async_processor.config.models import RuntimeConfig, TLSConfig
 from async_processor.config.transports import TRANSPORT_CONFIGS
 from async_processor.durations import format_duration
 from async_processor.errors import ConfigError
 from async_processor.logs import FORMATS, LEVELS
 
-ENV_PREFIX = "ASYNC_PROCESSOR_"
 TRANSPORT_SOURCES = ("transport_config", "transport_config_file")
 
 
@@ -113,7 +121,10 @@ def flag_parser(
     """The daemon's flags (then ``extend``'s). ``shown``: the flags ``--help`` lists (None:
     all); an operator command lists those that choose what it looks at, and accepts the
     others unlisted, so it still takes the pod's whole command line."""
-    epilog = f"Every flag can also be set as {ENV_PREFIX}<FLAG_IN_UPPER_SNAKE>; flags win."
+    epilog = (
+        f"Every flag can also be set as {ENV_PREFIX}<FLAG_IN_UPPER_SNAKE> (a command's own "
+        f"flags: {ENV_PREFIX}<COMMAND>_<FLAG>); flags win."
+    )
     if shown is not None:
         epilog += " It also accepts (and ignores) the other flags of 'async-processor run'."
     parser = _Parser(prog=prog, allow_abbrev=False, epilog=epilog)
@@ -193,8 +204,19 @@ def parse_settings(
     extend: ExtendParser | None = None,
     shown: Collection[str] | None = None,
 ) -> Settings:
-    """Flags, then ``ASYNC_PROCESSOR_*`` for the flags not given; choices checked."""
-    parsed = vars(flag_parser(prog, extend, shown).parse_args(list(argv)))
+    """Flags, then ``ASYNC_PROCESSOR_*`` for the flags not given; choices checked. A
+    command's own flags (``extend``'s) read ``ASYNC_PROCESSOR_<COMMAND>_<FLAG>``; a
+    variable no flag reads is warned about (config.environment)."""
+    parser = flag_parser(prog, extend, shown)
+    own = [action for action in options(parser) if action.dest not in _BY_DEST]
+    command = command_of(prog)
+    apply_env(parser.prog, own, env, command, (), legacy=False)
+    for action in own:
+        if action.help and action.help != argparse.SUPPRESS:
+            action.help += f" (env {env_names(action, command, ())[0]})"
+    known = {flag.env for flag in FLAGS} | {env_names(a, command, ())[0] for a in own}
+    warn_unknown(parser.prog, env, known)
+    parsed = vars(parser.parse_args(list(argv)))
     extra = {k: parsed.pop(k) for k in list(parsed) if k not in _BY_DEST}
     given = {k: v for k, v in parsed.items() if v is not None}
     values: dict[str, str] = {}
@@ -210,16 +232,6 @@ def parse_settings(
             raise ConfigError(f"{sources[flag.dest]}: {values[flag.dest]!r} is not one of "
                               f"{', '.join(flag.choices)}")  # fmt: skip
     return Settings(values, sources, extra)
-
-
-def usable_env(value: str) -> bool:
-    """Empty means unset; so does a Kubernetes service link (``tcp://10.0.0.1:9090``).
-
-    A Service named ``async-processor-metrics`` makes Kubernetes inject
-    ``ASYNC_PROCESSOR_METRICS_PORT=tcp://...`` into every pod of the namespace; taking it
-    for our flag would crash-loop the daemon.
-    """
-    return value != "" and not value.startswith(("tcp://", "udp://"))
 
 
 def _field_default(path: str) -> str:
