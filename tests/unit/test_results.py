@@ -114,7 +114,7 @@ async def test_landed_results_are_measured_abandoned_ones_are_not() -> None:
     sample = metrics.registry.get_sample_value
     codes = {c: sample("llm_d_async_async_error_results_total", {**labels, "error_code": c})
              for c in ("DEADLINE_EXCEEDED", "GATE_DROPPED")}  # fmt: skip
-    assert codes == {"DEADLINE_EXCEEDED": 1.0, "GATE_DROPPED": None}  # "bad" never landed
+    assert codes == {"DEADLINE_EXCEEDED": 1.0, "GATE_DROPPED": 0.0}  # "bad" never landed
     slack = "llm_d_async_async_deadline_slack_time_millis"
     assert sample(f"{slack}_count", labels) == 2.0
     assert sample(f"{slack}_bucket", {**labels, "le": "60000.0"}) == 0.0  # ok: 90 s left
