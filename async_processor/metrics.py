@@ -37,16 +37,14 @@ Q_LABELS = ("queue_id", "queue_name", "pool_name")
 G_LABELS = (*Q_LABELS, "inference_pool")
 GATE_REASONS = ("gate_closed", "quota_exhausted", "dropped", "error")
 # Why a message without a usable id is parked (decode_envelope's, the sorted set's "superseded").
-DEAD_LETTER_REASONS = (
-    "malformed", "missing_id", "too_large", "unknown_kind", "invalid_deadline", "superseded",
-)  # fmt: skip
+DEAD_LETTER_REASONS = ("malformed", "missing_id", "too_large", "unknown_kind",
+                       "invalid_deadline", "superseded")  # fmt: skip
 # The broker operations the daemon runs (each ``redis_errors`` action and Pub/Sub RPC,
 # spaces and dashes as "_"): at 0 from the start, so the first failure is an increase.
-BROKER_OPERATIONS = (
-    "claim", "complete", "defer", "dead_letter", "retry_move", "retry_put_back", "expire",
-    "cancel_check", "queue_discovery", "ping", "probe", "backlog", "publish_result",
-    "publish", "pull", "acknowledge", "extend", "get_subscription",
-)  # fmt: skip
+BROKER_OPERATIONS = ("claim", "complete", "defer", "dead_letter", "retry_move",
+                     "retry_put_back", "expire", "cancel_check", "queue_discovery", "ping",
+                     "probe", "backlog", "publish_result", "publish", "pull", "acknowledge",
+                     "extend", "get_subscription")  # fmt: skip
 
 INFERENCE_BUCKETS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
 RESIDENCE_BUCKETS = (
@@ -403,17 +401,14 @@ def broker_error(operation: str) -> None:
         family.labels(operation.replace(" ", "_").replace("-", "_")).inc()
 
 
-def build_info_gauge(registry: CollectorRegistry) -> Gauge:
-    """``llm_d_async_build_info``: the daemon's and the exporter's."""
+def build_info_gauge(registry: CollectorRegistry) -> Gauge:  # the daemon's and the exporter's
     return Gauge("llm_d_async_build_info", "1, labelled with the version and transport.",
                  ("version", "transport"), registry=registry)  # fmt: skip
 
 
 def process_collectors(registry: CollectorRegistry) -> None:
-    """process_* (CPU, memory, fds) and python_* (version, GC) on ``registry``.
-
-    The default registry has them already; an injected one needs its own.
-    """
+    """process_* (CPU, memory, fds) and python_* (version, GC) on ``registry`` (the
+    default registry has them already; an injected one needs its own)."""
     if registry is not REGISTRY:
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
