@@ -44,7 +44,7 @@ DEAD_LETTER_REASONS = ("malformed", "missing_id", "too_large", "unknown_kind",
 BROKER_OPERATIONS = ("claim", "complete", "defer", "dead_letter", "retry_move",
                      "retry_put_back", "expire", "cancel_check", "queue_discovery", "ping",
                      "probe", "backlog", "publish_result", "publish", "pull", "acknowledge",
-                     "extend", "get_subscription")  # fmt: skip
+                     "extend", "get_subscription", "dataset")  # fmt: skip
 
 INFERENCE_BUCKETS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
 RESIDENCE_BUCKETS = (
