@@ -39,12 +39,12 @@ GATE_REASONS = ("gate_closed", "quota_exhausted", "dropped", "error")
 # Why a message without a usable id is parked (decode_envelope's, the sorted set's "superseded").
 DEAD_LETTER_REASONS = ("malformed", "missing_id", "too_large", "unknown_kind",
                        "invalid_deadline", "superseded")  # fmt: skip
-# The broker operations the daemon runs (each ``redis_errors`` action and Pub/Sub RPC,
-# spaces and dashes as "_"): at 0 from the start, so the first failure is an increase.
-BROKER_OPERATIONS = ("claim", "complete", "defer", "dead_letter", "retry_move",
-                     "retry_put_back", "expire", "cancel_check", "queue_discovery", "ping",
-                     "probe", "backlog", "publish_result", "publish", "pull", "acknowledge",
-                     "extend", "get_subscription", "dataset")  # fmt: skip
+# Each redis_errors action and Pub/Sub RPC the daemon runs (" " as "_"), at 0 from the start.
+BROKER_OPERATIONS = (
+    "claim", "complete", "defer", "dead_letter", "retry_move", "retry_put_back", "expire",
+    "cancel_check", "dataset", "queue_discovery", "ping", "probe", "backlog", "publish_result",
+    "publish", "pull", "acknowledge", "extend", "get_subscription", "payload_fetch",
+    "payload_delete")  # fmt: skip
 
 INFERENCE_BUCKETS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
 RESIDENCE_BUCKETS = (
