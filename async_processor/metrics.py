@@ -13,9 +13,6 @@ series and break every query summing it), so the error code has its own counter.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -378,27 +375,6 @@ class QueueMetrics:
             p.gate_metric_threshold.labels(*labels),
             p.gate_metric_source_available.labels(*labels),
         )
-
-
-_BROKER_ERRORS: ContextVar[Counter | None] = ContextVar("broker_errors", default=None)
-
-
-@contextmanager
-def counting_broker_errors(metrics: Metrics) -> Iterator[None]:
-    """Within this block (and the tasks it starts), ``broker_error`` counts on ``metrics``:
-    the broker's error paths have no metrics object of their own to count on."""
-    token = _BROKER_ERRORS.set(metrics.broker_errors_total)
-    try:
-        yield
-    finally:
-        _BROKER_ERRORS.reset(token)
-
-
-def broker_error(operation: str) -> None:
-    """One broker call failed; counted when a daemon is running (not in operator tools)."""
-    family = _BROKER_ERRORS.get()
-    if family is not None:
-        family.labels(operation.replace(" ", "_").replace("-", "_")).inc()
 
 
 def build_info_gauge(registry: CollectorRegistry) -> Gauge:  # the daemon's and the exporter's

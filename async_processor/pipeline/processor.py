@@ -20,6 +20,7 @@ import structlog
 from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
 
 from async_processor import __version__
+from async_processor.broker_errors import counting_broker_errors
 from async_processor.config import AppConfig, PoolConfig, SortedSetConfig
 from async_processor.config.queues import QueueSpec
 from async_processor.gates.base import GateContext, GateOwner
@@ -30,7 +31,7 @@ from async_processor.httpclients import build_http_client
 from async_processor.httpclients.base import HttpClient
 from async_processor.merge import build_merge_policy
 from async_processor.merge.base import MergeContext, MergePolicy, Source
-from async_processor.metrics import Metrics, counting_broker_errors
+from async_processor.metrics import Metrics
 from async_processor.pipeline.admission import PoolGate
 from async_processor.pipeline.cancels import CancelWatch
 from async_processor.pipeline.capacity import PoolCapacity, ShedPause, lane_size, pool_slots
@@ -123,7 +124,7 @@ class Processor:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         rt = self.config.runtime
         async with AsyncExitStack() as stack:
-            stack.enter_context(counting_broker_errors(self.metrics))
+            stack.enter_context(counting_broker_errors(self.metrics.broker_errors_total))
             stack.push_async_callback(self._close_gates)
             stack.push_async_callback(self.transport.aclose)
             workers = sum(p.config.workers for p in self.pools)

@@ -39,9 +39,9 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.typing import EncodableT
 from redis.utils import HIREDIS_AVAILABLE
 
+from async_processor.broker_errors import broker_error
 from async_processor.config.redis import DEFAULT_URL, RedisConnection, host_port
 from async_processor.errors import TransportError
-from async_processor.metrics import broker_error
 
 # "Redis is away": what a call raises when its server cannot be reached or answer. The
 # cluster client raises its own RedisClusterException (not a RedisError) when no node

@@ -18,16 +18,11 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from async_processor.broker_errors import broker_error, counting_broker_errors
 from async_processor.config import GcpPubSubConfig, SortedSetConfig
 from async_processor.errors import TransportError
 from async_processor.messages import ErrorCode
-from async_processor.metrics import (
-    BROKER_OPERATIONS,
-    DEAD_LETTER_REASONS,
-    Metrics,
-    broker_error,
-    counting_broker_errors,
-)
+from async_processor.metrics import BROKER_OPERATIONS, DEAD_LETTER_REASONS, Metrics
 from async_processor.redis.conn import redis_errors
 from async_processor.transports.base import TransportContext
 from async_processor.transports.gcp_pubsub.health import Readiness
@@ -92,7 +87,11 @@ async def test_a_refused_redis_call_counts_under_its_operation() -> None:
     m = Metrics()
     client = Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
     try:
-        with counting_broker_errors(m), pytest.raises(TransportError), redis_errors("retry move"):
+        with (
+            counting_broker_errors(m.broker_errors_total),
+            pytest.raises(TransportError),
+            redis_errors("retry move"),
+        ):
             await client.ping()
         with pytest.raises(TransportError), redis_errors("retry move"):
             await client.ping()  # outside a daemon (operator tools): not counted
@@ -104,7 +103,7 @@ async def test_a_refused_redis_call_counts_under_its_operation() -> None:
 def test_a_failed_pubsub_rpc_counts_under_its_operation() -> None:
     m = Metrics()
     pull = Readiness().rpc("projects/p/subscriptions/s", "pull")
-    with counting_broker_errors(m), pytest.raises(TransportError), pull:
+    with counting_broker_errors(m.broker_errors_total), pytest.raises(TransportError), pull:
         raise gexc.ServiceUnavailable("down")
     assert value(m, "broker_errors_total", operation="pull") == 1
 
@@ -114,7 +113,7 @@ async def test_counting_follows_the_daemons_tasks_only() -> None:
         broker_error("claim")
 
     m = Metrics()
-    with counting_broker_errors(m):
+    with counting_broker_errors(m.broker_errors_total):
         async with anyio.create_task_group() as tg:
             tg.start_soon(fail)  # a task the daemon starts inherits the counting
     broker_error("claim")

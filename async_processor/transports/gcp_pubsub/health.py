@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from google.api_core import exceptions as gexc
 from google.auth.exceptions import GoogleAuthError
 
+from async_processor.broker_errors import broker_error
 from async_processor.errors import TransportError
-from async_processor.metrics import broker_error
 from async_processor.transports.gcp_pubsub.leases import ACK_ID_ERRORS
 
 HEALTH_WINDOW = 30.0  # a pull/publish outcome newer than this decides readiness
