@@ -71,14 +71,17 @@ async def answered_at_deadline(
     with anyio.fail_after(3):  # all fetched: none left on the broker
         while sum([await r.zcard(q) for q in queues]):
             await anyio.sleep(0.02)
-    busy_slots = pool.capacity.slots - pool.capacity.free
     seen = await results_as_they_come(r, queues, {x["id"] for x in late})
     for item in late:
         delay = seen[item["id"]] - item["deadline"]
         assert -0.05 < delay < 1.0, f"{item['id']} answered {delay:.2f} s after its deadline"
     by_id = {x.id: x for x in await all_results(r, queues)}
     assert {by_id[x["id"]].error_code for x in late} == {ErrorCode.DEADLINE_EXCEEDED}
-    assert pool.capacity.slots - pool.capacity.free == busy_slots - len(late)  # slots back
+    # Their slots back: only the busy ones hold one (a fetch under way may, for a moment).
+    busy = metric(processor, "llm_d_async_async_inflight_requests")
+    with anyio.fail_after(1):
+        while pool.capacity.slots - pool.capacity.free > busy:
+            await anyio.sleep(0.02)
     assert pool.held is not None and pool.held.live == 0
     exceeded = metric(processor, "llm_d_async_async_exceeded_deadline_requests_total")
     assert exceeded == len(late)
