@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO
 
 import anyio
 
@@ -28,11 +28,12 @@ from async_processor.cli.args import (
 )
 from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.client.served import Served, served_queues
-from async_processor.client.submission import as_request
+from async_processor.client.submission import as_request, request_of
 from async_processor.config import ENV_PREFIX, redis_connection_file, usable_env
 from async_processor.config.redis import RedisConnection
-from async_processor.errors import ConfigError, TransportError
-from async_processor.messages import Request
+from async_processor.errors import ConfigError, InvalidMessage, TransportError
+from async_processor.json_scan import decode_object
+from async_processor.messages import Payload, Request
 from async_processor.redis.conn import connect, redis_errors
 from async_processor.redis.keys import DEFAULT_REQUEST_QUEUE, DEFAULT_RESULT_LIST
 
@@ -77,23 +78,27 @@ class Progress:
         self.stream.flush()
 
 
-def request_from_line(line: str, *, deadline: int, default_endpoint: str = "") -> dict[str, Any]:
-    """Our request object from a JSONL line; OpenAI batch-input lines are converted."""
-    obj = json.loads(line)
-    if not isinstance(obj, dict):
-        raise ValueError("each line must be a JSON object")
-    if "custom_id" in obj and "body" in obj:
-        request: dict[str, Any] = {"id": str(obj["custom_id"]), "payload": obj["body"]}
-        url = obj.get("url") or default_endpoint
-        if url:
-            request["endpoint"] = url
-        obj = request
+def request_from_line(line: str, *, deadline: int, default_endpoint: str = "") -> Request:
+    """Our request from a JSONL line; OpenAI batch-input lines are converted. The payload
+    (a batch line's ``body``) keeps its text as written: parsed and written again, a
+    float lost its digits (``1.10`` became ``1.1``)."""
+    try:
+        obj, raws = decode_object(line, "line", ("payload", "body"))
+    except InvalidMessage as exc:
+        raise ValueError(str(exc)) from None
+    payload: Payload | None = raws.pop("payload", None)
+    if "custom_id" in obj and "body" in raws:
+        payload = raws["body"]
+        url = obj.get("url")
+        obj = {"id": str(obj["custom_id"]), **({"endpoint": url} if url else {})}
+    else:
+        obj.update((key, json.loads(bytes(raw))) for key, raw in raws.items())  # a "body" field
     obj.setdefault("deadline", deadline)
     # When it was submitted: the daemon's submit-to-result histogram measures from it.
     obj.setdefault("created", int(time.time()))
     if default_endpoint and "endpoint" not in obj:
         obj["endpoint"] = default_endpoint
-    return dict(obj)
+    return request_of(obj, payload)
 
 
 def _lines(path: str) -> Iterator[tuple[int, str]]:
@@ -111,8 +116,8 @@ def _requests(args: argparse.Namespace, deadline: int) -> list[Request]:
     requests = []
     for number, line in _lines(args.file):
         try:
-            obj = request_from_line(line, deadline=deadline, default_endpoint=args.endpoint)
-            requests.append(as_request(obj))
+            request = request_from_line(line, deadline=deadline, default_endpoint=args.endpoint)
+            requests.append(as_request(request))
         except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ValueError(f"{args.file}:{number}: {exc}") from None
     return requests
@@ -236,7 +241,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
         p.add_argument(
             "file",
             metavar="FILE",
-            help="JSONL of requests or OpenAI batch-input lines ('-' = stdin)",
+            help="JSONL of requests or OpenAI batch-input lines ('-' = stdin); each payload "
+            "(a batch line's body) is sent as written, byte for byte",
         )
         p.add_argument(
             "--queue", default="", metavar="NAME", help=f"request sorted set {QUEUE_DEFAULT}"
