@@ -7,6 +7,9 @@ its deprecated twin: the ``current or legacy`` of the PromQL gates). Output: a
 ``MetricGate`` budget. ``value_type: saturation`` (default) turns the value into a budget
 as ``1 - value / (pods × max_count_per_pod)`` (or ``1 - value`` without a capacity);
 ``value_type: budget`` uses the value as the budget itself. Cached like PromQL sources.
+``absent_value`` (when set) is the raw value when the page answers but no series
+matches (an idle vLLM exports no series for a model it has not served yet); unset, that
+is a fallback. ``admission: counted`` is the headroom gate of ``gates.scrape_counted``.
 Unlike the reference, the gauges carry the owner's queue/pool labels.
 """
 
@@ -26,6 +29,7 @@ from async_processor.gates.base import GATES, Gate, GateContext
 from async_processor.gates.metric import MetricGate, Sample, cached
 from async_processor.gates.params import Float, Params, Str, StrMap
 from async_processor.gates.prometheus import metrics_session
+from async_processor.gates.scrape_counted import CountedScrapeGate
 
 _VALUE_TYPES = frozenset(("gauge", "counter", "unknown", "untyped"))
 
@@ -91,11 +95,28 @@ class ScrapeParams(Params):
     pods_url: Str = ""
     pods_metric: Names | None = None
     pods_labels: StrMap = Field(default_factory=dict)
+    absent_value: Float | None = None  # set: the raw value when no series matches
+    admission: Literal["budget", "counted"] = "budget"
 
     @model_validator(mode="after")
     def _budget_has_no_capacity(self) -> Self:
         if self.value_type == "budget" and (self.max_count_per_pod or self.pods_url):
             raise ValueError("value_type budget takes no max_count_per_pod or pods_url")
+        return self
+
+    @model_validator(mode="after")
+    def _counted_counts_slots(self) -> Self:
+        """``counted`` turns a reading into slots: it needs a capacity, and a budget
+        threshold or fallback would mean nothing to it (upstream's rules)."""
+        if self.admission != "counted":
+            return self
+        if self.max_count_per_pod <= 0:
+            raise ValueError("admission counted needs max_count_per_pod > 0")
+        if self.value_type != "saturation":
+            raise ValueError("admission counted needs value_type saturation")
+        extra = sorted({"baseline", "fallback"} & self.model_fields_set)
+        if extra:
+            raise ValueError(f"admission counted takes no {' or '.join(extra)}")
         return self
 
 
@@ -106,13 +127,21 @@ class ScrapeSource:
 
     async def query(self) -> list[Sample]:
         p = self.params
-        samples = await scrape(self._ctx, p.url, p.metric, p.labels)
+        samples = await self.raw()
         if p.value_type == "budget":
             return [Sample(_clamp(s.value), s.labels) for s in samples]
-        capacity = await self._capacity() if samples else 0.0
+        capacity = await self.capacity() if samples else 0.0
         return [Sample(1 - _clamp(_ratio(s.value, capacity)), s.labels) for s in samples]
 
-    async def _capacity(self) -> float:
+    async def raw(self) -> list[Sample]:
+        """The matching series as read, or ``absent_value`` when the page has none."""
+        p = self.params
+        samples = await scrape(self._ctx, p.url, p.metric, p.labels)
+        if not samples and p.absent_value is not None:
+            return [Sample(p.absent_value)]
+        return samples
+
+    async def capacity(self) -> float:
         p = self.params
         if not (p.pods_url and p.pods_metric):
             return p.max_count_per_pod
@@ -134,17 +163,19 @@ def _clamp(value: float) -> float:
 
 @GATES.register("endpoint-scrape", ScrapeParams)
 def _endpoint_scrape(params: ScrapeParams, ctx: GateContext) -> Gate:
+    if params.admission == "counted":
+        return CountedScrapeGate(ScrapeSource(ctx, params), ctx, described(params))
     return MetricGate(
         cached(ScrapeSource(ctx, params), ctx.prometheus_cache_ttl),
         threshold=params.baseline,
         fallback=params.fallback,
         ctx=ctx,
         name="endpoint-scrape",
-        queries=_described(params),
+        queries=described(params),
     )
 
 
-def _described(p: ScrapeParams) -> list[str]:
+def described(p: ScrapeParams) -> list[str]:
     """What the gate reads, as ``GET <url> <name> or <name>{labels}``."""
     reads = [f"GET {p.url} {' or '.join(p.metric)}{_matchers(p.labels)}"]
     if p.pods_url and p.pods_metric:
