@@ -99,7 +99,9 @@ def saturation_query(pool: str, namespace: str = "") -> str:
 
 def budget_queries(pool: str, namespace: str, max_concurrency: float) -> list[str]:
     mc = go_g(max_concurrency)
-    ready = current_or_legacy(READY_ENDPOINTS, name=pool, namespace=namespace)
+    # max, not sum: every EPP replica reports the same pool-wide count (upstream #489);
+    # without an aggregate, two replicas made ``/ on()`` fail on duplicate series.
+    ready = current_or_legacy(READY_ENDPOINTS, "max", name=pool, namespace=namespace)
     queue = current_or_legacy(
         FLOW_CONTROL_QUEUE_SIZE, "sum by(inference_pool)", inference_pool=pool, namespace=namespace
     )

@@ -4,10 +4,11 @@ scraping the simulator in each mode; the endpoint-scrape recipes read it directl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import pytest
+from aiohttp import web
 
 from async_processor.gates.base import Gate, GateContext, build_gate
 from async_processor.gates.epp import POOL_SATURATION, READY_ENDPOINTS
@@ -126,3 +127,47 @@ async def test_saturation_reads_the_effective_stage(
         return await gate.budget() == 0.0  # the first sample (decode) would read 0.5
 
     await until(closed, timeout=20)  # open (the fail-open fallback) until the first scrape
+
+
+REPLICA = """\
+# TYPE llm_d_epp_ready_endpoints gauge
+llm_d_epp_ready_endpoints{name="p"} 2
+# TYPE llm_d_epp_flow_control_queue_size gauge
+llm_d_epp_flow_control_queue_size{inference_pool="p"} 3
+"""
+
+
+@pytest.fixture
+async def epp_replicas() -> AsyncIterator[list[str]]:
+    """Two EPP replicas of one pool: each reports the same ready count and its own queue."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=REPLICA, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    for _ in range(2):
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield [f"127.0.0.1:{address[1]}" for address in runner.addresses]
+    await runner.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_budget_reads_the_ready_count_once_over_epp_replicas(
+    epp_replicas: list[str],
+    prometheus_factory: Callable[[list[str]], PrometheusServer],
+    contexts: Callable[..., GateContext],
+) -> None:
+    # Prometheus labels each replica's series with its instance: summed they would double the
+    # pool (1 - 6/40), unaggregated `/ on()` fails on the duplicates; max reads 2 pods.
+    prometheus = prometheus_factory(epp_replicas)
+    params = {"pool": "p", "max_concurrency": 10, "baseline": 0.05, "fallback": 0.01}
+    gate = build_gate("prometheus-budget", params, contexts(prometheus.url))
+
+    async def reads_both_queues_over_two_pods() -> bool:
+        return round(await gate.budget(), 3) == 0.65  # 1 - (3 + 3) / (2 x 10) - 0.05
+
+    await until(reads_both_queues_over_two_pods, timeout=20)

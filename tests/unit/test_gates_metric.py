@@ -216,7 +216,7 @@ def test_exact_promql() -> None:
         '{inference_pool="p",namespace="ns"}) or max by(inference_pool)'
         '(inference_extension_flow_control_pool_saturation{inference_pool="p",namespace="ns"}))'
     )
-    ready = '(llm_d_epp_ready_endpoints{name="p"} or inference_pool_ready_pods{name="p"})'
+    ready = '(max(llm_d_epp_ready_endpoints{name="p"}) or max(inference_pool_ready_pods{name="p"}))'
     assert budget_queries("p", "", 1e6) == [
         "1 - ((sum by(inference_pool)(llm_d_epp_flow_control_queue_size"
         '{inference_pool="p"}) or sum by(inference_pool)'
