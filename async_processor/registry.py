@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import UnionType
@@ -123,6 +124,10 @@ def describe_validation(exc: ValidationError, model: Any = None) -> str:
     if first["type"] == "extra_forbidden" and first["loc"]:
         known = _keys_at(model, first["loc"][:-1])
         message += did_you_mean(str(first["loc"][-1]), known)
+    elif first["type"] == "literal_error" and isinstance(first.get("input"), str):
+        # 'rate_limit' for 'rate-limit': the closest of the choices pydantic lists.
+        choices = re.findall(r"'([^']*)'", str((first.get("ctx") or {}).get("expected", "")))
+        message += did_you_mean(first["input"], choices)
     message = _unechoed(message, first["loc"], first.get("input"))
     return mask_url(f"{where}: {message}" if where else message)
 

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 import redis.asyncio as aioredis
 import structlog
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from async_processor.config.redis import Mode, RedisConnection, RedisConnectionFields
 from async_processor.errors import GateError
@@ -134,6 +134,15 @@ class QuotaParams(RedisAddress):
     window: Duration = Field(default=60.0, ge=0)
     prefix: Str = "quota:"
     gating_mode: Literal["blocking", "classifying"] = "blocking"
+
+    @field_validator("window")
+    @classmethod
+    def _window_counts(cls, value: float, info: ValidationInfo) -> float:
+        """A rate needs a window (upstream #452): 0 counted every request in one
+        never-ending hour-long bucket. Concurrency keeps 0 = the default slot TTL."""
+        if value <= 0 and info.data.get("mode", "rate-limit") == "rate-limit":
+            raise ValueError("must be greater than 0 in mode rate-limit")
+        return value
 
 
 class RedisQuotaGate:

@@ -67,6 +67,56 @@ def test_unknown_type_names_the_known_types() -> None:
         ("redis-quota", {"address": "h:1", "limit": "2", "window": 60}, "no unit"),
         ("redis-quota", {"address": "h:1", "limit": "2", "mode": "leaky"}, "mode"),
         ("redis-quota", {"address": "h:1", "limit": "2", "gating_mode": "x"}, "gating_mode"),
+        # Upstream's strict checks (#452), in our one-line style with the closest choice.
+        (
+            "redis-quota",
+            {"address": "h:1", "limit": 2, "mode": "rate_limit"},
+            "mode: Input should be 'rate-limit' or 'concurrency' (did you mean 'rate-limit'?)",
+        ),
+        (
+            "redis-quota",
+            {"address": "h:1", "limit": 2, "gating_mode": "classify"},
+            "'blocking' or 'classifying' (did you mean 'classifying'?)",
+        ),
+        ("redis-quota", {"address": "h:1", "limit": -1}, "limit: Input should be greater than 0"),
+        (
+            "redis-quota",
+            {"address": "h:1", "limit": 2, "window": "0s"},
+            "window: must be greater than 0 in mode rate-limit",
+        ),
+        (
+            "endpoint-scrape",
+            {"url": "u", "metric": "m", "admission": "count"},
+            "admission: Input should be 'budget' or 'counted' (did you mean 'counted'?)",
+        ),
+        (
+            "endpoint-scrape",
+            {"url": "u", "metric": "m", "admission": "counted"},
+            "admission counted needs max_count_per_pod > 0",
+        ),
+        (
+            "endpoint-scrape",
+            {
+                "url": "u",
+                "metric": "m",
+                "admission": "counted",
+                "max_count_per_pod": 2,
+                "fallback": 0,
+            },
+            "takes no fallback",
+        ),
+        (
+            "endpoint-scrape",
+            {
+                "url": "u",
+                "metric": "m",
+                "admission": "counted",
+                "max_count_per_pod": 2,
+                "baseline": "0.1",
+            },
+            "takes no baseline",
+        ),
+        ("endpoint-scrape", {"url": "u", "metric": "m", "absent_value": "idle"}, "absent_value"),
         ("local-max-concurrency", {"limit": "1.0"}, "not a base-10 integer"),
         ("local-max-concurrency", {"limit": 2.5}, "not an integer"),
         ("local-max-concurrency", {"limit": True}, "integer"),
