@@ -1,7 +1,8 @@
 """``tier-priority`` merge: six strict lanes, round-robin across queues inside a lane.
 
 Stage: merge. Input: one receive stream of ``Work`` per queue of a pool. Output: ``Work``
-with fairness, priority and lane-objective headers stamped, sent into the pool's stream,
+with fairness, priority (when ``priority_header`` names one) and lane-objective headers
+stamped, sent into the pool's stream,
 always from the most urgent non-empty lane.
 
 Lane index = class × 3 + tier (as in the Go reference): class 0 when the ``classification`` label
@@ -23,7 +24,6 @@ from pydantic import Field, field_validator
 
 from async_processor.headers import (
     DEFAULT_OBJECTIVE_HEADER,
-    DEFAULT_PRIORITY_HEADER,
     check_header_name,
     check_header_value,
 )
@@ -53,7 +53,7 @@ DEFAULT_TIER_LABEL = "tier"
 
 
 class TierPriorityParams(MergeParams):
-    priority_header: str = DEFAULT_PRIORITY_HEADER
+    priority_header: str = ""  # "" = no priority header, as upstream since v0.10 (#443)
     objective_header: str = DEFAULT_OBJECTIVE_HEADER
     tier_label: str = DEFAULT_TIER_LABEL
     lane_capacity: int = Field(default=1000, gt=0)
@@ -62,7 +62,7 @@ class TierPriorityParams(MergeParams):
     @field_validator("priority_header")
     @classmethod
     def _priority_header(cls, value: str) -> str:
-        return check_header_name(value or DEFAULT_PRIORITY_HEADER)
+        return check_header_name(value) if value else ""
 
     @field_validator("objective_header")
     @classmethod
@@ -192,12 +192,13 @@ class TierPriority:
             scheduler.reader_done()
 
     def stamps(self, lane: int, work: Work) -> list[tuple[str, str]]:
-        """Fairness, then priority, then the lane's objective when one is configured."""
+        """Fairness, then priority, then the lane's objective, each when configured."""
         stamped = []
         fairness = self._params.fairness_stamp(work.envelope)
         if fairness:
             stamped.append(fairness)
-        stamped.append((self._params.priority_header, str(lane)))
+        if self._params.priority_header:
+            stamped.append((self._params.priority_header, str(lane)))
         if self._objectives[lane]:
             stamped.append((self._params.objective_header, self._objectives[lane]))
         return stamped

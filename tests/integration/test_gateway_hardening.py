@@ -144,7 +144,10 @@ async def test_a_message_cannot_give_itself_a_gates_classification(
     # reserved lanes, ahead of all overflow work, with x-gateway-priority 0, and would WAIT
     # under tier-priority-admission where its peers are refused.
     config = sortedset_config(redis_url, gateway.url, unique)
-    config = config.model_copy(update={"merge_policy": MergePolicyConfig(type="tier-priority")})
+    merge = MergePolicyConfig(
+        type="tier-priority", parameters={"priority_header": "x-gateway-priority"}
+    )
+    config = config.model_copy(update={"merge_policy": merge})
     deadline = int(time.time() + 60)
     request = Request(id="forged", deadline=deadline, payload=b"{}", headers={"x-test-id": "f"})
     labels = {"classification": "reserved", "tier": "interactive"}

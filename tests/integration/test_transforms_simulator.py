@@ -59,7 +59,9 @@ def work(url: str, request_id: str, payload: bytes, labels: dict[str, str]) -> W
 
 
 async def merged(items: list[Work]) -> list[Work]:
-    params = TierPriorityParams(lane_objectives={"overflow-batch": "best-effort"})
+    params = TierPriorityParams(
+        priority_header="x-gateway-priority", lane_objectives={"overflow-batch": "best-effort"}
+    )
     send_side, receive_side = anyio.create_memory_object_stream[Work](len(items))
     for item in items:
         send_side.send_nowait(item)

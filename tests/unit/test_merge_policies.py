@@ -186,7 +186,7 @@ async def test_reserved_interactive_overtakes_a_thousand_queued_batch_messages()
     # The emitter already held one batch message, blocked on the full pool stream.
     assert ids.index("urgent-0") <= 1
     assert len(ids) == 1001
-    assert items[ids.index("urgent-0")].stamped_headers == [("x-gateway-priority", "0")]
+    assert items[ids.index("urgent-0")].stamped_headers == []  # no priority header by default
 
 
 async def test_lane_bound_is_backpressure_not_memory_growth() -> None:
@@ -291,14 +291,15 @@ def test_bad_merge_config_fails_at_startup_in_one_line(
 
 
 def test_empty_header_params_mean_defaults() -> None:
-    policy: MergePolicy = build_merge_policy(
-        MergePolicyConfig(
-            type="tier-priority", parameters={"priority_header": "", "tier_label": ""}
-        ),
-        MergeContext(),
-    )
-    assert isinstance(policy, TierPriority)
-    assert policy.stamps(2, work("q", 0)) == [("x-gateway-priority", "2")]
+    def stamps(**parameters: str) -> list[tuple[str, str]]:
+        config = MergePolicyConfig(type="tier-priority", parameters=parameters)
+        policy: MergePolicy = build_merge_policy(config, MergeContext())
+        assert isinstance(policy, TierPriority)
+        return policy.stamps(2, work("q", 0))
+
+    # Upstream since v0.10 (#443): no priority header unless one is named.
+    assert stamps() == stamps(priority_header="", tier_label="") == []
+    assert stamps(priority_header="x-gateway-priority") == [("x-gateway-priority", "2")]
 
 
 # ----------------------------------------------------------------------------- sources added later
