@@ -41,7 +41,7 @@ BROKER_OPERATIONS = (
     "claim", "complete", "defer", "dead_letter", "retry_move", "retry_put_back", "expire",
     "cancel_check", "dataset", "queue_discovery", "ping", "probe", "backlog", "publish_result",
     "publish", "pull", "acknowledge", "extend", "get_subscription", "payload_fetch",
-    "payload_delete")  # fmt: skip
+    "payload_delete", "result_ttl")  # fmt: skip
 
 INFERENCE_BUCKETS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
 RESIDENCE_BUCKETS = (

@@ -26,6 +26,9 @@ class QueueSpec:
     gate_params: Mapping[str, Any] = field(default_factory=dict)
     gate_group: str = ""  # queues of one group share one queue gate
     result_queue_name: str = ""
+    # redis-sortedset: the queue's own result_ttl_seconds (0: none), frozen into a
+    # message's routing at its first fetch as upstream does (the result list's EXPIRE).
+    result_ttl_seconds: int = 0
     batch_size: int = 10
     poll_interval: float = 1.0
     # 0: a fetch asks for at most min(free slots, batch_size x budget) (the Redis

@@ -220,6 +220,7 @@ class SortedSetConfig(RedisTransportBase):
                 self.batch_size,
                 self.poll_interval_ms,
                 result_queue_name=q.result_queue_name,
+                result_ttl_seconds=q.result_ttl_seconds or 0,
             )
             for q in self.queues
         ]
@@ -290,6 +291,7 @@ def _spec(
     poll_interval_ms: int,
     *,
     result_queue_name: str = "",
+    result_ttl_seconds: int = 0,
 ) -> QueueSpec:
     return QueueSpec(
         id=queue_id,
@@ -303,6 +305,7 @@ def _spec(
         gate_params=dict(entry.gate_params),
         gate_group=entry.gate_group,
         result_queue_name=result_queue_name,
+        result_ttl_seconds=result_ttl_seconds,
         batch_size=batch_size,
         poll_interval=poll_interval_ms / 1000,
     )

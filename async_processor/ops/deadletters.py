@@ -46,6 +46,7 @@ from async_processor.ops.status import served_queues
 from async_processor.redis.conn import connect, redis_errors
 from async_processor.redis.keyspace import KeySpace
 from async_processor.redis.scripts import lua_source
+from async_processor.routing import queue_score
 
 log = structlog.get_logger(__name__)
 
@@ -130,17 +131,19 @@ class DeadLetters:
 
 
 def _message(entry: Entry, deadline_in: float | None, now: float) -> tuple[bytes, float]:
-    """The message to put back and its sorted-set score (its deadline); InvalidMessage
-    when it does not decode (the daemon would park it again at once).
+    """The message to put back and its sorted-set score (its deadline plus its submission
+    order's fraction, upstream's score: a replayed message keeps its place among the
+    requests of its deadline); InvalidMessage when it does not decode (the daemon would
+    park it again at once).
 
     It keeps its bytes unless ``deadline_in`` gives it a fresh deadline.
     """
     raw = str(entry.fields.get("raw", "")).encode()
     envelope = decode_envelope(raw)
-    if deadline_in is None:
-        return raw, float(envelope.request.deadline)
-    envelope.request.deadline = int(now + deadline_in)
-    return envelope.encode(), float(envelope.request.deadline)
+    if deadline_in is not None:
+        envelope.request.deadline = int(now + deadline_in)
+        raw = envelope.encode()
+    return raw, queue_score(envelope.request.deadline, envelope.routing.enqueue_seq)
 
 
 # -- command line ---------------------------------------------------------------------

@@ -53,10 +53,12 @@ def decode_queued(raw: bytes, queue: QueueSpec, max_bytes: int) -> Envelope:
     routing.labels = {**routing.labels, **queue.labels}
     if not routing.result_routing_resolved:
         # Upstream's frozen result route (v0.9.1): the queue's result list, if it names
-        # one, is written into the routing at the first fetch, so a retry re-written by
-        # us, or fetched by a Go daemon after a config change, answers where it was bound.
+        # one, and its result TTL are written into the routing at the first fetch, so a
+        # retry re-written by us, or fetched by a Go daemon after a config change, answers
+        # where and as it was bound.
         if queue.result_queue_name:
             routing.result_queue_name = queue.result_queue_name
+        routing.result_ttl_seconds = queue.result_ttl_seconds
         routing.result_routing_resolved = True
     return envelope
 

@@ -136,8 +136,11 @@ async def test_a_retry_and_a_hand_back_keep_upstream_and_unknown_fields_verbatim
     [parked] = await r.zrange(config.retry_queue_name, 0, -1)
     [back] = await r.zrange(q, 0, -1)
     for rewritten in (parked, back):
-        for name in ("result_ttl_seconds", "enqueue_seq", "dispatch_epoch", "x_future"):
+        for name in ("enqueue_seq", "dispatch_epoch", "x_future"):
             assert field_text(rewritten, name) == field_text(UPSTREAM_ROUTING, name), name
+        # Unresolved at its first fetch: the route and its TTL are the queue's now (none),
+        # as a Go daemon resolves them (§3).
+        assert b'"result_ttl_seconds"' not in rewritten
         envelope = json.loads(rewritten)
         assert envelope["data"]["model"] == "m"
         # The payload too, byte for byte (``1.0`` stays ``1.0``).

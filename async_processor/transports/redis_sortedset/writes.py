@@ -121,7 +121,43 @@ class ResultWrites:
                 self._duplicate(delivery, result)
             if fell_back:
                 self._routing.rejected(delivery, target, "wrong_type")
+        await self._expire_results(items, targets, scripts)
         return scripts
+
+    async def _expire_results(
+        self,
+        items: Sequence[tuple[Delivery, Result]],
+        targets: Sequence[str],
+        replies: Sequence[Written | TransportError],
+    ) -> None:
+        """Upstream's result TTL (routing ``result_ttl_seconds``, frozen at the first
+        fetch): a list a result was written to expires that long after the write, as
+        upstream's ack sets it. A message is untrusted input: on a list our config names,
+        the configured retention wins (a TTL below it is raised to it; a list kept for
+        ever gets no expiry from a message). Not atomic with the write: if this fails the
+        list keeps its results longer (logged), never fewer."""
+        wanted: dict[str, int] = {}
+        for (delivery, _), target, reply in zip(items, targets, replies, strict=True):
+            ttl = delivery.envelope.routing.result_ttl_seconds if delivery.envelope else 0
+            if ttl > 0 and not isinstance(reply, TransportError) and reply[0]:
+                name = self.config.result_queue_name if reply[2] else target
+                wanted[name] = max(wanted.get(name, 0), ttl)
+        configured = self.config.result_ttls() if wanted else {}
+        expiries = {
+            name: max(ttl, configured.get(name, 0))
+            for name, ttl in wanted.items()
+            if configured.get(name, -1) != 0
+        }
+        if not expiries:
+            return
+        try:
+            with redis_errors("result ttl"):
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for name, ttl in expiries.items():
+                        pipe.expire(name, ttl)
+                    await pipe.execute()
+        except TransportError as exc:
+            log.warning("result_ttl_failed", error=str(exc), lists=len(expiries))
 
     def _slot_batches(self, deliveries: Sequence[Delivery]) -> list[list[int]]:
         """Indexes of ``deliveries`` per complete call: a queue's items together, the
