@@ -14,6 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
+import aiohttp
 import anyio
 import structlog
 from aiohttp import web
@@ -92,6 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--endpoints", default=",".join(DEFAULT_ENDPOINTS), help="allowed batch endpoints"
     )
+    p.add_argument(
+        "--gateway-url",
+        default="",
+        help="where X-AP-Mode: direct proxies to (default: the queue's igw_base_url)",
+    )
     p.add_argument("--max-file-bytes", type=int, default=MAX_FILE_BYTES)
     p.add_argument("--max-file-lines", type=int, default=MAX_FILE_LINES)
     p.add_argument(
@@ -123,17 +129,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _queue(args: argparse.Namespace) -> str:
-    if args.queue:
-        return str(args.queue)
+def _queues(args: argparse.Namespace) -> list[dict[str, object]]:
     try:
         queues = json.loads(Path(args.transport_config_file).read_text()).get("queues") or []
     except (OSError, ValueError, AttributeError) as exc:
         raise ConfigError(f"--transport-config-file: {exc}") from None
-    names = [q.get("queue_name") for q in queues if isinstance(q, dict)]
+    return [q for q in queues if isinstance(q, dict)]
+
+
+def _queue(args: argparse.Namespace) -> str:
+    if args.queue:
+        return str(args.queue)
+    names = [q.get("queue_name") for q in _queues(args)]
     if len(names) != 1 or not isinstance(names[0], str):
         raise ConfigError("--queue is required unless the transport config names one queue")
     return names[0]
+
+
+def _gateway(args: argparse.Namespace, queue: str) -> str:
+    """``--gateway-url``, else the queue's ``igw_base_url`` (where the daemon sends it)."""
+    if args.gateway_url:
+        return str(args.gateway_url)
+    found = [q.get("igw_base_url") for q in _queues(args) if q.get("queue_name") == queue]
+    return found[0] if found and isinstance(found[0], str) else ""
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -171,11 +189,20 @@ async def serve(args: argparse.Namespace) -> None:
         endpoints=tuple(e for e in args.endpoints.split(",") if e),
         retention_every=max(0.05, args.retention_interval),
         replica_timeout=max(0.3, args.replica_timeout),
+        gateway=_gateway(args, queue),
     )
     client = SortedSetClient(conn, queue, result_list(queue), consumer=f"api-{args.replica}")
     ctx.client = client
     app = build_app(ctx, digests)
-    async with client, anyio.create_task_group() as tg, listening(app, host, port) as bound:
+    # No pool limit of its own: a direct request holds a caller's connection anyway.
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    ctx.session = session
+    async with (
+        session,
+        client,
+        anyio.create_task_group() as tg,
+        listening(app, host, port) as bound,
+    ):
         log.info("api_listening", host=host, port=bound, queue=queue, replica=args.replica)
         tg.start_soon(Runner(ctx, client, args.replica).run)
         await anyio.sleep_forever()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import aiohttp
 from aiohttp import web
 
 from async_processor.api.errors import not_found
@@ -45,6 +46,8 @@ class Context:
     retention_every: float = 60.0  # seconds between looks for expired files and batches
     replica_timeout: float = 60.0  # seconds without a heartbeat before a replica is gone
     client: SortedSetClient | None = None  # submits single requests (set before serving)
+    gateway: str = ""  # X-AP-Mode: direct proxies here (the queue's igw_base_url by default)
+    session: aiohttp.ClientSession | None = None  # direct's connections (set before serving)
 
 
 CONTEXT = web.AppKey("context", Context)

@@ -3,9 +3,10 @@ for ``GET /v1/requests/{id}`` (or waited for), ``DELETE`` to cancel.
 
 Stage: the API's HTTP edge, for one request at a time. Input: an OpenAI request body
 and ``X-AP-Mode`` (``enqueue``: 202 and the id; ``wait``, the default: the gateway's
-answer, or 202 after ``X-Request-Timeout-Seconds``), ``X-Request-Id`` (the same id twice
-is one request). Output: a queue message ``areq:<tenant>:<id>`` (the tenant as
-``metadata.userid``), and the request's record, which the collector completes once.
+answer, or 202 after ``X-Request-Timeout-Seconds``; ``direct``: proxied now, ``direct``),
+``X-Request-Id`` (the same id twice is one request). Output: a queue message
+``areq:<tenant>:<id>`` (the tenant as ``metadata.userid``), and the request's record,
+which the collector completes once.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import anyio
 from aiohttp import web
 
-from async_processor.api import keys
+from async_processor.api import direct, keys
 from async_processor.api.context import context, owned, tenant
 from async_processor.api.errors import ApiError, not_found
 from async_processor.api.store import loads
@@ -27,7 +28,8 @@ DEADLINE_SECONDS = 24 * 3600  # a queued request's deadline (its result is kept 
 WAIT_SECONDS, MAX_WAIT_SECONDS = 60.0, 600.0
 POLL = 0.05  # seconds between looks while a caller waits
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-MODES = ("wait", "enqueue")
+MODES = ("wait", "enqueue", "direct")
+DIRECT_IDLE_SECONDS = 600.0  # direct: the longest wait for the gateway's next bytes
 
 
 def request_object(record: dict[str, str]) -> dict[str, Any]:
@@ -51,7 +53,9 @@ async def create_request(request: web.Request) -> web.StreamResponse:
     mode = request.headers.get("X-AP-Mode", "wait").lower()
     if mode not in MODES:
         raise ApiError(400, f"X-AP-Mode must be one of {', '.join(MODES)}", param="X-AP-Mode")
-    wait = _wait_seconds(request) if mode == "wait" else 0.0
+    if mode == "direct":
+        return await _direct(request, owner)
+    wait = _wait_seconds(request, WAIT_SECONDS) if mode == "wait" else 0.0
     request_id = request.headers.get("X-Request-Id") or keys.new_id("req_")
     if not _REQUEST_ID.match(request_id):
         raise ApiError(400, "X-Request-Id: 1-128 of [A-Za-z0-9._-]", param="X-Request-Id")
@@ -76,8 +80,20 @@ async def create_request(request: web.Request) -> web.StreamResponse:
     return await _answer(request, owner, request_id, wait)
 
 
-def _wait_seconds(request: web.Request) -> float:
-    text = request.headers.get("X-Request-Timeout-Seconds", str(WAIT_SECONDS))
+async def _direct(request: web.Request, owner: str) -> web.StreamResponse:
+    ctx = context(request)
+    if ctx.session is None or not ctx.gateway:
+        raise ApiError(
+            400, "X-AP-Mode: direct is not enabled (no --gateway-url)", param="X-AP-Mode"
+        )
+    body = await request.read()
+    _check_body(body, streaming=True)
+    idle = _wait_seconds(request, DIRECT_IDLE_SECONDS)
+    return await direct.proxy(request, ctx.session, ctx.gateway, body, owner, idle)
+
+
+def _wait_seconds(request: web.Request, default: float) -> float:
+    text = request.headers.get("X-Request-Timeout-Seconds", str(default))
     try:
         seconds = float(text)
     except ValueError:
@@ -89,7 +105,8 @@ def _wait_seconds(request: web.Request) -> float:
     return seconds
 
 
-def _check_body(body: bytes) -> None:
+def _check_body(body: bytes, streaming: bool = False) -> None:
+    """A JSON object with a model; ``stream: true`` only where it can be streamed back."""
     import msgspec
 
     try:
@@ -98,7 +115,7 @@ def _check_body(body: bytes) -> None:
         raise ApiError(400, "The body must be a JSON object.") from None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str):
         raise ApiError(400, "The body must be a JSON object with a model.", param="model")
-    if parsed.get("stream") is True:
+    if parsed.get("stream") is True and not streaming:
         raise ApiError(400, "stream: true is not supported for queued requests", param="stream")
 
 
