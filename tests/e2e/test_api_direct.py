@@ -76,13 +76,18 @@ async def test_a_streamed_answer_reaches_the_sdk_chunk_by_chunk(batch_stack: Bat
         head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                 b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
         gateway.play(
-            Script((head, _chunked(SSE[0]), PAUSE, _chunked(SSE[1]), _chunked(SSE[2]), b"0\r\n\r\n"))
+            Script(
+                (head, _chunked(SSE[0]), PAUSE, _chunked(SSE[1]), _chunked(SSE[2]), b"0\r\n\r\n")
+            )
         )
         client = openai.AsyncOpenAI(base_url=api.base_url, api_key=KEYS["acme"], max_retries=0)
         started = time.monotonic()
         arrivals: list[tuple[float, str]] = []
         stream = await client.chat.completions.create(
-            model="m", messages=MESSAGES, stream=True, extra_headers=DIRECT  # type: ignore[arg-type]
+            model="m",
+            messages=MESSAGES,
+            stream=True,
+            extra_headers=DIRECT,  # type: ignore[arg-type]
         )
         async for chunk in stream:
             arrivals.append((time.monotonic() - started, chunk.choices[0].delta.content or ""))
