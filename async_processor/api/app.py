@@ -22,6 +22,13 @@ from redis.exceptions import RedisError
 
 from async_processor.api import batches, files, requests
 from async_processor.api.auth import auth_middleware, load_keys
+from async_processor.api.caps import (
+    MAX_OPEN_BATCHES,
+    MAX_QUEUED_LINES,
+    MAX_STORED_BYTES,
+    Caps,
+    load_caps,
+)
 from async_processor.api.context import (
     CONTEXT,
     DEFAULT_ENDPOINTS,
@@ -98,6 +105,14 @@ def _parser() -> argparse.ArgumentParser:
         default="",
         help="where X-AP-Mode: direct proxies to (default: the queue's igw_base_url)",
     )
+    p.add_argument("--max-open-batches", type=int, default=MAX_OPEN_BATCHES, help="per tenant")
+    p.add_argument("--max-queued-lines", type=int, default=MAX_QUEUED_LINES, help="per tenant")
+    p.add_argument("--max-stored-bytes", type=int, default=MAX_STORED_BYTES, help="per tenant")
+    p.add_argument(
+        "--tenant-caps-file",
+        default="",
+        help='JSON {"<tenant>": {"open_batches": N, "queued_lines": N, "stored_bytes": N}}',
+    )
     p.add_argument("--max-file-bytes", type=int, default=MAX_FILE_BYTES)
     p.add_argument("--max-file-lines", type=int, default=MAX_FILE_LINES)
     p.add_argument(
@@ -171,6 +186,8 @@ def _digests(args: argparse.Namespace) -> dict[str, str] | None:
 
 async def serve(args: argparse.Namespace) -> None:
     digests = _digests(args)
+    default = Caps(args.max_open_batches, args.max_queued_lines, args.max_stored_bytes)
+    caps = load_caps(args.tenant_caps_file, default)
     conn = redis_connection_file(args.transport_config_file, "")
     queue = _queue(args)
     host, port = _listen(args.listen)
@@ -190,6 +207,7 @@ async def serve(args: argparse.Namespace) -> None:
         retention_every=max(0.05, args.retention_interval),
         replica_timeout=max(0.3, args.replica_timeout),
         gateway=_gateway(args, queue),
+        caps=caps,
     )
     client = SortedSetClient(conn, queue, result_list(queue), consumer=f"api-{args.replica}")
     ctx.client = client

@@ -80,12 +80,32 @@ async def create_batch(request: web.Request) -> web.Response:
     claims = []
     if key := request.headers.get("Idempotency-Key"):
         claims.append(keys.idempotency_key(owner, _digest("key", key)))
-    batch_id = await ctx.store.create_batch(record, claims)
+    batch_id = await _create(ctx, record, claims)
     await ctx.store.remember_body(body_claim, batch_id)
     found = await ctx.store.batch_for(owner, batch_id)
     if found is None:  # the batch an idempotency key named is gone (expired meanwhile)
         raise ApiError(409, "The batch for this Idempotency-Key no longer exists.")
     return web.json_response(batch_object(found))
+
+
+async def _create(ctx: Context, record: dict[str, str | int], claims: list[str]) -> str:
+    """Keep the batch if its tenant has room under its caps (else 429); an idempotency
+    claim that names a batch already gives that one back (and this one's place)."""
+    owner, batch_id = str(record["tenant"]), str(record["id"])
+    for claim in claims:  # a repeat of a made batch is no new batch: no cap applies
+        if (held := await ctx.store.claimed(claim)) is not None:
+            return held
+    await ctx.guard.take_batch_place(
+        owner, batch_id, int(record["created_at"]), int(record["file_lines"])
+    )
+    try:
+        made = await ctx.store.create_batch(record, claims)
+    except BaseException:
+        await ctx.guard.release(owner, batch_id)
+        raise
+    if made != batch_id:
+        await ctx.guard.release(owner, batch_id)
+    return made
 
 
 def _digest(kind: str, text: str) -> str:
@@ -106,7 +126,7 @@ async def _record(ctx: Context, owner: str, body: dict[str, Any]) -> dict[str, s
     input_file_id = body.get("input_file_id")
     if not isinstance(input_file_id, str) or not input_file_id:
         raise ApiError(400, "input_file_id is required", param="input_file_id")
-    if await ctx.store.file(owner, input_file_id) is None:
+    if (upload := await ctx.store.file(owner, input_file_id)) is None:
         raise not_found("file", input_file_id)
     endpoint = body.get("endpoint")
     if endpoint not in ctx.endpoints:
@@ -128,6 +148,7 @@ async def _record(ctx: Context, owner: str, body: dict[str, Any]) -> dict[str, s
         "output_expires_seconds": _output_expiry(body.get("output_expires_after")),
         "sealed": 0,
         "submitted": 0,
+        "file_lines": as_int(upload, "lines"),  # its queued lines until validation counts
     }
 
 

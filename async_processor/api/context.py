@@ -12,6 +12,7 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
+from async_processor.api.caps import CapsBook, Guard
 from async_processor.api.errors import not_found
 from async_processor.api.metrics import ApiMetrics
 from async_processor.api.storage import Storage
@@ -46,8 +47,18 @@ class Context:
     retention_every: float = 60.0  # seconds between looks for expired files and batches
     replica_timeout: float = 60.0  # seconds without a heartbeat before a replica is gone
     client: SortedSetClient | None = None  # submits single requests (set before serving)
+    caps: CapsBook = field(default_factory=CapsBook)
     gateway: str = ""  # X-AP-Mode: direct proxies here (the queue's igw_base_url by default)
     session: aiohttp.ClientSession | None = None  # direct's connections (set before serving)
+
+    _guard: Guard | None = None
+
+    @property
+    def guard(self) -> Guard:
+        """The tenant caps' checks (made on first use: they register scripts)."""
+        if self._guard is None:
+            self._guard = Guard(self.store, self.caps)
+        return self._guard
 
 
 CONTEXT = web.AppKey("context", Context)

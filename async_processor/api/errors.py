@@ -29,10 +29,17 @@ TYPES = {
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # e.g. a 429's Retry-After
 
     def body(self) -> dict[str, Any]:
         kind = TYPES.get(self.status, "server_error")
@@ -51,7 +58,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         response = await handler(request)
     except ApiError as exc:
-        response = web.json_response(exc.body(), status=exc.status)
+        response = web.json_response(exc.body(), status=exc.status, headers=exc.headers)
     except web.HTTPException as exc:  # aiohttp's own (unknown route, wrong method)
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         response = web.json_response(

@@ -44,9 +44,10 @@ async def create_file(request: web.Request) -> web.Response:
     ctx = context(request)
     if not request.content_type.startswith("multipart/"):
         raise ApiError(400, "Upload a file as multipart/form-data.", param="file")
-    file_id = keys.new_id(keys.FILE_PREFIX)
+    file_id, owner = keys.new_id(keys.FILE_PREFIX), tenant(request)
+    stored = await ctx.guard.check_bytes(owner, 1)  # a tenant at its cap sends nothing
     fields: dict[str, str] = {}
-    size, filename, writer = -1, "", None
+    size, lines, filename, writer = -1, 0, "", None
     try:
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
@@ -57,10 +58,11 @@ async def create_file(request: web.Request) -> web.Response:
                     raise ApiError(400, "one file per upload", param="file")
                 writer = await ctx.storage.writer(file_id)
                 filename = (part.filename or "upload.jsonl")[:255]
-                size = await _stream(part, writer, ctx)
+                size, lines = await _stream(part, writer, ctx, owner, stored)
             else:
                 fields[str(part.name)] = await _field(part)
-        record = _record(file_id, tenant(request), fields, filename, size)
+        record = _record(file_id, owner, fields, filename, size)
+        record["lines"] = lines
         if writer is None:
             raise ApiError(400, "missing file", param="file")
         await writer.commit()
@@ -114,8 +116,12 @@ async def _field(part: BodyPartReader) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-async def _stream(part: BodyPartReader, writer: Writer, ctx: Context) -> int:
-    """Copy the file part to storage; 413 as soon as it passes a limit."""
+async def _stream(
+    part: BodyPartReader, writer: Writer, ctx: Context, owner: str, stored: int
+) -> tuple[int, int]:
+    """Copy the file part to storage; 413 as soon as it passes a limit, 429 as soon as
+    it passes the tenant's bytes cap (``stored``: the tenant's bytes before it). Its
+    size and lines."""
     limits = ctx.limits
     size = lines = 0
     last = b"\n"
@@ -127,10 +133,13 @@ async def _stream(part: BodyPartReader, writer: Writer, ctx: Context) -> int:
             raise ApiError(413, f"File is larger than {limits.max_file_bytes} bytes.", param="file")
         if lines > limits.max_file_lines:
             raise ApiError(413, f"File has more than {limits.max_file_lines} lines.", param="file")
+        await ctx.guard.check_bytes(owner, size, stored)
         await writer.write(chunk)
-    if last != b"\n" and lines + 1 > limits.max_file_lines:
+    if last != b"\n":
+        lines += 1
+    if lines > limits.max_file_lines:
         raise ApiError(413, f"File has more than {limits.max_file_lines} lines.", param="file")
-    return size
+    return size, lines
 
 
 async def list_files(request: web.Request) -> web.Response:

@@ -46,6 +46,16 @@ def batches_index(tenant: str) -> str:
     return f"{PREFIX}:batches:{{{tenant}}}"
 
 
+def tenant_open(tenant: str) -> str:
+    """zset: the tenant's batches not yet terminal (its open-batch cap counts them)."""
+    return f"{PREFIX}:open:{{{tenant}}}"
+
+
+def tenant_stored(tenant: str) -> str:
+    """hash: the tenant's file id -> bytes (its stored-bytes cap sums them)."""
+    return f"{PREFIX}:stored:{{{tenant}}}"
+
+
 def idempotency_key(tenant: str, digest: str) -> str:
     return f"{PREFIX}:idem:{{{tenant}}}:{digest}"
 

@@ -90,8 +90,8 @@ class Driver:
     async def step(self) -> bool:
         record = await self.ctx.store.batch(self.batch_id)
         if record is None or record["status"] in TERMINAL:
-            if record is None:  # deleted by hand: stop looking at it
-                await self.ctx.store.redis.zrem(keys.OPEN_BATCHES, self.batch_id)
+            # Deleted by hand, or a crash between its last status and this: off the lists.
+            await self.ctx.store.closed(self.batch_id)
             return False
         status = record["status"]
         if status in ("validating", "in_progress") and time.time() >= int(record["deadline"]):

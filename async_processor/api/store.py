@@ -153,6 +153,7 @@ class Store:
         file_id, tenant = str(record["id"]), str(record["tenant"])
         await self.redis.hset(keys.file_key(file_id), mapping=_fields(record))
         await self.redis.zadd(keys.files_index(tenant), {file_id: 0})
+        await self.redis.hset(keys.tenant_stored(tenant), file_id, int(record["bytes"]))
         if "expires_at" in record:
             await self.expire_at("file", file_id, int(record["expires_at"]))
 
@@ -162,6 +163,7 @@ class Store:
 
     async def delete_file(self, tenant: str, file_id: str) -> None:
         await self.redis.zrem(keys.files_index(tenant), file_id)
+        await self.redis.hdel(keys.tenant_stored(tenant), file_id)
         await self.redis.delete(keys.file_key(file_id))
 
     # ------------------------------------------------------------------ batches
@@ -202,9 +204,16 @@ class Store:
         if moved == 1 and self._moved is not None:
             self._moved(to)
         if moved == 1 and to in TERMINAL:
-            await self.redis.zrem(keys.OPEN_BATCHES, batch_id)
+            await self.closed(batch_id)
             await self.expire_at("batch", batch_id, now + self.batch_retention)
         return bool(moved == 1)
+
+    async def closed(self, batch_id: str) -> None:
+        """The batch is terminal (or gone): off the open lists, its tenant's too."""
+        tenant = await self.redis.hget(keys.batch_key(batch_id), "tenant")
+        if tenant is not None:
+            await self.redis.zrem(keys.tenant_open(text(tenant)), batch_id)
+        await self.redis.zrem(keys.OPEN_BATCHES, batch_id)
 
     async def record(self, batch_id: str, lines: Sequence[Line]) -> Recorded:
         """Count and keep each line whose result is not recorded yet."""
@@ -261,6 +270,7 @@ class Store:
         record = await self.batch(batch_id)
         if record is not None:
             await self.redis.zrem(keys.batches_index(record["tenant"]), batch_id)
+            await self.redis.zrem(keys.tenant_open(record["tenant"]), batch_id)
         parts = (keys.batch_part(batch_id, p) for p in (*PARTS, "ids", "lease"))
         await self.redis.delete(keys.batch_key(batch_id), *parts)
 

@@ -1,6 +1,6 @@
-"""Batch lines as untrusted input (api/lines.py, api/auth.py): every bad line named by its
-number, bodies kept byte for byte, results turned into file lines and usage that a
-hostile gateway cannot inflate, keys files checked."""
+"""Batch lines as untrusted input (api/lines.py, api/auth.py, api/caps.py): every bad
+line named by its number, bodies kept byte for byte, results turned into file lines and
+usage that a hostile gateway cannot inflate, keys and caps files checked."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from async_processor.api.auth import load_keys
+from async_processor.api.caps import Caps, load_caps
 from async_processor.api.lines import bodies, check_lines, result_line, split_lines
 from async_processor.errors import ConfigError
 from async_processor.messages import ErrorCode, Result
@@ -95,3 +96,19 @@ def test_keys_file_maps_keys_and_digests_to_tenants(tmp_path: Path) -> None:
         path.write_text(json.dumps(bad))
         with pytest.raises(ConfigError):
             load_keys(path)
+
+
+def test_caps_file_overrides_only_the_caps_it_names(tmp_path: Path) -> None:
+    default = Caps(open_batches=3, queued_lines=100, stored_bytes=1000)
+    assert load_caps("", default).of("anyone") == default
+    path = tmp_path / "caps.json"
+    path.write_text(json.dumps({"acme": {"open_batches": 1}, "globex": {"stored_bytes": 0}}))
+    book = load_caps(str(path), default)
+    assert book.of("acme") == Caps(1, 100, 1000)
+    assert book.of("globex") == Caps(3, 100, 0)
+    assert book.of("initech") == default
+    for bad in ([], {"a": 1}, {"a": {"open": 1}}, {"a": {"open_batches": -1}},
+                {"a": {"queued_lines": True}}, {"a": {"stored_bytes": "1"}}):  # fmt: skip
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError):
+            load_caps(str(path), default)
