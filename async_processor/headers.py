@@ -6,10 +6,12 @@ the header names, legality checks and ``apply_stamped``.
 
 Header order on the wire (the Go reference's), later wins:
 
-1. ``Content-Type: application/json``
+1. ``Content-Type: application/json`` (one header, spelt so, whatever case the caller or
+   a transform used: ``split_content_type``, upstream #494)
 2. ``x-gateway-inference-objective: <queue inference_objective>`` when configured
 3. the caller's ``headers`` from the message (exact keys)
 4. the stamped headers, in order: fairness id, priority (tier-priority), lane objective.
+5. the deadline header, then at each attempt the inference TTL (``--inference-ttl-header``).
 
 The dispatcher builds 1–3 and then calls ``apply_stamped``, which deletes every letter-case
 variant of a stamped name before setting it, so a caller's ``X-LLM-D-Inference-Fairness-Id``
@@ -31,6 +33,9 @@ DEFAULT_OBJECTIVE_HEADER = "x-llm-d-inference-objective"  # tier-priority's lane
 # The request's deadline sent to the gateway, absolute Unix seconds (--deadline-header;
 # empty sends none).
 DEFAULT_DEADLINE_HEADER = "x-request-deadline"
+# The time left to the deadline, Go duration syntax (--inference-ttl-header): the llm-d
+# router's flow control holds a request no longer than this (llm-d-router #2316).
+INFERENCE_TTL_HEADER = "x-llm-d-inference-ttl"
 # Read from the gateway's answer: why llm-d dropped a request (a shed, retried).
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 
@@ -95,6 +100,21 @@ def apply_stamped(headers: dict[str, str], stamped: list[tuple[str, str]]) -> No
         for existing in [k for k in headers if k.lower() == folded]:
             del headers[existing]
         headers[name] = value
+
+
+def split_content_type(
+    headers: Mapping[str, str], default: str
+) -> tuple[str, list[tuple[str, str]]]:
+    """The content type a message's headers ask for (its last letter-case variant of
+    ``Content-Type``, else ``default``) and its other headers, so that one header, spelt
+    ``Content-Type``, goes out (upstream #494)."""
+    content_type, others = default, []
+    for name, value in headers.items():
+        if name.lower() == "content-type":
+            content_type = value
+        else:
+            others.append((name, value))
+    return content_type, others
 
 
 def fairness_id(metadata: Mapping[str, str], attribute: str) -> str | None:

@@ -97,7 +97,7 @@ def test_caller_content_type_overrides_in_any_case() -> None:
         b'"headers":{"content-type":"application/vnd.x+json"}}'
     )
     out = build_request(_work(raw), DispatchSettings())
-    assert [k for k in out.headers if k.lower() == "content-type"] == ["content-type"]
+    assert [k for k in out.headers if k.lower() == "content-type"] == ["Content-Type"]  # #494
     assert out.content_type == "application/vnd.x+json"
 
 
