@@ -65,6 +65,36 @@ def format_duration(seconds: float) -> str:
     return out
 
 
+def go_duration_string(nanoseconds: int) -> str:
+    """Go's ``time.Duration.String`` for ``nanoseconds``, exactly: ``1m27.5s``, ``500ms``,
+    ``1.5µs``, ``2h0m0s``, ``0s`` (what a Go sender would put in a header).
+
+    Under a second the largest unit below it, with the fraction's trailing zeros dropped;
+    from a second on ``[<h>h][<m>m]<s>[.<frac>]s``, with ``0m`` written once hours are.
+    """
+    sign, ns = ("-", -nanoseconds) if nanoseconds < 0 else ("", nanoseconds)
+    if ns == 0:
+        return "0s"
+    if ns < 1_000_000_000:
+        for unit, size in (("ms", 1_000_000), ("µs", 1_000), ("ns", 1)):
+            if ns >= size:
+                return sign + _fraction(ns, size) + unit
+    seconds, minutes, hours = ns % 60_000_000_000, ns // 60_000_000_000 % 60, ns // 3600_000_000_000
+    text = _fraction(seconds, 1_000_000_000) + "s"
+    if hours:
+        return f"{sign}{hours}h{minutes}m{text}"
+    return f"{sign}{minutes}m{text}" if minutes else sign + text
+
+
+def _fraction(value: int, unit: int) -> str:
+    """``value / unit`` in decimal, exact, without trailing zeros (``1500, 1000`` -> 1.5)."""
+    whole, frac = divmod(value, unit)
+    if not frac:
+        return str(whole)
+    digits = str(frac).rjust(len(str(unit)) - 1, "0").rstrip("0")
+    return f"{whole}.{digits}"
+
+
 def _coerce(value: Any) -> Any:
     if isinstance(value, str):
         return parse_duration(value)

@@ -86,6 +86,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("deadline-header", "header carrying the request's deadline to the gateway, as "
          "absolute Unix seconds (not the time left; empty disables)",
          "deadline_header"),
+    Flag("inference-ttl-header", "send x-llm-d-inference-ttl, the time left to the deadline "
+         "(Go duration), so the router's flow control holds no request past it",
+         "inference_ttl_header", boolean=True),
     Flag("max-message-bytes", "largest accepted message", "max_message_bytes"),
     Flag("metrics-bearer-token-file", "file holding a bearer token required on /metrics"),
     Flag("tls-ca-cert", "CA bundle for the gateway", "tls.ca_cert"),

@@ -112,6 +112,7 @@ class RuntimeConfig(Strict):
     metrics_port: Port = 9090
     bind_address: str = "0.0.0.0"  # noqa: S104 - a pod's probes and scrapes come from outside
     deadline_header: str = DEFAULT_DEADLINE_HEADER  # empty: no deadline header
+    inference_ttl_header: bool = False  # send x-llm-d-inference-ttl (upstream sends none)
     max_message_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
     metrics_bearer_token: str = ""
     # Distinct tenants counted in tokens_total per process; the rest count as "other".

@@ -3,12 +3,14 @@
 Input: a ``Work`` item (admitted) and the settings that shape requests. Output: an
 ``Outgoing`` request (URL, headers, verbatim body) and, after sending, a ``retry.Attempt``.
 The attempt is cut at min(deadline, now + request timeout); the deadline also reaches
-the gateway as a header (docs/architecture.md G7), and so does the trace context when tracing is on.
+the gateway as a header (docs/architecture.md G7), and so does the trace context when tracing is on;
+with ``--inference-ttl-header`` each attempt also carries the time left to it.
 The HTTP library is behind ``httpclients.base.HttpClient`` (``--http-client``).
 """
 
 from __future__ import annotations
 
+import math
 import posixpath
 import re
 import time
@@ -17,14 +19,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from async_processor.durations import go_duration_string
 from async_processor.errors import InvalidMessage, NoAnswer
 from async_processor.headers import (
     DEFAULT_DEADLINE_HEADER,
+    INFERENCE_TTL_HEADER,
     OBJECTIVE_HEADER,
     RESERVED_HEADERS,
     apply_stamped,
     is_valid_header_name,
     is_valid_header_value,
+    split_content_type,
 )
 from async_processor.httpclients.base import AttemptTimeout, HttpClient
 from async_processor.messages import Payload
@@ -46,6 +51,9 @@ class DispatchSettings:
     # Header names the merge policy is configured to stamp (its ``*_header`` parameters),
     # refused from messages like the default names even when not stamped on one.
     stamped_names: frozenset[str] = frozenset()
+    # Send the time left to the deadline at each attempt (INFERENCE_TTL_HEADER); off as
+    # upstream, which sends nothing.
+    inference_ttl: bool = False
 
 
 def stamped_header_names(merge_parameters: Mapping[str, object]) -> frozenset[str]:
@@ -65,16 +73,17 @@ def build_request(work: Work, settings: DispatchSettings) -> Outgoing:
     request = work.envelope.request
     queue = work.queue
     url = join_url(queue.igw_base_url, request.endpoint or queue.request_path_url)
-    headers = {"Content-Type": "application/json"}
+    _check_caller_headers(work, settings)
+    # Caller headers may override Content-Type (as in the reference), in any letter case;
+    # one canonical header goes out (#494).
+    content_type, caller = split_content_type(request.headers, "application/json")
+    headers = {"Content-Type": content_type}
     if queue.inference_objective:
         headers[OBJECTIVE_HEADER] = queue.inference_objective
-    _check_caller_headers(work, settings)
-    # Caller headers may override Content-Type (as in the reference), in any letter case.
-    apply_stamped(headers, list(request.headers.items()))
+    apply_stamped(headers, caller)
     apply_stamped(headers, work.stamped_headers)
     if settings.deadline_header:
         apply_stamped(headers, [(settings.deadline_header, str(request.deadline))])
-    content_type = next(v for k, v in headers.items() if k.lower() == "content-type")
     return Outgoing(
         url=url,
         body=request.payload,
@@ -98,6 +107,8 @@ def _check_caller_headers(work: Work, settings: DispatchSettings) -> None:
     reserved |= {name.lower() for name, _ in work.stamped_headers}
     if settings.deadline_header:
         reserved |= {settings.deadline_header.lower()}
+    if settings.inference_ttl:
+        reserved |= {INFERENCE_TTL_HEADER}
     for name, value in request.headers.items():
         if not is_valid_header_name(name) or not is_valid_header_value(value):
             raise InvalidMessage(
@@ -168,7 +179,7 @@ async def send(
     headers = out.headers
     if out.body_claimed:  # a transform rewrote the body, and its content type goes with it
         headers = dict(headers)
-        apply_stamped(headers, [("Content-Type", out.content_type)])
+        apply_stamped(headers, [("Content-Type", out.content_type)])  # every variant replaced
     try:
         answer = await client.post(
             out.url, _taken(out), headers, timeout=timeout, limit=limit or MAX_RESPONSE_BYTES
@@ -191,6 +202,14 @@ def _taken(out: Outgoing) -> Payload:
     holds them: ``transports.base.LetsGo``)."""
     body, out.body = out.body, b""
     return body
+
+
+def stamp_inference_ttl(out: Outgoing, now: float) -> None:
+    """The time left to the deadline as Go writes a duration (``1m27.5s``), whole
+    milliseconds rounded down (never more time than is left), at least ``1ms`` (an attempt
+    is not sent once none is left; ``0s`` could read as "no bound")."""
+    left_ms = max(1, math.floor((out.deadline - now) * 1000))
+    apply_stamped(out.headers, [(INFERENCE_TTL_HEADER, go_duration_string(left_ms * 1_000_000))])
 
 
 def attempt_timeout(deadline: float, request_timeout: float) -> float:

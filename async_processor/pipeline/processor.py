@@ -238,6 +238,7 @@ class Processor:
             rt.request_timeout,
             rt.deadline_header,
             stamped_header_names(self.config.merge_policy.parameters),
+            rt.inference_ttl_header,
         )
         pollers: list[Poller] = []
         self._discovery = self._queue_refresh(writer)

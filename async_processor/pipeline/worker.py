@@ -24,7 +24,13 @@ from async_processor.pipeline import tracing
 from async_processor.pipeline.admission import PoolGate, admit
 from async_processor.pipeline.cancels import CancelWatch
 from async_processor.pipeline.capacity import ShedPause
-from async_processor.pipeline.dispatch import DispatchSettings, attempt_timeout, build_request, send
+from async_processor.pipeline.dispatch import (
+    DispatchSettings,
+    attempt_timeout,
+    build_request,
+    send,
+    stamp_inference_ttl,
+)
 from async_processor.pipeline.held import HeldWork
 from async_processor.pipeline.settle import Settler
 from async_processor.pipeline.usage import TokenAccounting
@@ -232,6 +238,8 @@ class Worker:
         limit = self.result_limit
         if self.lets_go is not None:  # its bytes wait in the broker, not here (issue 13)
             self.lets_go.let_go(work.delivery)
+        if self.settings.inference_ttl:
+            stamp_inference_ttl(out, time.time())
         started = time.monotonic()
         with tracing.http_request(out) as span:
             attempt = await send(self.http, out, timeout=timeout, limit=limit)

@@ -441,6 +441,13 @@ def test_insecure_skip_verify_is_passed_as_a_flag() -> None:
     assert "--tls-insecure-skip-verify=true" in container(render(values))["args"]
 
 
+def test_inference_ttl_header_is_a_flag_when_asked_for() -> None:
+    assert (
+        "--inference-ttl-header=true" in container(render(with_ap(inferenceTTLHeader=True)))["args"]
+    )
+    assert not any("inference-ttl" in a for a in container(render(with_ap()))["args"])
+
+
 def test_keda_example_scales_on_the_broker_backlog() -> None:
     objects = render(load_values(CHART / "ci" / "keda-values.yaml"))
     assert "replicas" not in objects["Deployment"]["spec"]  # KEDA owns the count

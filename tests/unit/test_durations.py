@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from async_processor.durations import Duration, format_duration, parse_duration
+from async_processor.durations import Duration, format_duration, go_duration_string, parse_duration
 
 
 @pytest.mark.parametrize(
@@ -57,3 +57,29 @@ def test_pydantic_field() -> None:
     for bad in (60, 1.5, True, "60"):
         with pytest.raises(ValidationError):
             Model.model_validate({"timeout": bad})
+
+
+@pytest.mark.parametrize(
+    ("nanoseconds", "go"),
+    [  # what Go's time.Duration(n).String() returns (its documentation and source)
+        (0, "0s"),
+        (1, "1ns"),
+        (999, "999ns"),
+        (1_000, "1µs"),
+        (1_500, "1.5µs"),
+        (1_100_000, "1.1ms"),
+        (500_000_000, "500ms"),
+        (999_999_999, "999.999999ms"),
+        (1_000_000_000, "1s"),
+        (87_500_000_000, "1m27.5s"),
+        (60_000_000_000, "1m0s"),
+        (3_600_000_000_000, "1h0m0s"),
+        (4_530_918_273_645, "1h15m30.918273645s"),
+        (72 * 3_600_000_000_000 + 180_500_000_000, "72h3m0.5s"),
+        (-1_500, "-1.5µs"),
+        (-90_000_000_000, "-1m30s"),
+    ],
+)
+def test_go_duration_string_is_gos(nanoseconds: int, go: str) -> None:
+    assert go_duration_string(nanoseconds) == go
+    assert parse_duration(go) == pytest.approx(nanoseconds / 1e9, abs=1e-9)
