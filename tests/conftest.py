@@ -16,6 +16,7 @@ pytest_plugins = [
     "tests.fixtures.prometheus",
     "tests.fixtures.pubsub",
     "tests.fixtures.otlp",
+    "tests.fixtures.redis_cluster",
     "tests.fixtures.redis_modes",
     "tests.fixtures.logstate",
     "tests.fixtures.httpclients",
@@ -29,6 +30,7 @@ SERVICE_MARKERS = {
     "tls_redis": ("redis",),
     "sentinel_group": ("redis",),
     "redis_cluster": ("redis",),
+    "redis_cluster_replicated": ("redis",),
     "pubsub_emulator": ("pubsub", "gcp"),
     "prometheus_factory": ("prometheus",),
 }

@@ -99,6 +99,8 @@ EMPTY_SINCE_KEY = "async-processor:removed-queues:empty-since"
 # A token no process ever deletes: another one read back means the data set was replaced
 # (transports/redis_sortedset/dataset.py).
 DATASET_KEY = "async-processor:dataset"
+# In cluster mode one token per primary: this prefix, then a hash tag in one of its slots.
+DATASET_NODE_PREFIX = DATASET_KEY + ":"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +130,7 @@ def own_keys(
     markers, and every gate key: a gate parameter named ``*_key`` (that key and the keys
     under ``<key>:``, e.g. a rate gate's ``<control_key>:state``) or ``prefix`` (quotas)."""
     exact = {retry_queue, REMOVED_QUEUES_KEY, EMPTY_SINCE_KEY, DATASET_KEY, *queue_keys(queues)}
-    prefixes = list(OWN_PREFIXES)
+    prefixes = [*OWN_PREFIXES, DATASET_NODE_PREFIX]
     for params in gate_params:
         for name, value in params.items():
             if not isinstance(value, str) or not value:

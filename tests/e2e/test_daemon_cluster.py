@@ -19,7 +19,7 @@ from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config.redis import RedisConnection, slot
 from async_processor.messages import Result
 from tests.fixtures.daemon import DaemonFactory
-from tests.fixtures.redis_modes import RedisClusterNodes
+from tests.fixtures.redis_cluster import RedisClusterNodes
 from tests.fixtures.simulator import SimulatorProcess
 
 PER_QUEUE = 750

@@ -26,7 +26,7 @@ from async_processor.transports.redis_sortedset.discovery import (
 )
 from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.inprocess import running, runtime_config
-from tests.fixtures.redis_modes import RedisClusterNodes
+from tests.fixtures.redis_cluster import RedisClusterNodes
 from tests.fixtures.servers import RedisServer, free_port
 from tests.fixtures.simulator import SimulatorProcess
 

@@ -15,14 +15,15 @@ from typing import Any
 
 import anyio
 import pytest
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from structlog.testing import capture_logs
 
 from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config.redis import RedisConnection
 from async_processor.metrics import Metrics
-from async_processor.transports.redis_sortedset.dataset import DatasetWatch
+from async_processor.transports.redis_sortedset.dataset import DatasetWatch, marker_keys
 from tests.fixtures.inprocess import metric, running, sortedset_config
+from tests.fixtures.redis_cluster import RedisClusterNodes
 from tests.fixtures.redis_modes import MASTER_NAME, SentinelGroup
 from tests.fixtures.servers import RedisServer
 from tests.fixtures.simulator import SimulatorProcess
@@ -94,3 +95,34 @@ async def test_every_process_reports_a_flush_whoever_sets_the_new_token(
         await client.aclose()
     assert first.redis_dataset_lost_total._value.get() == 1
     assert second.redis_dataset_lost_total._value.get() == 1
+
+
+async def test_a_cluster_node_losing_its_data_set_is_reported_whichever_node(
+    redis_cluster: RedisClusterNodes,
+) -> None:
+    """One token per primary, read in one round trip per node: the marker of each node
+    in turn goes (as a restart without persistence takes it), and each loss is reported,
+    not only the one on the node of the single key."""
+    client = RedisCluster.from_url(redis_cluster.url)
+    nodes = [Redis(port=port) for port in redis_cluster.ports]
+    metrics = Metrics()
+    watch = DatasetWatch(client, metrics)
+    try:
+        await watch.check()
+        keys = marker_keys(client)
+        assert {client.get_node_from_key(k).port for k in keys} == set(redis_cluster.ports)
+        for node in nodes:
+            await node.config_resetstat()
+        await watch.check()
+        for node in nodes:  # batched: one SET NX and one GET on each node
+            stats = await node.info("commandstats")
+            assert (stats["cmdstat_set"]["calls"], stats["cmdstat_get"]["calls"]) == (1, 1)
+        assert metrics.redis_dataset_lost_total._value.get() == 0
+        for lost, key in enumerate(keys, start=1):
+            await client.delete(key)
+            await watch.check()
+            assert metrics.redis_dataset_lost_total._value.get() == lost, key
+    finally:
+        await client.aclose()
+        for node in nodes:
+            await node.aclose()

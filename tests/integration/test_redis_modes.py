@@ -47,10 +47,10 @@ from async_processor.redis.keyspace import KeySpace
 from async_processor.transports.base import Completion, Delivery, TransportContext
 from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.inprocess import running, sortedset_config
+from tests.fixtures.redis_cluster import RedisClusterNodes
 from tests.fixtures.redis_modes import (
     MASTER_NAME,
     Certs,
-    RedisClusterNodes,
     SentinelGroup,
     TlsRedis,
     acl_lines,

@@ -14,7 +14,7 @@ from async_processor.messages import Result
 from async_processor.metrics import Metrics
 from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Completion, TransportContext
-from tests.fixtures.redis_modes import RedisClusterNodes
+from tests.fixtures.redis_cluster import RedisClusterNodes
 from tests.integration.test_sortedset import GW, fetch_one, future, member, rejected
 from tests.integration.test_sortedset_rounds import opened
 

@@ -25,7 +25,7 @@ from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Completion, Delivery, TransportContext
 from async_processor.transports.redis_sortedset.fetch import Fetcher
 from async_processor.transports.redis_sortedset.transport import SortedSetTransport
-from tests.fixtures.redis_modes import RedisClusterNodes
+from tests.fixtures.redis_cluster import RedisClusterNodes
 from tests.integration.test_sortedset import GW, future, member
 
 pytestmark = pytest.mark.anyio
