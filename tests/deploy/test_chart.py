@@ -730,6 +730,7 @@ ALERTS = {
     "AsyncProcessorAbandonedClaims": "abandoned_claims_total",
     "AsyncProcessorResultsTrimmed": "results_trimmed_total",
     "AsyncProcessorBrokerErrors": "broker_errors_total",
+    "AsyncProcessorRedisDatasetLost": "redis_dataset_lost_total",
 }
 
 
@@ -851,6 +852,9 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
         series(p + "results_trimmed_total", "0x20 3x40", result_list="results"),
         # Redis away from minute 20 on; a single error at minute 5 does not last 5m.
         series(p + "broker_errors_total", "0x5 1x15 2+2x40", operation="claim"),
+        # Both replicas see the same loss at minute 20 (a node came back empty).
+        series(p + "redis_dataset_lost_total", "0x20 1x40", pod="a"),
+        series(p + "redis_dataset_lost_total", "0x20 1x40", pod="b"),
         # Blind from minute 10 on one replica; a one-minute blip on pool "blip" stays quiet.
         series(p + "gate_metric_source_available", "1x10 0x50", **q, inference_pool="ip", pod="a"),
         series(p + "gate_metric_source_available", "1x60", **q, inference_pool="ip", pod="b"),
@@ -882,6 +886,9 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
         ("AsyncProcessorBrokerErrors", "12m", []),  # one error at minute 5: not lasting
         ("AsyncProcessorBrokerErrors", "27m",
          [expected(rules["AsyncProcessorBrokerErrors"], operation="claim")]),
+        ("AsyncProcessorRedisDatasetLost", "19m", []),
+        ("AsyncProcessorRedisDatasetLost", "21m",
+         [expected(rules["AsyncProcessorRedisDatasetLost"])]),
         ("AsyncProcessorScrapeFailing", "30m",
          [expected(rules["AsyncProcessorScrapeFailing"], pod="a")]),
         ("AsyncProcessorDown", "30m", []),  # b is still up

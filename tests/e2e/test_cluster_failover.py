@@ -27,7 +27,7 @@ from redis.crc import key_slot
 
 from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config.redis import RedisConnection
-from tests.fixtures.daemon import DaemonFactory
+from tests.fixtures.daemon import DaemonFactory, assert_answered_once
 from tests.fixtures.redis_cluster import RedisClusterNodes
 from tests.fixtures.simulator import SimulatorProcess
 
@@ -75,18 +75,7 @@ def test_every_id_is_answered_once_across_a_cluster_failover_every_15_s(
     failovers = _kill_until_answered(cluster, queues)
     assert daemon.terminate() == 0  # in-flight work ends: a late second answer would show
     seen = _answers(cluster, queues)
-    duplicates = sum(n - 1 for n in seen.values())
-    lost = TOTAL - len(seen)
-    print(
-        f"\n{len(failovers)} failovers (promoted in {', '.join(f'{s:.1f}' for s in failovers)} s):"
-        f" lost={lost} duplicates={duplicates}"
-    )
-    record_property("lost", lost)
-    record_property("duplicates", duplicates)
-    assert len(failovers) >= 2, "the run ended before the second kill"
-    assert lost == 0, daemon.logs()[-3000:]
-    assert duplicates == 0, [i for i, n in seen.items() if n > 1][:5]
-    assert "redis_dataset_lost" not in daemon.logs()
+    assert_answered_once(seen, TOTAL, failovers, daemon, record_property)
 
 
 async def _submit(conn: RedisConnection, queues: list[str]) -> None:
