@@ -92,9 +92,10 @@ class RedisBudgetGate:
     reference. Redis unreachable: 0.0 (closed).
     """
 
-    def __init__(self, client: aioredis.Redis, key: str) -> None:
+    def __init__(self, client: aioredis.Redis, params: RedisBudgetParams) -> None:
+        self.params = params
         self._client = client
-        self._key = key
+        self._key = params.budget_key
         self._warn = Throttle()
 
     async def budget(self) -> float:
@@ -121,7 +122,7 @@ class RedisBudgetGate:
 
 @GATES.register("redis", RedisBudgetParams)
 def _redis(params: RedisBudgetParams, ctx: GateContext) -> Gate:
-    return RedisBudgetGate(redis_client(ctx, params), params.budget_key)
+    return RedisBudgetGate(redis_client(ctx, params), params)
 
 
 # ------------------------------------------------------------------------ redis-quota

@@ -1,14 +1,15 @@
-"""``check-config --probe``: run each metric gate's query once and say what it would use.
+"""``check-config --probe``: run each gate's source once and say what it would use.
 
 Stage: outside the pipeline (the first check after ``helm install``). Input: a validated
-``AppConfig``. Output on stdout: one entry per metric gate (``prometheus-*`` and
+``AppConfig``. Output on stdout: first whether the broker, each gateway and (gcp-pubsub)
+the Cloud Monitoring backlog answer (``ops.targets``); then each Redis-backed gate's own
+Redis (``ops.gate_sources``); then one entry per metric gate (``prometheus-*`` and
 ``endpoint-scrape``, also inside ``composite`` / ``wait-on-refuse`` /
 ``tier-priority-admission``) of every queue and pool, with the budget it would use and the
-value it read, or its fallback budget and why it would fall back, and the queries it
-runs; before them, whether the broker and each gateway answer (``ops.targets``). Exit
-code 0, or 1 when a target is unreachable or any gate would fall back (a blind gate).
-Nothing is dispatched and no metric is registered; gates without a metric source are
-not probed.
+value it read, or its fallback budget and why it would fall back (naming each metric that
+has no series), and the queries it runs. Exit code 0, or 1 when a target or gate source
+is unreachable or any gate would fall back (a blind gate). Nothing is dispatched and no
+metric is registered; gates without a source are not probed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from async_processor.gates.base import GateContext, GateOwner, build_gate
 from async_processor.gates.basic import CompositeGate
 from async_processor.gates.metric import CascadeSource, MetricGate, Reading
 from async_processor.gates.shared import InnerGate
-from async_processor.ops.targets import check_targets
+from async_processor.ops.gate_sources import missing_series, redis_gate_check
+from async_processor.ops.targets import Check, check_targets
 
 BLIND_EXIT = 1
 
@@ -35,35 +37,46 @@ class Probe:
     gate: MetricGate
     reading: Reading
     source_index: int = -1  # which prometheus-budget source answered
+    missing: tuple[str, ...] = ()  # what a gate that read no series lacks, in plain words
 
 
 def main(config: AppConfig) -> int:
-    """Print the report for ``config``; 1 when a target is unreachable or any metric gate
-    would fall back."""
+    """Print the report for ``config``; 1 when a target or gate source is unreachable or
+    any metric gate would fall back."""
     checks = anyio.run(check_targets, config)
-    probes = anyio.run(probe, config)
+    sources, probes = anyio.run(probe, config)
+    checks += sources
     print("\n".join([*(check.line() for check in checks), report(probes)]))
     failed = any(c.problem for c in checks) or any(p.reading.value is None for p in probes)
     return BLIND_EXIT if failed else 0
 
 
-async def probe(config: AppConfig) -> list[Probe]:
+async def probe(config: AppConfig) -> tuple[list[Check], list[Probe]]:
+    """The Redis-backed gates' sources, then each metric gate's reading."""
     rt = config.runtime
     # No cache: one fresh answer each. No metrics: a probe must not register gauges.
     ctx = GateContext(owner=GateOwner(), prometheus_url=rt.prometheus_url, prometheus_cache_ttl=0.0)
-    probes = []
+    checks, probes = [], []
     try:
         for where, gate_type, params, owner in _gate_entries(config):
             gate = build_gate(gate_type, params, ctx.for_owner(owner))
-            for path, metric_gate in _metric_gates(gate, where):
-                reading = await metric_gate.read()
-                source = metric_gate.source
-                index = source.active if isinstance(source, CascadeSource) else -1
-                probes.append(Probe(path, metric_gate, reading, index))
+            for path, leaf in _leaves(gate, where):
+                if isinstance(leaf, MetricGate):
+                    probes.append(await _read(path, leaf, rt.prometheus_url))
+                elif (check := await redis_gate_check(path, leaf)) is not None:
+                    checks.append(check)
     finally:
         for close in ctx.closers:
             await close()
-    return probes
+    return checks, probes
+
+
+async def _read(where: str, gate: MetricGate, prometheus_url: str) -> Probe:
+    reading = await gate.read()
+    source = gate.source
+    index = source.active if isinstance(source, CascadeSource) else -1
+    missing = await missing_series(gate, reading, prometheus_url)
+    return Probe(where, gate, reading, index, tuple(missing))
 
 
 def _gate_entries(config: AppConfig) -> Iterator[tuple[str, str, dict[str, Any], GateOwner]]:
@@ -77,14 +90,14 @@ def _gate_entries(config: AppConfig) -> Iterator[tuple[str, str, dict[str, Any],
             yield f"pool {pool.id!r}", pool.gate_type, dict(pool.gate_params), owner
 
 
-def _metric_gates(gate: object, where: str) -> Iterator[tuple[str, MetricGate]]:
-    if isinstance(gate, MetricGate):
-        yield where, gate
-    elif isinstance(gate, CompositeGate):
+def _leaves(gate: object, where: str) -> Iterator[tuple[str, object]]:
+    if isinstance(gate, CompositeGate):
         for index, inner in enumerate(gate.gates):
-            yield from _metric_gates(inner, f"{where} > composite[{index}]")
+            yield from _leaves(inner, f"{where} > composite[{index}]")
     elif isinstance(gate, InnerGate):
-        yield from _metric_gates(gate.inner, where)
+        yield from _leaves(gate.inner, where)
+    else:
+        yield where, gate
 
 
 def report(probes: list[Probe]) -> str:
@@ -105,4 +118,5 @@ def _entry(p: Probe) -> str:
         )
         if p.source_index >= 0:
             head += f" from source [{p.source_index}]"
-    return "\n".join([head, *(f"    {query}" for query in gate.queries)])
+    missing = (f"    missing: {line}" for line in p.missing)
+    return "\n".join([head, *missing, *(f"    {query}" for query in gate.queries)])

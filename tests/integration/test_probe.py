@@ -101,6 +101,21 @@ def test_probe_prints_each_gates_value_or_why_it_falls_back(
         "probe: queue 'blind' prometheus-budget: FALLBACK budget 0: all metric sources"
         " unavailable: [0] no series; [1] no series; [2] no series"
     )
+    # What is missing, asked of Prometheus: the simulator's (current) names exist, but
+    # not for this pool; the legacy names do not exist at all.
+    missing = [line.removeprefix("    missing: ") for line in report if "missing: " in line]
+    no_pool = '{inference_pool="no-such-pool"}'
+    assert missing == [
+        f"llm_d_epp_flow_control_queue_size has series, none matching {no_pool}",
+        "Prometheus has no series of inference_extension_flow_control_queue_size (is it"
+        " scraping its source?)",
+        'llm_d_epp_ready_endpoints has series, none matching {name="no-such-pool"}',
+        "Prometheus has no series of inference_pool_ready_pods (is it scraping its source?)",
+        'llm_d_epp_per_endpoint_queue_size has series, none matching {name="no-such-pool"}',
+        "Prometheus has no series of inference_pool_per_pod_queue_size (is it scraping its"
+        " source?)",
+        f"vllm:num_requests_running has series, none matching {no_pool}",
+    ]
     assert len([line for line in report if line.startswith("    1 - (")]) == 1 + 3
     scrape_line = next(line for line in report if "endpoint-scrape" in line)
     assert scrape_line == (
@@ -128,3 +143,43 @@ def test_probe_exits_0_when_every_gate_reads_and_names_the_source(
     out = capsys.readouterr().out
     assert "probe: queue 'q' prometheus-budget: budget 0.95 (read 1, closed at <= 0.05)" in out
     assert "from source [0]" in out
+
+
+@pytest.mark.slow
+def test_probe_names_the_metric_a_blind_gate_lacks(
+    tmp_path: Path,
+    simulator: SimulatorProcess,
+    prometheus_factory: Callable[[list[str]], PrometheusServer],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It said "the query returned no series": which metric, and is it absent or only
+    absent with these labels? (PromQL against a real Prometheus, and a scraped page.)"""
+    prometheus = prometheus_factory([f"127.0.0.1:{simulator.port}"])
+    wait_for_series(prometheus, "vllm:num_requests_running")
+    queues = [
+        {"queue_name": "typo", "igw_base_url": simulator.url, **gate(
+            "prometheus-query", query='sum(rate(vllm_num_requests{job="gate-test"}[1m]))')},
+        {"queue_name": "labels", "igw_base_url": simulator.url, **gate(
+            "prometheus-query", query='max(vllm:num_requests_running{job="nope"}) < bool 5')},
+    ]  # fmt: skip
+    pool_gate = gate("composite", gates=[
+        gate("endpoint-scrape", url=simulator.url + "/metrics", metric=["vllm:nope", "x:y"]),
+        gate("endpoint-scrape", url=simulator.url + "/metrics",
+             metric="vllm:num_requests_running", labels={"model_name": "other"}),
+    ])  # fmt: skip
+    assert check_config_probe(tmp_path, prometheus.url, queues, pool_gate) == 1
+    out = capsys.readouterr().out
+    report = out[out.index("probe: queue") :].splitlines()
+    assert report[:3] == [
+        "probe: queue 'typo' prometheus-query: FALLBACK budget 0: the query returned no series",
+        "    missing: Prometheus has no series of vllm_num_requests (is it scraping its source?)",
+        '    sum(rate(vllm_num_requests{job="gate-test"}[1m]))',
+    ]
+    assert report[4] == (
+        '    missing: vllm:num_requests_running has series, none matching {job="nope"}'
+    )
+    assert f"    missing: the page at {simulator.url}/metrics has no vllm:nope or x:y" in report
+    assert (
+        f"    missing: the page at {simulator.url}/metrics has vllm:num_requests_running,"
+        ' none with {model_name="other"}'
+    ) in report

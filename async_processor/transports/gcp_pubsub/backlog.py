@@ -11,6 +11,7 @@ refresh is synchronous) and aiohttp for the REST call, so no extra client librar
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -28,6 +29,17 @@ METRIC = "pubsub.googleapis.com/subscription/num_undelivered_messages"
 SCOPE = "https://www.googleapis.com/auth/monitoring.read"
 WINDOW_SECONDS = 300
 TIMEOUT = aiohttp.ClientTimeout(total=10)
+
+
+class MonitoringError(Exception):
+    """Cloud Monitoring refused the query; the message is its own, in one line."""
+
+    def __init__(self, status: int, body: str) -> None:
+        try:
+            message = json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = body.strip().splitlines()[0][:200] if body.strip() else ""
+        super().__init__(f"Cloud Monitoring answered HTTP {status}: {message}".rstrip(": "))
 
 
 class BacklogReader:
@@ -49,16 +61,20 @@ class BacklogReader:
     async def undelivered(self, subscription: str) -> int | None:
         if not self.enabled:
             return None
-        project, _, short = subscription.removeprefix("projects/").partition("/subscriptions/")
         try:
-            token = await self._token()
-            body = await self._query(project or self._project, short, token)
+            return await self.read(subscription)
         except Exception as exc:  # any failure means "unknown"; said once, not every poll
             if not self._warned:
                 log.warning("backlog_unavailable", subscription=subscription, error=str(exc))
                 self._warned = True
             return None
-        return newest_point(body)
+
+    async def read(self, subscription: str) -> int | None:
+        """The newest point, None when there is none; raises what went wrong
+        (``check-config --probe`` says it)."""
+        project, _, short = subscription.removeprefix("projects/").partition("/subscriptions/")
+        token = await self._token()
+        return newest_point(await self._query(project or self._project, short, token))
 
     async def _token(self) -> str:
         if self._credentials is None:
@@ -82,7 +98,8 @@ class BacklogReader:
         url = f"{self._base_url}/projects/{project}/timeSeries"
         headers = {"Authorization": f"Bearer {token}"}
         async with self._session.get(url, params=params, headers=headers) as response:
-            response.raise_for_status()
+            if response.status >= 400:  # Google's error body says why (a missing permission)
+                raise MonitoringError(response.status, await response.text())
             return await response.json()
 
     async def aclose(self) -> None:
