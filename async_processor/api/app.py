@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from async_processor.api import batches, files, requests
+from async_processor.api import batches, files, requests, rerun, results
 from async_processor.api.auth import auth_middleware, load_keys
 from async_processor.api.caps import (
     MAX_OPEN_BATCHES,
@@ -61,6 +61,8 @@ def build_app(ctx: Context, digests: dict[str, str] | None) -> web.Application:
     app[CONTEXT] = ctx
     files.add_routes(app)
     batches.add_routes(app)
+    results.add_routes(app)
+    rerun.add_routes(app)
     requests.add_routes(app, ctx.endpoints)
     ctx.metrics.add_route(app)
     app.router.add_get("/healthz", _ok)
@@ -112,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
         "--tenant-caps-file",
         default="",
         help='JSON {"<tenant>": {"open_batches": N, "queued_lines": N, "stored_bytes": N}}',
+    )
+    p.add_argument(
+        "--output-order",
+        choices=("arrival", "input"),
+        default="arrival",
+        help="output and error files' line order unless a batch names one",
     )
     p.add_argument("--max-file-bytes", type=int, default=MAX_FILE_BYTES)
     p.add_argument("--max-file-lines", type=int, default=MAX_FILE_LINES)
@@ -208,6 +216,7 @@ async def serve(args: argparse.Namespace) -> None:
         replica_timeout=max(0.3, args.replica_timeout),
         gateway=_gateway(args, queue),
         caps=caps,
+        output_order=args.output_order,
     )
     client = SortedSetClient(conn, queue, result_list(queue), consumer=f"api-{args.replica}")
     ctx.client = client

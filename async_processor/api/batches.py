@@ -35,6 +35,7 @@ TIMESTAMPS = (
     "cancelled_at",
 )
 CANCELLABLE = ("validating", "in_progress")
+ORDERS = ("arrival", "input")
 
 
 def batch_object(r: Mapping[str, str]) -> dict[str, Any]:
@@ -71,16 +72,16 @@ def batch_object(r: Mapping[str, str]) -> dict[str, Any]:
 async def create_batch(request: web.Request) -> web.Response:
     ctx, owner = context(request), tenant(request)
     body = await _json_body(request)
-    body_claim = keys.idempotency_key(owner, _digest("body", json.dumps(body, sort_keys=True)))
+    body_claim = keys.idempotency_key(owner, digest("body", json.dumps(body, sort_keys=True)))
     if request.headers.get("x-stainless-retry-count", "0") not in ("", "0"):
         earlier = await ctx.store.claimed(body_claim)
         if earlier is not None and (found := await ctx.store.batch_for(owner, earlier)):
             return web.json_response(batch_object(found))
-    record = await _record(ctx, owner, body)
+    record = await new_record(ctx, owner, body)
     claims = []
     if key := request.headers.get("Idempotency-Key"):
-        claims.append(keys.idempotency_key(owner, _digest("key", key)))
-    batch_id = await _create(ctx, record, claims)
+        claims.append(keys.idempotency_key(owner, digest("key", key)))
+    batch_id = await create(ctx, record, claims)
     await ctx.store.remember_body(body_claim, batch_id)
     found = await ctx.store.batch_for(owner, batch_id)
     if found is None:  # the batch an idempotency key named is gone (expired meanwhile)
@@ -88,7 +89,7 @@ async def create_batch(request: web.Request) -> web.Response:
     return web.json_response(batch_object(found))
 
 
-async def _create(ctx: Context, record: dict[str, str | int], claims: list[str]) -> str:
+async def create(ctx: Context, record: dict[str, str | int], claims: list[str]) -> str:
     """Keep the batch if its tenant has room under its caps (else 429); an idempotency
     claim that names a batch already gives that one back (and this one's place)."""
     owner, batch_id = str(record["tenant"]), str(record["id"])
@@ -108,7 +109,7 @@ async def _create(ctx: Context, record: dict[str, str | int], claims: list[str])
     return made
 
 
-def _digest(kind: str, text: str) -> str:
+def digest(kind: str, text: str) -> str:
     return hashlib.sha256(f"{kind}:{text}".encode()).hexdigest()
 
 
@@ -122,7 +123,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-async def _record(ctx: Context, owner: str, body: dict[str, Any]) -> dict[str, str | int]:
+async def new_record(ctx: Context, owner: str, body: dict[str, Any]) -> dict[str, str | int]:
     input_file_id = body.get("input_file_id")
     if not isinstance(input_file_id, str) or not input_file_id:
         raise ApiError(400, "input_file_id is required", param="input_file_id")
@@ -149,7 +150,22 @@ async def _record(ctx: Context, owner: str, body: dict[str, Any]) -> dict[str, s
         "sealed": 0,
         "submitted": 0,
         "file_lines": as_int(upload, "lines"),  # its queued lines until validation counts
+        "output_order": _output_order(body, ctx.output_order),
     }
+
+
+def _output_order(body: dict[str, Any], default: str) -> str:
+    """``arrival`` or ``input``: the body's ``output_order`` (the SDK's ``extra_body``),
+    else its metadata's, else the server's ``--output-order``."""
+    metadata = body.get("metadata")
+    given = body.get("output_order")
+    if given is None and isinstance(metadata, dict):
+        given = metadata.get("output_order")
+    if given is None:
+        return default
+    if given not in ORDERS:
+        raise ApiError(400, "output_order must be arrival or input", param="output_order")
+    return str(given)
 
 
 def _output_expiry(policy: object) -> int:

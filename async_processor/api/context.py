@@ -48,6 +48,7 @@ class Context:
     replica_timeout: float = 60.0  # seconds without a heartbeat before a replica is gone
     client: SortedSetClient | None = None  # submits single requests (set before serving)
     caps: CapsBook = field(default_factory=CapsBook)
+    output_order: str = "arrival"  # a batch's output lines' order unless it names one
     gateway: str = ""  # X-AP-Mode: direct proxies here (the queue's igw_base_url by default)
     session: aiohttp.ClientSession | None = None  # direct's connections (set before serving)
 

@@ -9,11 +9,15 @@ so a repeat after a crash rewrites the same files) and the batch's final status.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from async_processor.api import keys
 from async_processor.api.context import Context
-from async_processor.api.lines import failed_line
+from async_processor.api.lines import failed_line, split_lines
+from async_processor.api.storage import Writer
 from async_processor.api.store import as_bytes, as_int
 from async_processor.client import SortedSetClient
 
@@ -47,7 +51,8 @@ async def close_lines(
 
 async def finalize(ctx: Context, record: dict[str, str], from_: str, to: str) -> None:
     """Seal the batch (no result is recorded after this), write its files, then move it
-    from ``from_`` to ``to``; its working keys go once it is there."""
+    from ``from_`` to ``to``; its working keys go once it is there (``seq`` stays: the
+    results stream reads the files in its order)."""
     batch_id, store = record["id"], ctx.store
     await store.update(batch_id, {"sealed": 1})
     files: dict[str, str | int] = {}
@@ -67,23 +72,19 @@ async def finalize(ctx: Context, record: dict[str, str], from_: str, to: str) ->
 
 
 async def _write(ctx: Context, record: dict[str, str], part: str, file_id: str, name: str) -> bool:
-    """The lines of ``part`` as the file ``file_id``; False when there are none."""
-    redis, key = ctx.store.redis, keys.batch_part(record["id"], part)
-    length = int(await redis.llen(key))
-    if not length:
+    """The lines of ``part`` as the file ``file_id`` (in input order when the batch asked
+    for it, its recorded-order copy beside it); False when there are none."""
+    key = keys.batch_part(record["id"], part)
+    expires = int(record["created_at"]) + int(record["output_expires_seconds"])
+    if record.get("output_order") != "input":
+        size = await _copy_list(ctx, key, file_id)
+    else:
+        copy = keys.arrival_copy(file_id)
+        if await _copy_list(ctx, key, copy):
+            await ctx.store.expire_at("file", copy, expires)
+        size = await _reorder(ctx, record, copy, file_id)
+    if not size:
         return False
-    writer = await ctx.storage.writer(file_id)
-    size = 0
-    try:
-        for start in range(0, length, CHUNK):
-            lines = await redis.lrange(key, start, start + CHUNK - 1)
-            data = b"".join(as_bytes(line) + b"\n" for line in lines)
-            size += len(data)
-            await writer.write(data)
-        await writer.commit()
-    except BaseException:
-        await writer.discard()
-        raise
     await ctx.store.put_file(
         {
             "id": file_id,
@@ -92,7 +93,62 @@ async def _write(ctx: Context, record: dict[str, str], part: str, file_id: str, 
             "created_at": int(time.time()),
             "filename": f"{record['id']}_{name}.jsonl",
             "purpose": "batch_output",
-            "expires_at": int(record["created_at"]) + int(record["output_expires_seconds"]),
+            "expires_at": expires,
         }
     )
     return True
+
+
+async def _copy_list(ctx: Context, key: str, file_id: str) -> int:
+    """The list ``key`` as the file ``file_id``; its size (0: empty, no file)."""
+    redis = ctx.store.redis
+    length = int(await redis.llen(key))
+    if not length:
+        return 0
+    size = 0
+    async with _writing(ctx, file_id) as writer:
+        for start in range(0, length, CHUNK):
+            lines = await redis.lrange(key, start, start + CHUNK - 1)
+            data = b"".join(as_bytes(line) + b"\n" for line in lines)
+            size += len(data)
+            await writer.write(data)
+    return size
+
+
+async def _reorder(ctx: Context, record: dict[str, str], source: str, file_id: str) -> int:
+    """``source``'s lines as ``file_id`` in input order; its size (0: none). Memory holds
+    one (offset, size) per line, never the lines: one pass to find them, then reads at
+    their offsets, a chunk of input lines at a time."""
+    spots: dict[str, tuple[int, int]] = {}
+    offset = 0
+    try:
+        async for _, line in split_lines(ctx.storage.reader(source)):
+            spots[json.loads(line)["custom_id"]] = (offset, len(line))
+            offset += len(line) + 1
+    except FileNotFoundError:  # no lines of this kind
+        return 0
+    if not spots:
+        return 0
+    size = 0
+    async with _writing(ctx, file_id) as writer:
+        for start in range(0, as_int(record, "total"), CHUNK):
+            custom_ids = await ctx.store.custom_ids(
+                record["id"], range(start, min(start + CHUNK, as_int(record, "total")))
+            )
+            found = [spots[c] for c in custom_ids if c is not None and c in spots]
+            data = b"".join(x + b"\n" for x in await ctx.storage.read_at(source, found))
+            size += len(data)
+            await writer.write(data)
+    return size
+
+
+@asynccontextmanager
+async def _writing(ctx: Context, file_id: str) -> AsyncIterator[Writer]:
+    """A writer that commits when the block ends, and leaves nothing if it fails."""
+    writer = await ctx.storage.writer(file_id)
+    try:
+        yield writer
+        await writer.commit()
+    except BaseException:
+        await writer.discard()
+        raise

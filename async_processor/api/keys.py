@@ -42,6 +42,12 @@ def batch_part(batch_id: str, part: str) -> str:
     return f"{batch_key(batch_id)}:{part}"
 
 
+def arrival_copy(file_id: str) -> str:
+    """The storage id of an input-ordered output or error file's copy in recorded order
+    (the results stream reads it; it has no File record and expires with the file)."""
+    return f"{file_id}-arrival"
+
+
 def batches_index(tenant: str) -> str:
     return f"{PREFIX}:batches:{{{tenant}}}"
 

@@ -1,15 +1,16 @@
 """Where file bytes live: a directory today, behind ``Storage`` so an object store can follow.
 
 Stage: the API's file storage. Input: file ids and byte chunks. Output: stored files,
-read back in chunks. A write goes to a temporary file that becomes the file only on
-``commit``: a refused or interrupted upload leaves nothing under the file's name.
+read back in chunks (or at given offsets). A write goes to a temporary file that becomes
+the file only on ``commit``: a refused or interrupted upload leaves nothing under the
+file's name.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +29,7 @@ class Writer(Protocol):
 class Storage(Protocol):
     async def writer(self, file_id: str) -> Writer: ...
     def reader(self, file_id: str) -> AsyncIterator[bytes]: ...
+    async def read_at(self, file_id: str, spans: Sequence[tuple[int, int]]) -> list[bytes]: ...
     async def delete(self, file_id: str) -> None: ...
 
 
@@ -76,6 +78,19 @@ class DirStorage:
         async with handle:
             while chunk := await handle.read(READ_CHUNK):
                 yield chunk
+
+    async def read_at(self, file_id: str, spans: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes at each (offset, size) of the file, in one open."""
+
+        def read() -> list[bytes]:
+            with self._path(file_id).open("rb") as handle:
+                found = []
+                for offset, size in spans:
+                    handle.seek(offset)
+                    found.append(handle.read(size))
+                return found
+
+        return await anyio.to_thread.run_sync(read)
 
     async def delete(self, file_id: str) -> None:
         self._path(file_id).unlink(missing_ok=True)

@@ -47,14 +47,16 @@ end
 return 0
 """
 
-# KEYS: batch hash, done bitmap, out list, err list. ARGV: per line 8 values: index,
+# KEYS: batch hash, done bitmap, out list, err list, seq string (one byte per recorded
+# line in arrival order: 1 out, 0 err; the results stream's cursor). ARGV: per line 8
+# values: index,
 # 'out' or 'err', the file line, input, output, total, cached, reasoning tokens.
 # Returns {new lines, lines answered now, the batch's created_at}; {-1} when the batch is
 # gone or sealed.
 RECORD = (
     _CHECK
     + """
-for i, kind in ipairs({'hash', 'string', 'list', 'list'}) do
+for i, kind in ipairs({'hash', 'string', 'list', 'list', 'string'}) do
   local err = want(KEYS[i], kind)
   if err then return err end
 end
@@ -67,6 +69,7 @@ for i = 1, #ARGV, 8 do
     new = new + 1
     local ok = ARGV[i + 1] == 'out'
     redis.call('RPUSH', ok and KEYS[3] or KEYS[4], ARGV[i + 2])
+    redis.call('APPEND', KEYS[5], ok and '\1' or '\0')
     redis.call('HINCRBY', KEYS[1], ok and 'completed' or 'failed', 1)
     for u = 1, 5 do
       local n = tonumber(ARGV[i + 2 + u])
@@ -328,7 +331,7 @@ class Store:
         return record if record and record.get("tenant") == tenant else None
 
 
-PARTS = ("done", "out", "err")
+PARTS = ("done", "out", "err", "seq")
 
 
 def _decoded(raw: Mapping[Any, Any]) -> dict[str, str]:
