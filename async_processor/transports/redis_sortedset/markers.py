@@ -15,8 +15,10 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from async_processor.config.redis import slot
 from async_processor.errors import InvalidMessage, TransportError
 from async_processor.messages import Envelope
+from async_processor.redis import keys
 from async_processor.redis.conn import redis_errors
 from async_processor.redis.keyspace import KeySpace
 from async_processor.transports.base import Delivery, TransportContext
@@ -63,34 +65,45 @@ class MarkerChecks:
         try:
             with redis_errors("cancel check"):
                 values = await self._read_markers(
-                    [[*map(self._cancel_key, g), *map(self._live_key, g)] for g in groups]
+                    [[*map(self._live_key, g), *self._cancel_keys(g)] for g in groups]
                 )
         except TransportError:
             return deliveries
         superseded = []
         now = time.monotonic()
         for group, group_values in zip(groups, values, strict=True):
-            for delivery, cancel, live in zip(
-                group, group_values[: len(group)], group_values[len(group) :], strict=True
+            lives, cancels = group_values[: len(group)], group_values[len(group) :]
+            for delivery, live, cancelled in zip(
+                group, lives, _cancelled(group, cancels), strict=True
             ):
-                token = token_of(delivery).encode()
-                _note(delivery, cancel == token, now)
-                if live is not None and live != token:
+                _note(delivery, cancelled, now)
+                if live is not None and live != token_of(delivery).encode():
                     superseded.append(delivery)
         for delivery in superseded:
             await self._park_superseded(delivery)
         return [d for d in deliveries if d not in superseded]
 
     async def _read_markers(self, groups: list[list[str]]) -> list[list[Any]]:
-        """The values of each group of keys (one queue's markers: one slot), in one round
-        trip: one MGET outside cluster mode, else one per group in a pipeline."""
-        if not self._keys.cluster or len(groups) == 1:
+        """The values of each group of keys (one queue's markers), in one round trip: one
+        MGET outside cluster mode; else, in one pipeline, an MGET per group for the keys in
+        its queue's slot (its first key's) and a GET for each key elsewhere (upstream's
+        untagged cancel markers). A cluster pipeline refuses ``mget()``: sent as a command."""
+        if not self._keys.cluster:
             values = iter(await self._redis.mget([k for g in groups for k in g]))
             return [[next(values) for _ in group] for group in groups]
+        splits = [_by_slot(group) for group in groups]
         async with self._redis.pipeline(transaction=False) as pipe:
-            for group in groups:
-                pipe.mget(group)
-            return list(await pipe.execute())
+            for together, apart in splits:
+                pipe.execute_command("MGET", *together)
+                for key in apart:
+                    pipe.get(key)
+            replies = iter(await pipe.execute())
+        out: list[list[Any]] = []
+        for group, (together, apart) in zip(groups, splits, strict=True):
+            found = dict(zip(together, next(replies), strict=True))
+            found.update((key, next(replies)) for key in apart)
+            out.append([found[key] for key in group])
+        return out
 
     async def _park_superseded(self, delivery: Delivery) -> None:
         queue = delivery.queue
@@ -129,6 +142,15 @@ class MarkerChecks:
             claim.cancel_key = self._keys.cancel(delivery.queue.name, request_id)
         return claim.cancel_key
 
+    def _cancel_keys(self, group: list[Delivery]) -> list[str]:
+        """The cancel markers of ``group``: ours, and in cluster mode upstream's too
+        (``request-cancel:<id>`` without the queue's tag, as a Go producer writes it on a
+        cluster; ours there is ``{Q}:request-cancel:<id>``, still read)."""
+        ours = [self._cancel_key(d) for d in group]
+        if not self._keys.cluster:
+            return ours
+        return ours + [keys.cancel_key(d.envelope.id if d.envelope else "") for d in group]
+
     def _live_key(self, delivery: Delivery) -> str:
         request_id = delivery.envelope.id if delivery.envelope else ""
         return self._keys.live(delivery.queue.name, request_id)
@@ -166,11 +188,26 @@ class MarkerChecks:
         ]
         groups = self._slot_groups(asked)
         with redis_errors("cancel check"):
-            values = await self._read_markers([[*map(self._cancel_key, g)] for g in groups])
+            values = await self._read_markers([self._cancel_keys(g) for g in groups])
         for group, group_values in zip(groups, values, strict=True):
-            for delivery, value in zip(group, group_values, strict=True):
-                _note(delivery, value == token_of(delivery).encode(), now)
+            for delivery, cancelled in zip(group, _cancelled(group, group_values), strict=True):
+                _note(delivery, cancelled, now)
         return [bool(claim_of(d).cancelled) if token_of(d) else False for d in deliveries]
+
+
+def _by_slot(group: list[str]) -> tuple[list[str], list[str]]:
+    """The keys of ``group`` in its first key's slot (one MGET), and the others."""
+    home = slot(group[0])
+    together = [key for key in group if slot(key) == home]
+    return together, [key for key in group if slot(key) != home]
+
+
+def _cancelled(group: list[Delivery], values: list[Any]) -> list[bool]:
+    """Per delivery of ``group``: one of its cancel markers (``values``: ours for the
+    group, then upstream's in cluster mode) holds its token."""
+    tokens = [token_of(d).encode() for d in group]
+    per_marker = [values[i :: len(group)] for i in range(len(group))]
+    return [token in found for token, found in zip(tokens, per_marker, strict=True)]
 
 
 def _note(delivery: Delivery, cancelled: bool, at: float) -> None:

@@ -69,7 +69,8 @@ class StoredPayloads:
                 by_slot.setdefault(slot(name), []).append(index)
             async with self._redis.pipeline(transaction=False) as pipe:
                 for indexes in by_slot.values():
-                    pipe.mget([names[i] for i in indexes])
+                    # A cluster pipeline refuses mget(); one slot's MGET as a command.
+                    pipe.execute_command("MGET", *[names[i] for i in indexes])
                 replies = await pipe.execute()
         values: list[bytes | None] = [None] * len(names)
         for indexes, reply in zip(by_slot.values(), replies, strict=True):
