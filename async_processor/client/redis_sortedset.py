@@ -37,6 +37,7 @@ from typing import Any, cast
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from async_processor.client.cluster import PAYLOAD_GRACE_MS, cancel_apart, write_apart
 from async_processor.client.submission import as_request, new_token
 from async_processor.config.redis import RedisConnection, cluster_problem
 from async_processor.messages import Envelope, Request, Result, Routing
@@ -46,8 +47,6 @@ from async_processor.redis.keyspace import KeySpace
 from async_processor.routing import SEQ_DEADLINE_LIMIT
 
 SUBMIT_CHUNK = 500  # submissions per MULTI/EXEC in submit_many
-# A payload key outlives its deadline by this much (upstream's: deadline + 10 minutes).
-PAYLOAD_GRACE_MS = 600_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +93,6 @@ class SortedSetClient:
         conn = RedisConnection(url=redis) if isinstance(redis, str) else redis
         self._redis: Redis = connect(conn.check(), socket_timeout=None)
         self._keys = KeySpace(cluster=conn.mode == "cluster")
-        if payload_keys and self._keys.cluster:
-            raise ValueError("payload_keys: not supported in cluster mode yet")
         scripts = self._keys.scripts(self._redis)
         self._cancel, self._submit = scripts["cancel"], scripts["submit"]
         # Per processing list: the oldest entry it held after our last removal (None:
@@ -164,22 +161,23 @@ class SortedSetClient:
         done: list[Submitted] = []
         batch = [as_request(r) for r in requests]
         for start in range(0, len(batch), SUBMIT_CHUNK):
-            chunk = batch[start : start + SUBMIT_CHUNK]
+            chunk = [(request, new_token()) for request in batch[start : start + SUBMIT_CHUNK]]
             with redis_errors("submit"):
+                if self._keys.cluster:
+                    await write_apart(self._redis, chunk, payload_keys=self.payload_keys)
                 async with self._redis.pipeline(transaction=True) as pipe:
-                    for request in chunk:
-                        await self._queue_submit(pipe, request, target, results_to)
+                    for request, token in chunk:
+                        await self._queue_submit(pipe, request, token, target, results_to)
                     replies = await pipe.execute()
             done += [Submitted(token.decode(), bool(queued)) for queued, token in replies]
         return done
 
     async def _queue_submit(
-        self, pipe: Pipeline, request: Request, queue: str, result_queue: str
+        self, pipe: Pipeline, request: Request, token: str, queue: str, result_queue: str
     ) -> None:
         """The reference producer's three commands for one request, as one script added to
         ``pipe``: it queues nothing while the id is live, and its score orders equal
         deadlines by submission (``lua/submit.lua``)."""
-        token = new_token()
         envelope = Envelope(
             request=request,
             routing=Routing(
@@ -198,6 +196,7 @@ class SortedSetClient:
         args += [ttl + keys.LIVE_GRACE_SECONDS, request.deadline + keys.SEQUENCE_GRACE_SECONDS]
         if self.payload_keys:  # the envelope goes without it (Envelope.encode)
             envelope.routing.payload_ref = keys.payload_key(request.id, token)
+        if self.payload_keys and not self._keys.cluster:  # cluster mode: written apart
             script_keys.append(envelope.routing.payload_ref)
             args += [bytes(request.payload), ttl * 1000 + PAYLOAD_GRACE_MS]
         args[0] = envelope.encode()
@@ -225,7 +224,9 @@ class SortedSetClient:
                         client=pipe,
                     )
                 marked = await pipe.execute()
-        return sum(int(m) for m in marked)
+            if self._keys.cluster:
+                await cancel_apart(self._redis, id_list, marked)
+        return sum(1 for m in marked if m)
 
     # ------------------------------------------------------------------ consuming
 

@@ -5,7 +5,7 @@
 -- latest submission anywhere (request-active:<id>, as the Go producer's cancel reads it),
 -- unless that token was made by the client library: such a submission has an index entry
 -- on its own queue, so it is another queue's, which this cancel must not reach.
--- Returns 1 when marked, 0 for an unknown or finished request (idempotent).
+-- Returns the token marked, or 0 for an unknown or finished request (idempotent).
 -- A client-library token (client.new_token): 16 hex, then the first 16 hex of the SHA-1
 -- of 'async-processor:' and those 16. Another producer's random token matches by chance
 -- with odds 2^-64.
@@ -24,4 +24,4 @@ if not token then
   end
 end
 redis.call('SET', KEYS[2], token, 'EX', tonumber(ARGV[1]))
-return 1
+return token
