@@ -217,3 +217,17 @@ async def test_the_legacy_brpop_reader_reads_the_same_results(
             assert reply is not None
             popped.append(json.loads(reply[1])["id"])
     assert sorted(popped) == ["b0", "b1"]
+
+
+@upstream("§4")
+async def test_a_null_payload_is_sent_as_null(
+    redis_url: str, go: GoSide, local_simulator: LocalSimulator
+) -> None:
+    """A Go request without a payload (``json.RawMessage`` nil is written ``null``)
+    reaches the gateway as the body ``null``, as upstream's worker sends it."""
+    submitted = await go.producer.submit(GoRequest("empty", deadline_in(300), None))
+    assert b'"payload":null' in submitted.member
+    async with running(sortedset_config(redis_url, local_simulator.url, go.queue)):
+        result = (await go.reader.receive_all(1))["empty"]
+    assert bodies(local_simulator) == [b"null"]
+    assert result["request_token"] == submitted.token

@@ -11,7 +11,7 @@ import anyio
 import pytest
 from redis.asyncio import Redis
 
-from async_processor.config import SortedSetConfig
+from async_processor.config import PoolConfig, SortedSetConfig
 from async_processor.ops.deadletters import DeadLetters, Entry
 from async_processor.redis.entries import dead_letter_entry
 from tests.conformance.go_side import (
@@ -173,3 +173,34 @@ async def test_a_dead_letter_replay_re_adds_with_the_submission_order_score(
     assert await lists.replay(Entry(go.queue, entry), 600.0, now) == 1
     [(_, score)] = await r.zrange(go.queue, 0, -1, withscores=True)
     assert score == go_score(int(now + 600), 9)
+
+
+@upstream("§14.2", "§5", "§14.3")
+async def test_a_shutdown_hands_back_go_requests_with_their_fields_and_places(
+    redis_url: str, r: Redis, go: GoSide, local_simulator: LocalSimulator
+) -> None:
+    """A daemon stopping with a prefetched claim hands it back to its queue: re-written
+    (route frozen), the foreign fields byte for byte, at its §5 score."""
+    deadline = deadline_in(300)
+    for n in range(1, 6):
+        routing = GoRouting(
+            request_token=new_token(), request_queue_name=go.queue,
+            result_queue_name=go.results, enqueue_seq=n,
+        )  # fmt: skip
+        member = with_foreign(go_envelope(routing, GoRequest(f"h{n}", deadline)))
+        await r.zadd(go.queue, {member: go_score(deadline, n)})
+    local_simulator.configure(latency=1.0)  # one at the gateway while the next waits
+    config = sortedset_config(
+        redis_url, local_simulator.url, go.queue, pools=[PoolConfig(id="one", workers=1)]
+    )
+    async with running(config):
+        await wait_until(lambda: local_simulator.stats()["in_flight"] >= 1)
+    members = await r.zrange(go.queue, 0, -1, withscores=True)
+    handed = [m for m, _ in members if json.loads(m)["internal"].get("result_routing_resolved")]
+    assert handed, "nothing was handed back"
+    for member, score in members:
+        routing_obj = json.loads(member)["internal"]
+        assert score == go_score(deadline, routing_obj["enqueue_seq"])
+        for name in ("dispatch_epoch", "x_future"):
+            assert field_text(member, name) == field_text(FOREIGN, name)
+    assert len(members) + await r.llen(go.results) == 5
