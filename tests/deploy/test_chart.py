@@ -10,6 +10,7 @@ Not covered: applying the objects to a cluster (no API server here).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -150,7 +151,18 @@ def populated_metrics() -> Metrics:
 
 
 def exported_names() -> set[str]:
-    return {s.name for family in populated_metrics().registry.collect() for s in family.samples}
+    """The daemon's series names and the exporter's families (new and deprecated)."""
+    from prometheus_client import CollectorRegistry
+
+    from async_processor.ops.exporter import Exporter
+
+    daemon = {s.name for family in populated_metrics().registry.collect() for s in family.samples}
+    queues = [{"queue_name": "q", "igw_base_url": "http://gw"}]
+    transport = json.dumps({"url": "redis://r:6379/0", "queues": queues})
+    config = load_config(["--transport", "redis-sortedset", "--transport-config", transport], {})
+    registry = CollectorRegistry()
+    Exporter(config, registry)
+    return daemon | {family.name for family in registry.collect()}
 
 
 # ---------------------------------------------------------------- every example renders
@@ -515,6 +527,20 @@ def test_exporter_is_one_replica_of_the_same_image_on_the_same_config(tmp_path: 
     assert not daemon.items() <= pod_labels.items()
     service = objects["Service:exporter"]["spec"]["selector"]
     assert service.items() <= pod_labels.items()
+
+
+def test_exporter_serves_the_deprecated_names_until_turned_off() -> None:
+    from async_processor.ops.exporter import _flags
+
+    values = load_values(SCALE_TO_ZERO)
+    [c] = render(values)["Deployment:exporter"]["spec"]["template"]["spec"]["containers"]
+    assert "--no-legacy-metric-names" not in c["args"]  # one release with both names
+    values["ap"]["exporter"]["legacyMetricNames"] = False
+    [c] = render(values)["Deployment:exporter"]["spec"]["template"]["spec"]["containers"]
+    assert "--no-legacy-metric-names" in c["args"]
+    parser = argparse.ArgumentParser()
+    _flags(parser)
+    assert parser.parse_args(["--no-legacy-metric-names"]).no_legacy_metric_names is True
 
 
 def test_gcp_scales_on_keda_own_pubsub_scaler_per_subscription() -> None:

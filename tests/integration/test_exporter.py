@@ -30,6 +30,7 @@ from async_processor.transports.redis_sortedset.transport import SortedSetTransp
 from tests.fixtures.servers import RedisServer
 
 GW = "http://gw.test:8000"
+P, OLD = "llm_d_async_async_", "llm_d_async_exporter_"
 pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
@@ -91,26 +92,34 @@ async def test_backlog_follows_the_queue_retries_and_claims(
         r.zadd(f"{queue}-retry", {"later": time.time() + 60})  # a parked retry is work too
         r.zadd(f"{queue}:inflight", {"claim": time.time() + 30})  # so is a held claim
         await backlog_becomes(f"{metrics}/backlog", 5)
-        retries = f'llm_d_async_exporter_retries{{retry_set="{queue}-retry",state="parked"}} 1.0'
+        retries = f'{P}retry_set_members{{retry_set="{queue}-retry",state="parked"}} 1.0'
         await page_shows(f"{metrics}/metrics", retries)
         r.delete(queue, f"{queue}-retry", f"{queue}:inflight")
         await backlog_becomes(f"{metrics}/backlog", 0)  # what lets KEDA scale to zero
         r.zadd(queue, {"m": deadline})
         r.lpush(f"{queue}:dead-letter", "x")
         await backlog_becomes(f"{metrics}/backlog", 1)
-        text = await page_shows(f"{metrics}/metrics", "llm_d_async_exporter_backlog 1.0")
+        text = await page_shows(f"{metrics}/metrics", f"{P}unanswered_requests 1.0")
         # A removed tenant draining: its claim is work, what waits on it nobody polls.
         r.zadd("gone", {"a": deadline, "b": deadline})
         r.zadd("gone:inflight", {"claim": time.time() + 30})
         r.sadd(REMOVED_QUEUES_KEY, "gone")
         await backlog_becomes(f"{metrics}/backlog", 2)
-    samples = {(s.name, s.labels.get("queue_name")): s.value
+    samples = {(s.name, s.labels.get("queue_id"), s.labels.get("queue_name")): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
-    assert samples[("llm_d_async_exporter_queue_depth", queue)] == 1
-    assert samples[("llm_d_async_exporter_dead_letters", queue)] == 1
-    assert samples[("llm_d_async_exporter_oldest_deadline_seconds", queue)] == deadline
-    assert samples[("llm_d_async_exporter_backlog", None)] == 1
-    assert samples[("llm_d_async_exporter_up", None)] == 1
+    # The daemon's scheme: its prefix and queue labels (the waiting count under the
+    # daemon's own name for it), so one query reads daemons and exporter alike.
+    assert samples[(f"{P}broker_backlog", queue, queue)] == 1
+    assert samples[(f"{P}dead_letter_list_length", queue, queue)] == 1
+    assert samples[(f"{P}broker_oldest_deadline_timestamp_seconds", queue, queue)] == deadline
+    assert samples[(f"{P}unanswered_requests", None, None)] == 1
+    assert samples[(f"{P}broker_backlog_source_available", queue, queue)] == 1
+    # The first names, deprecated, for one release (no queue_id).
+    assert samples[(f"{OLD}queue_depth", None, queue)] == 1
+    assert samples[(f"{OLD}dead_letters", None, queue)] == 1
+    assert samples[(f"{OLD}oldest_deadline_seconds", None, queue)] == deadline
+    assert samples[(f"{OLD}backlog", None, None)] == 1
+    assert samples[(f"{OLD}up", None, None)] == 1
 
 
 @pytest.mark.anyio
@@ -126,7 +135,10 @@ async def test_an_unreachable_broker_is_unknown_not_zero(
             while (await get(f"{metrics}/backlog"))[0] != 503:
                 await anyio.sleep(0.05)
         assert (await get(f"{health}/readyz"))[0] == 503
-        await page_shows(f"{metrics}/metrics", "llm_d_async_exporter_up 0.0")
+        labels = f'pool_name="default",queue_id="{queue}",queue_name="{queue}"'
+        available = f"{P}broker_backlog_source_available{{{labels}}} 0.0"
+        await page_shows(f"{metrics}/metrics", available)
+        await page_shows(f"{metrics}/metrics", f"{OLD}up 0.0")
 
 
 @pytest.mark.anyio
@@ -176,8 +188,8 @@ async def test_the_exporter_skips_the_result_ages_and_its_output_is_the_same(
     await Exporter(cfg, full).refresh()
     assert generate_latest(lean) == generate_latest(full)
     text = generate_latest(lean).decode()
-    assert 'llm_d_async_exporter_result_list_length{result_list="result-list"} 2.0' in text
-    assert "llm_d_async_exporter_backlog 2.0" in text
+    assert f'{P}result_list_length{{result_list="result-list"}} 2.0' in text
+    assert f"{P}unanswered_requests 2.0" in text
 
 
 def test_interval_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,3 +199,42 @@ def test_interval_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture
     argv = ["exporter", "--transport", "redis-sortedset", "--transport-config-file", str(path)]
     assert main([*argv, "--interval", "0"]) == 2
     assert "--interval must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_the_deprecated_names_can_be_turned_off(
+    tmp_path: Path, private_redis: RedisServer, unique: str
+) -> None:
+    queue = f"{unique}-q"
+    redis.Redis.from_url(private_redis.url).zadd(queue, {"m": time.time() + 600})
+    cfg = config(tmp_path, private_redis.url, queue)
+    kept, dropped = CollectorRegistry(), CollectorRegistry()
+    await Exporter(cfg, kept).refresh()
+    await Exporter(cfg, dropped, legacy_names=False).refresh()
+    names = {s.name for f in text_string_to_metric_families(generate_latest(kept).decode())
+             for s in f.samples}  # fmt: skip
+    assert {n for n in names if n.startswith(OLD)} == set(exporter.LEGACY)
+    only = generate_latest(dropped).decode()
+    assert OLD not in only
+    assert f"{P}broker_backlog{{" in only
+    assert set(exporter.LEGACY.values()) <= names  # each old name's successor is served
+
+
+def test_the_flag_and_its_variable_turn_the_deprecated_names_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[bool] = []
+
+    async def fake_serve(config: AppConfig, interval: float, *, legacy_names: bool) -> None:
+        seen.append(legacy_names)
+
+    monkeypatch.setattr(exporter, "serve", fake_serve)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"url": "redis://127.0.0.1:9/0",
+                                "queues": [{"queue_name": "q", "igw_base_url": GW}]}))  # fmt: skip
+    argv = ["exporter", "--transport", "redis-sortedset", "--transport-config-file", str(path)]
+    assert main(argv) == 0
+    assert main([*argv, "--no-legacy-metric-names"]) == 0
+    monkeypatch.setenv("ASYNC_PROCESSOR_EXPORTER_NO_LEGACY_METRIC_NAMES", "true")
+    assert main(argv) == 0
+    assert seen == [True, False, False]
