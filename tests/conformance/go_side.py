@@ -53,7 +53,8 @@ UNPARSABLE = "\x00unparsable-result\x00"
 
 _HTML_ESCAPES = {b"<": b"\\u003c", b">": b"\\u003e", b"&": b"\\u0026"}
 _LINE_SEPARATORS = {"\u2028".encode(): b"\\u2028", "\u2029".encode(): b"\\u2029"}
-_SHORT = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# Go 1.22+ writes \b and \f short too.
+_SHORT = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
 
 
 def go_string(text: str) -> bytes:

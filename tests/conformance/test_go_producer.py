@@ -231,3 +231,18 @@ async def test_a_null_payload_is_sent_as_null(
         result = (await go.reader.receive_all(1))["empty"]
     assert bodies(local_simulator) == [b"null"]
     assert result["request_token"] == submitted.token
+
+
+@upstream("§2")
+async def test_a_gateway_error_is_a_result_a_go_reader_parses(
+    redis_url: str, go: GoSide, local_simulator: LocalSimulator
+) -> None:
+    """A non-retryable HTTP answer: ``status_code`` and the body as the ``payload``
+    string, typed as upstream's result struct reads them."""
+    local_simulator.configure(error_rate=1.0, error_status=400)
+    submitted = await go.producer.submit(GoRequest("bad", deadline_in(300)))
+    async with running(sortedset_config(redis_url, local_simulator.url, go.queue)):
+        result = (await go.reader.receive_all(1))["bad"]
+    assert result["status_code"] == 400
+    assert json.loads(result["payload"])["error"]  # the gateway's body, as text
+    assert result["request_token"] == submitted.token
