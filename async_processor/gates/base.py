@@ -8,7 +8,7 @@ pydantic params model; ``build_gate`` turns ``gate_type``/``gate_params`` into a
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -109,6 +109,24 @@ class WaitsForChange(Protocol):
     """
 
     async def wait_changed(self, timeout: float) -> None: ...
+
+
+class BudgetBatch(Protocol):
+    """Reads the budgets of many gates of one kind together (``ReadsInBatch``)."""
+
+    async def budgets(self, gates: Sequence[Gate]) -> list[float]:
+        """Each gate's ``budget``, in order; never raises (as ``budget``)."""
+        ...
+
+
+@runtime_checkable
+class ReadsInBatch(Protocol):
+    """Optional: a gate whose budget is read with others of its kind in one round trip
+    (``redis``: one MGET per hash slot for every budget key on one connection). The idle
+    gates' rounds read each ``batch``'s gates with one ``budgets`` call."""
+
+    @property
+    def batch(self) -> BudgetBatch: ...
 
 
 @runtime_checkable

@@ -12,7 +12,9 @@ their last value while the source changed: an alert on a budget of 0 neither fir
 cleared (issue 30, item 3; the Go daemon reads every queue's gate each poll interval).
 As cheap as can be: a gate shared by a ``gate_group``'s queues is read once a round,
 however many of them wait; the reads of a round run together, at most ``CONCURRENT`` at
-once; a gate's own cache applies (a PromQL result is reused for
+once; gates that read in batches (``ReadsInBatch``: the ``redis`` gates of one connection)
+are read with one call per batch (one MGET for 200 idle queues' budget keys, not 200
+GETs; issue 30, item 4); a gate's own cache applies (a PromQL result is reused for
 ``--prometheus-cache-ttl``); a queue that is not waiting is read by its poller, not here.
 """
 
@@ -21,12 +23,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from prometheus_client import Gauge
 
-from async_processor.gates.base import Gate
+from async_processor.gates.base import Gate, ReadsInBatch
 
 CONCURRENT = 16  # gate reads of one round under way at once
 BoundLogger = Any  # a queue's structlog logger (bound to its queue and pool)
@@ -79,12 +81,28 @@ class IdleGates:
     async def read_round(self) -> None:
         """Read each waiting gate once and set its queues' gauges."""
         limiter = anyio.CapacityLimiter(CONCURRENT)
+        batches: dict[int, list[_Waiting]] = {}
         async with anyio.create_task_group() as tg:
             for entry in list(self._waiting.values()):
-                tg.start_soon(self._read, entry, limiter)
+                if isinstance(entry.gate, ReadsInBatch):
+                    batches.setdefault(id(entry.gate.batch), []).append(entry)
+                else:
+                    tg.start_soon(self._read, entry, limiter)
+            for entries in batches.values():
+                tg.start_soon(self._read_batch, entries)
 
     async def _read(self, entry: _Waiting, limiter: anyio.CapacityLimiter) -> None:
         async with limiter:
             budget = await read_budget(entry.gate, entry.queue_log)
-        for gauge in entry.gauges:  # those still waiting: a poller woken meanwhile sets its own
-            gauge.set(budget)
+        _set(entry, budget)
+
+    async def _read_batch(self, entries: list[_Waiting]) -> None:
+        batch = cast(ReadsInBatch, entries[0].gate).batch  # grouped by it in read_round
+        budgets = await batch.budgets([entry.gate for entry in entries])
+        for entry, budget in zip(entries, budgets, strict=True):
+            _set(entry, min(1.0, max(0.0, budget)))  # as read_budget clamps
+
+
+def _set(entry: _Waiting, budget: float) -> None:
+    for gauge in entry.gauges:  # those still waiting: a poller woken meanwhile sets its own
+        gauge.set(budget)
