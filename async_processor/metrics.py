@@ -242,28 +242,33 @@ class Metrics:
             bound = self._bound[key] = QueueMetrics.bind(self, key)
         return bound
 
-    def forget_queue(self, queue_name: str) -> None:
-        """Drop every series labelled with ``queue_name`` (a removed queue, drained), so
-        tenant churn does not grow the registry; a queue found again starts at 0."""
-        self._bound = {k: v for k, v in self._bound.items() if k[1] != queue_name}
+    def forget_queue(self, queue_name: str, *, gauges_only: bool = False, **labels: str) -> None:
+        """Drop every series labelled with ``queue_name`` (and ``labels``), so tenant churn
+        does not grow the registry; a queue found again starts at 0. ``gauges_only`` (a
+        queue a reload removed): its counters stay, as upstream's, and only the levels go."""
+        match = {"queue_name": queue_name, **labels}
+        self._bound = {k: v for k, v in self._bound.items() if not _matches(k, match)}
+        kind = Gauge if gauges_only else MetricWrapperBase
         for family in vars(self).values():
             # Only families that have such a series: remove_by_labels refuses a family
             # without a queue_name label (public API only: a prometheus-client upgrade
             # must not break this quietly).
-            if isinstance(family, MetricWrapperBase) and _has_queue(family, queue_name):
-                family.remove_by_labels({"queue_name": queue_name})
+            if isinstance(family, kind) and _has_queue(family, match):
+                family.remove_by_labels(match)
 
     def pool(self, pool: str) -> QueueMetrics:
         """Pool-level series (pool gates): empty queue labels, as the reference does."""
         return self.queue("", "", pool)
 
 
-def _has_queue(family: MetricWrapperBase, queue_name: str) -> bool:
-    return any(
-        sample.labels.get("queue_name") == queue_name
-        for metric in family.collect()
-        for sample in metric.samples
-    )
+def _matches(labels: dict[str, str] | tuple[str, ...], match: dict[str, str]) -> bool:
+    named = labels if isinstance(labels, dict) else dict(zip(Q_LABELS, labels, strict=True))
+    return all(named.get(k) == v for k, v in match.items())
+
+
+def _has_queue(family: MetricWrapperBase, match: dict[str, str]) -> bool:
+    samples = (sample for metric in family.collect() for sample in metric.samples)
+    return any(_matches(sample.labels, match) for sample in samples)
 
 
 class LoopGauge:

@@ -28,6 +28,7 @@ from async_processor.config.load import (
     load_config,
     read_transport_file,
     redis_connection_file,
+    reread_transport_config,
 )
 from async_processor.config.models import (
     AppConfig,
@@ -77,5 +78,6 @@ __all__ = [
     "parse_settings",
     "read_transport_file",
     "redis_connection_file",
+    "reread_transport_config",
     "usable_env",
 ]

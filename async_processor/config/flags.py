@@ -62,6 +62,9 @@ FLAGS: tuple[Flag, ...] = (
          choices=tuple(TRANSPORT_CONFIGS)),
     Flag("transport-config", "transport config as inline JSON"),
     Flag("transport-config-file", "transport config JSON file"),
+    Flag("transport-config-watch-interval", "re-read --transport-config-file this often and "
+         "apply its queues without a restart (redis-sortedset only; 0 disables)",
+         "transport_config_watch_interval"),
     Flag("pool-config-file", "worker pools JSON file (default: one pool 'default')"),
     Flag("request-merge-policy-config-file", "merge policy JSON file (default random-robin)"),
     Flag("transform-config-file", "request body transforms JSON file"),

@@ -56,10 +56,18 @@ def build_config(settings: Settings, env: Mapping[str, str]) -> AppConfig:
     _check_pools(transport_config, pools, source)
     merge_path = settings.get("request_merge_policy_config_file")
     transforms_path = settings.get("transform_config_file")
+    runtime = _runtime(settings)
+    path = settings.get("transport_config_file")
+    if runtime.transport_config_watch_interval and (transport != "redis-sortedset" or not path):
+        raise ConfigError(
+            "--transport-config-watch-interval needs --transport redis-sortedset "
+            "and --transport-config-file (inline config cannot change)"
+        )
     return AppConfig(
         transport=transport,
         transport_config=transport_config,
-        runtime=_runtime(settings),
+        transport_config_file=path,
+        runtime=runtime,
         pools=pools,
         merge_policy=_from_file(MergePolicyFile, "--request-merge-policy-config-file",
                                 merge_path) if merge_path else MergePolicyConfig(),
@@ -80,6 +88,26 @@ def _transport_config(
     raw = _parse_json(source, inline) if inline else _read_json("--transport-config-file", path)
     if "transport" not in settings.values:  # the default transport is only a guess
         _suggest_transport(source, raw, transport)
+    return _validated_transport(transport, raw, source, env), source
+
+
+def reread_transport_config(config: AppConfig, env: Mapping[str, str]) -> AppConfig:
+    """``config`` with its transport config file read again (hot reload): checked as at
+    startup (REDIS_URL fallback, known pools, gate groups), except that ``queues`` may
+    be empty (every queue stopped, as upstream allows). A ConfigError otherwise."""
+    path = config.transport_config_file
+    source = f"--transport-config-file {path}"
+    raw = _read_json("--transport-config-file", path)
+    transport_config = _validated_transport(config.transport, raw, source, env, reload=True)
+    _check_pools(transport_config, config.pools, source)
+    fields = {name: getattr(config, name) for name in AppConfig.model_fields}
+    fields["transport_config"] = transport_config
+    return _validate(AppConfig.model_validate, source, fields)
+
+
+def _validated_transport(
+    transport: str, raw: Any, source: str, env: Mapping[str, str], *, reload: bool = False
+) -> TransportConfig:
     model = TRANSPORT_CONFIGS[transport]
     is_redis = issubclass(model, RedisTransportBase)
     if is_redis and isinstance(raw, dict) and not raw.get("url"):
@@ -87,9 +115,8 @@ def _transport_config(
         raw = {**raw, "url": env.get("REDIS_URL", "")}
         if not raw["url"]:
             raise ConfigError(f"{source}: url is required for {transport} (or set REDIS_URL)")
-    validate = partial(model.model_validate, context={"env": env})
-    config = cast(TransportConfig, _validate(validate, source, raw, model))
-    return config, source
+    validate = partial(model.model_validate, context={"env": env, "reload": reload})
+    return cast(TransportConfig, _validate(validate, source, raw, model))
 
 
 def _suggest_transport(source: str, raw: Any, assumed: str) -> None:

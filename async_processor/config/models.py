@@ -108,6 +108,8 @@ class RuntimeConfig(Strict):
     budget_scope: Literal["in-flight", "fetch"] = "in-flight"
     shed_pause: Annotated[Duration, Field(ge=0)] = 0.0  # longest pool pause after a 429; 0 = off
     metrics_backlog_poll_interval: Annotated[Duration, Field(ge=0)] = 15.0  # 0 disables
+    # Re-read the transport config file this often and apply its queues (0 = off, upstream's).
+    transport_config_watch_interval: Annotated[Duration, Field(ge=0)] = 0.0
     health_port: Port = 8081
     metrics_port: Port = 9090
     bind_address: str = "0.0.0.0"  # noqa: S104 - a pod's probes and scrapes come from outside
@@ -152,6 +154,7 @@ class AppConfig(Strict):
 
     transport: str
     transport_config: TransportConfig
+    transport_config_file: str = ""  # where it was read from ("" = inline): hot reload reads it
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     pools: list[PoolConfig] = Field(default_factory=list)
     merge_policy: MergePolicyConfig = Field(default_factory=MergePolicyConfig)

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from pydantic import (
     BeforeValidator,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -174,8 +175,10 @@ class SortedSetConfig(RedisTransportBase):
         return ttls
 
     @model_validator(mode="after")
-    def _unique(self) -> SortedSetConfig:
-        if not self.queues and self.queue_discovery is None:
+    def _unique(self, info: ValidationInfo) -> SortedSetConfig:
+        # A hot reload may empty the list (upstream allows it: every queue stopped).
+        reload = bool(info.context and info.context.get("reload"))
+        if not self.queues and self.queue_discovery is None and not reload:
             raise ValueError("queues: at least one queue is required (or queue_discovery)")
         require_unique("queues[].id", [q.id or q.queue_name for q in self.queues])
         require_unique("queues[].queue_name", [q.queue_name for q in self.queues])

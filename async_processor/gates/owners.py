@@ -31,18 +31,23 @@ class QueueGates:
         its counts and readings cover the whole endpoint."""
         gate = self._by_queue.get(queue.name) or self._by_group.get(queue.gate_group)
         if gate is None:
-            gate = self._build(queue)
-            if queue.gate_group:
-                self._by_group[queue.gate_group] = gate
-        self._by_queue[queue.name] = gate
+            gate = self.build(queue)
+        self.install(queue, gate)
         return gate
+
+    def install(self, queue: QueueSpec, gate: Gate) -> None:
+        """``gate`` is ``queue``'s from now on (and its group's): a hot reload's, built
+        (``build``) before anything changed, so a gate that fails keeps the last config."""
+        self._by_queue[queue.name] = gate
+        if queue.gate_group:
+            self._by_group[queue.gate_group] = gate
 
     def forget(self, name: str) -> None:
         """A removed queue, drained: its entry goes (a group's gate stays with the group;
         Redis clients are shared per address and closed at shutdown)."""
         self._by_queue.pop(name, None)
 
-    def _build(self, queue: QueueSpec) -> Gate:
+    def build(self, queue: QueueSpec) -> Gate:
         # A shared gate's own series (metric gate gauges) carry the group as queue_name.
         if queue.gate_group:
             owner = GateOwner("", queue.gate_group, queue.pool)

@@ -77,7 +77,9 @@ class WeightedFair(RandomRobin):
         # Virtual time per pool (one policy object serves every pool): the start of the
         # last message that pool served.
         self._now: dict[str, float] = {}
-        self._steps: dict[str, float] = {}  # queue name -> 1 / weight, computed once
+        # queue name -> (its spec, 1 / weight), computed once per spec (a reload may
+        # give a queue a new weight label: a new spec)
+        self._steps: dict[str, tuple[QueueSpec, float]] = {}
 
     def weight(self, queue: QueueSpec) -> float:
         params = self._weights
@@ -103,11 +105,11 @@ class WeightedFair(RandomRobin):
         """``queue`` (finish time ``finish``) sends the pool's next message: the pool's
         virtual time moves to its start, and its finish one step (1 / weight) past it."""
         start = max(finish, self._now.get(queue.pool, 0.0))
-        step = self._steps.get(queue.name)
-        if step is None:
-            step = self._steps[queue.name] = 1.0 / self.weight(queue)
+        cached = self._steps.get(queue.name)
+        if cached is None or cached[0] is not queue:
+            cached = self._steps[queue.name] = (queue, 1.0 / self.weight(queue))
         self._now[queue.pool] = start
-        self._finish[queue.name] = start + step
+        self._finish[queue.name] = start + cached[1]
 
 
 @MERGE_POLICIES.register("weighted-fair", WeightedFairParams)

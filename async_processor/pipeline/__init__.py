@@ -3,6 +3,8 @@
 - ``daemon``: the process around the processor (signals, hard stop, tracing setup).
 - ``processor``: wiring, one task group; start, ready, drain, stop.
 - ``discovery``: finds the queues a pattern names and starts or stops their pollers.
+- ``reload``: re-reads the transport config file and applies its queues (hot reload).
+- ``running``: the pollers running now, each started and stopped on its own.
 - ``poller``: one per queue; fetches under the queue gate's budget, into a merge lane.
 - ``idle_gates``: reads the gates of queues waiting for a message (true gauges).
 - ``held``: what waits in memory for a worker, answered at its deadline.

@@ -12,12 +12,13 @@ and handed back at once. A second signal hands back at once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AsyncExitStack, aclosing
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import structlog
-from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 
 from async_processor import __version__
 from async_processor.broker_errors import counting_broker_errors
@@ -40,14 +41,21 @@ from async_processor.pipeline.dispatch import DispatchSettings, stamped_header_n
 from async_processor.pipeline.held import HeldWork
 from async_processor.pipeline.idle_gates import IdleGates
 from async_processor.pipeline.poller import Poller
+from async_processor.pipeline.reload import CONFIGURED, QueueReload, ReloadMetrics
 from async_processor.pipeline.results import ResultWriter
+from async_processor.pipeline.running import RunningQueues
 from async_processor.pipeline.settle import Settler
 from async_processor.pipeline.usage import TokenAccounting
 from async_processor.pipeline.worker import Aborter, Worker
 from async_processor.transforms import TransformChain, build_transform_chain
 from async_processor.transforms.base import TransformContext
 from async_processor.transports import build_transport
-from async_processor.transports.base import DiscoversQueues, Transport, TransportContext
+from async_processor.transports.base import (
+    DiscoversQueues,
+    ReloadsQueues,
+    Transport,
+    TransportContext,
+)
 from async_processor.work import Work
 
 log = structlog.get_logger(__name__)
@@ -102,6 +110,8 @@ class Processor:
         # Idle queues' gates, read at the shortest poll interval (their gauges stay true).
         self._idle_gates = IdleGates(min((q.poll_interval for q in specs), default=1.0))
         self._discovery: QueueRefresh | None = None
+        self._reload: QueueReload | None = None
+        self._queues: RunningQueues | None = None  # set when the pipeline starts
         self.pools = [self._pool(p, config.queue_specs()) for p in config.effective_pools()]
         self.ready = False
         self.stopping = anyio.Event()
@@ -169,11 +179,14 @@ class Processor:
             serve_health, rt.bind_address, rt.health_port, self.readiness
         )
         self.metrics_port = await tg.start(
-            _serve_metrics,
-            rt.bind_address,
-            rt.metrics_port,
-            self.metrics,
-            rt.metrics_bearer_token,
+            partial(
+                serve_metrics,
+                rt.bind_address,
+                rt.metrics_port,
+                self.metrics.registry,
+                bearer_token=rt.metrics_bearer_token,
+                renders=self.metrics.metrics_renders_total,
+            )
         )
         await tg.start(self.transport.run)
         tg.start_soon(self._cancels.run)
@@ -195,27 +208,35 @@ class Processor:
             # Merge lanes and workers are never cancelled as a whole: at the drain timeout
             # only in-flight calls are cut, so everything buffered is still handed back.
             async with anyio.create_task_group() as work:
-                pollers = self._start_pools(work, writer, http, transforms)
-                async with anyio.create_task_group() as polling:
-                    for poller in pollers:
-                        polling.start_soon(poller.run)
-                    if self._discovery is not None:
-                        await self._discovery.refresh(polling)  # ready with what is listed
-                        polling.start_soon(self._discovery.run, polling)
-                    self.ready = True
-                    log.info(
-                        "processor_ready",
-                        queues=[q.name for q in self.transport.queues],
-                        pools=[p.config.id for p in self.pools],
-                        health_port=self.health_port,
-                        metrics_port=self.metrics_port,
-                    )
-                    task_status.started()
-                    await self._stop_requested.wait()
-                    polling.cancel_scope.cancel()
+                queues = self._start_pools(work, writer, http, transforms)
+                try:
+                    await self._poll(queues, task_status)
+                finally:
+                    queues.close_feeds()  # the merges may finish once the pollers have
             timer.cancel()
             writer.close()
             pipeline.cancel_scope.deadline = anyio.current_time() + WRITER_FLUSH_TIMEOUT
+
+    async def _poll(self, queues: RunningQueues, task_status: TaskStatus[None]) -> None:
+        """The pollers, queue discovery and hot reload, until a stop is requested."""
+        async with anyio.create_task_group() as polling:
+            queues.begin(polling)
+            if self._discovery is not None:
+                await self._discovery.refresh()  # ready with what is listed
+                polling.start_soon(self._discovery.run)
+            if self._reload is not None:
+                polling.start_soon(self._reload.run)
+            self.ready = True
+            log.info(
+                "processor_ready",
+                queues=[q.name for q in self.transport.queues],
+                pools=[p.config.id for p in self.pools],
+                health_port=self.health_port,
+                metrics_port=self.metrics_port,
+            )
+            task_status.started()
+            await self._stop_requested.wait()
+            polling.cancel_scope.cancel()
 
     async def _drain_timer(self, scope: anyio.CancelScope) -> None:
         """Past ``--drain-timeout`` (or at a second signal) cut what is still in flight."""
@@ -232,7 +253,7 @@ class Processor:
         writer: ResultWriter,
         http: HttpClient,
         transforms: TransformChain,
-    ) -> list[Poller]:
+    ) -> RunningQueues:
         rt = self.config.runtime
         settings = DispatchSettings(
             rt.request_timeout,
@@ -240,8 +261,16 @@ class Processor:
             stamped_header_names(self.config.merge_policy.parameters),
             rt.inference_ttl_header,
         )
-        pollers: list[Poller] = []
-        self._discovery = self._queue_refresh(writer)
+        pools = {pool.config.id: pool for pool in self.pools}
+        queues = self._queues = RunningQueues(
+            lambda queue: self._wire_queue(pools[queue.pool], queue, writer),
+            {pool_id: pool.capacity for pool_id, pool in pools.items()},
+            self.queue_gates,
+            self.metrics,
+        )
+        self._discovery = self._queue_refresh(queues)
+        self._reload = self._queue_reload(queues)
+        growing = self._discovery is not None or self._reload is not None
         for pool in self.pools:
             # One message between the merge and the workers: the merge chooses at each free
             # worker among every queue's offer (a buffer of one per queue held most of the
@@ -249,16 +278,10 @@ class Processor:
             sink, merged = anyio.create_memory_object_stream[Work](1)
             settler = self._settler(writer, pool.capacity)
             pool.held = HeldWork(settler)
-            sources: list[Source] = []
-            for queue in pool.queues:
-                source, poller = self._wire_queue(pool, queue, writer)
-                sources.append(source)
-                pollers.append(poller)
-            more = None
-            if self._discovery is not None:
-                self._discovery.feeds[pool.config.id], more = anyio.create_memory_object_stream[
-                    Source
-                ](1)
+            sources = [
+                queues.wire((CONFIGURED, q.id), q, queues.forget_configured) for q in pool.queues
+            ]
+            more = queues.feed(pool.config.id) if growing else None
             tg.start_soon(self.merge_policy.run, pool.config.id, sources, sink, more)
             worker = Worker(
                 pool=pool.config.id,
@@ -275,21 +298,29 @@ class Processor:
                 cancels=self._cancels,
                 tokens=self._tokens,
             )
-            tg.start_soon(_serve, worker, pool.config.workers, merged)
-        return pollers
+            tg.start_soon(worker.serve, pool.config.workers, merged)
+        return queues
 
-    def _queue_refresh(self, writer: ResultWriter) -> QueueRefresh | None:
-        transport_config = self.config.transport_config
-        discovery = getattr(transport_config, "queue_discovery", None)
+    def _queue_refresh(self, queues: RunningQueues) -> QueueRefresh | None:
+        discovery = getattr(self.config.transport_config, "queue_discovery", None)
         if discovery is None or not isinstance(self.transport, DiscoversQueues):
             return None
-        pools = {pool.config.id: pool for pool in self.pools}
         return QueueRefresh(
-            self.transport.discover,
-            lambda queue: self._wire_queue(pools[queue.pool], queue, writer),
-            self._forget_queue,
-            {pool_id: pool.capacity for pool_id, pool in pools.items()},
-            discovery.refresh_seconds,
+            self.transport.discover, queues, queues.forget_discovered, discovery.refresh_seconds
+        )
+
+    def _queue_reload(self, queues: RunningQueues) -> QueueReload | None:
+        if not self.config.runtime.transport_config_watch_interval:
+            return None
+        assert isinstance(self.transport, ReloadsQueues)  # config.load: redis-sortedset only
+        return QueueReload(
+            self.config,
+            transport=self.transport,
+            gates=self.queue_gates,
+            queues=queues,
+            forget=queues.forget_configured,
+            metrics=ReloadMetrics(self.metrics.registry),
+            applied=lambda config: setattr(self, "config", config),
         )
 
     def _wire_queue(
@@ -313,11 +344,6 @@ class Processor:
         )
         return Source(queue, lane_out), poller
 
-    def _forget_queue(self, queue: QueueSpec) -> None:
-        """A removed queue's poller has drained: free its gate entry and metric series."""
-        self.queue_gates.forget(queue.name)
-        self.metrics.forget_queue(queue.name)
-
     def _settler(self, writer: ResultWriter, capacity: PoolCapacity) -> Settler:
         return Settler(transport=self.transport, writer=writer.sender(), capacity=capacity)
 
@@ -335,7 +361,8 @@ class Processor:
 
     async def _backlog_loop(self, interval: float) -> None:
         while True:
-            for queue in list(self.transport.queues):  # discovered ones too
+            polled = self._queues.specs() if self._queues else self.transport.queues
+            for queue in polled:  # discovered ones too, not those removed
                 try:
                     depth = await self.transport.backlog(queue)
                 except Exception as exc:
@@ -351,40 +378,7 @@ class Processor:
                 await close()
 
 
-async def _serve_metrics(
-    host: str,
-    port: int,
-    metrics: Metrics,
-    token: str,
-    *,
-    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    await serve_metrics(
-        host,
-        port,
-        metrics.registry,
-        bearer_token=token,
-        renders=metrics.metrics_renders_total,
-        task_status=task_status,
-    )
-
-
 def _template(config: AppConfig) -> list[QueueSpec]:
     """The discovery template as a queue, so its gate is checked at startup."""
     transport = config.transport_config
     return transport.template_specs() if isinstance(transport, SortedSetConfig) else []
-
-
-async def _serve(worker: Worker, tasks: int, stream: ObjectReceiveStream[Work]) -> None:
-    """A pool's ``tasks`` worker tasks, all taking from one stream with one ``Worker`` and
-    its settler, and the expiry of what waits for them (``worker.held``), until the last
-    task ends. A stream clone, a settler and a Worker per task were ~0.9 KB each, 9 MB at
-    10,000 workers (issue 13). The stream, and the settler's sender of the result writer,
-    close once every task has ended, as each task's own did before."""
-    async with stream, aclosing(worker.settler), anyio.create_task_group() as pool:
-        if worker.held is not None:
-            pool.start_soon(worker.held.run)
-        async with anyio.create_task_group() as tg:
-            for _ in range(tasks):
-                tg.start_soon(worker.run, stream)
-        pool.cancel_scope.cancel()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import anyio
@@ -117,6 +118,20 @@ class Worker:
         self.lets_go = self.transport if isinstance(self.transport, LetsGo) else None
         if isinstance(self.transport, LimitsResults):
             self.result_limit = self.transport.max_result_bytes
+
+    async def serve(self, tasks: int, stream: ObjectReceiveStream[Work]) -> None:
+        """The pool's ``tasks`` worker tasks, all taking from one stream with this worker
+        and its settler, and the expiry of what waits for them (``held``), until the last
+        task ends. A stream clone, a settler and a Worker per task were ~0.9 KB each, 9 MB
+        at 10,000 workers (issue 13). The stream, and the settler's sender of the result
+        writer, close once every task has ended, as each task's own did before."""
+        async with stream, aclosing(self.settler), anyio.create_task_group() as pool:
+            if self.held is not None:
+                pool.start_soon(self.held.run)
+            async with anyio.create_task_group() as tg:
+                for _ in range(tasks):
+                    tg.start_soon(self.run, stream)
+            pool.cancel_scope.cancel()
 
     async def run(self, stream: ObjectReceiveStream[Work]) -> None:
         """One worker task: a message at a time until the stream ends. A pool's tasks share

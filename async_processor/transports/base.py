@@ -183,6 +183,15 @@ class DiscoversQueues(Protocol):
 
 
 @runtime_checkable
+class ReloadsQueues(Protocol):
+    """A transport whose configured queues a hot reload may change (redis-sortedset)."""
+
+    async def reconfigure(self, config: Any) -> None:
+        """Serve ``config`` (its queues changed, nothing else; raises TransportError)."""
+        ...
+
+
+@runtime_checkable
 class SignalsMessages(Protocol):
     """A transport that can say when an empty queue may hold messages again, so a poller
     waits for that instead of fetching again every poll interval (redis-sortedset)."""

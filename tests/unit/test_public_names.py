@@ -24,7 +24,8 @@ FACES = {
         "RedisPubSubConfig", "RedisQueue", "RuntimeConfig", "Settings", "SortedSetConfig",
         "SortedSetQueue", "TLSConfig", "TransformConfig", "TransformEntry", "TransportConfig",
         "build_config", "flag_parser", "load_config", "parse_settings",
-        "read_transport_file", "redis_connection_file", "usable_env",
+        "read_transport_file", "redis_connection_file", "reread_transport_config",
+        "usable_env",
     ],
     "async_processor.pipeline": ["Processor", "run", "validate_plugins"],
     "async_processor.transports": [

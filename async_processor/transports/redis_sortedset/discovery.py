@@ -128,7 +128,7 @@ class QueueLister:
     ) -> None:
         self._redis = redis
         self._config = discovery
-        self._static = static
+        self.static = static  # configured: polled already (a hot reload changes them)
         self.rules = NameRules(
             discovery, cluster=cluster, own=own, result_list=result_list, metrics=metrics
         )
@@ -150,7 +150,7 @@ class QueueLister:
         with redis_errors("queue discovery"):
             async for raw in self._members(whole):
                 name = text(raw)
-                if name in self._static:  # configured: polled already
+                if name in self.static:  # configured: polled already
                     continue
                 reason = self.rules.refusal(name) if name is not None else "bad_name"
                 examined += 1
@@ -276,6 +276,31 @@ class QueueCatalog:
         self.discovered = wanted
         await self.drop_empty(redis)
         return list(wanted.values())
+
+    async def reconfigure(self, redis: Redis, config: SortedSetConfig) -> None:
+        """A hot reload's queues (nothing else changed): a configured queue taken out is
+        named removed in Redis before its poller stops and stays in upkeep until it holds
+        no claim (as a removed discovered one); a name configured now is no longer
+        discovered or removed."""
+        static = config.queue_specs()
+        names = {q.name for q in static}
+        gone = [q for q in self.static if q.name not in names]
+        back = [n for n in names if n in self._lingering or n in self.discovered]
+        with redis_errors("queue discovery"):
+            async with redis.pipeline(transaction=False) as pipe:
+                if gone:
+                    pipe.sadd(REMOVED_QUEUES_KEY, *(q.name for q in gone))
+                    pipe.zrem(EMPTY_SINCE_KEY, *(q.name for q in gone))
+                if back:
+                    pipe.srem(REMOVED_QUEUES_KEY, *back)
+                await pipe.execute()
+        for name in back:
+            self._lingering.pop(name, None)
+            self.discovered.pop(name, None)
+        self._lingering.update((q.name, q) for q in gone)
+        self._config, self.static = config, static
+        if self._lister is not None:
+            self._lister.static = frozenset(names)
 
     async def restore(self, redis: Redis) -> None:
         """Once: the removed queues an earlier run left holding claims or retries join

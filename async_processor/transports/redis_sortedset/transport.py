@@ -122,15 +122,21 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
         self.queues: Sequence[QueueSpec] = self._catalog.upkeep
         self._gather()
         self._routing = ResultRouting(config, self._keys, self._routed_own(), ctx.metrics)
-        if ctx.metrics is not None:  # every series at 0 from the start, so alerts see a rise
-            for queue in self.queues:
-                for reason in ROUTE_REJECTIONS:
-                    ctx.metrics.result_route_rejected_total.labels(queue.name, reason)
-                for reason in ABANDON_REASONS:
-                    ctx.metrics.abandoned_total.labels(queue.name, reason)
-                ctx.metrics.dead_letter_trimmed_total.labels(queue.name)
-            for result_list in config.result_ttls():
-                ctx.metrics.results_trimmed_total.labels(result_list)
+        self._first_series(self.queues)
+
+    def _first_series(self, queues: Sequence[QueueSpec]) -> None:
+        """Every series of ``queues`` at 0 from the start, so alerts see a rise."""
+        metrics = self._ctx.metrics
+        if metrics is None:
+            return
+        for queue in queues:
+            for reason in ROUTE_REJECTIONS:
+                metrics.result_route_rejected_total.labels(queue.name, reason)
+            for reason in ABANDON_REASONS:
+                metrics.abandoned_total.labels(queue.name, reason)
+            metrics.dead_letter_trimmed_total.labels(queue.name)
+        for result_list in self.config.result_ttls():
+            metrics.results_trimmed_total.labels(result_list)
 
     def _gather(self) -> None:
         """Rounds wait for other queues' claims only when there are other queues polled (a
@@ -148,14 +154,26 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
         """The discovered queues to poll now (``queue_discovery``); upkeep follows them,
         and removed ones until they hold no claim and no retry."""
         discovered = await self._catalog.refresh(self._redis)
+        self._follow()
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.discovered_queues.set(len(discovered))
+        return discovered
+
+    async def reconfigure(self, config: SortedSetConfig) -> None:
+        """A hot reload's config (only ``queues`` differ); a removed queue stays in upkeep
+        until it holds no claim."""
+        await self._catalog.reconfigure(self._redis, config)
+        self.config = config
+        self._own = transport_own_keys(config, self._ctx.gate_params)
+        self._follow()
+        self._first_series(config.queue_specs())
+
+    def _follow(self) -> None:
         self.queues = self._catalog.upkeep
         self._claims.prune(self._catalog.names())
         self._fetcher.served(set(self._catalog.names()))
         self._gather()
         self._routing.own = self._routed_own()
-        if self._ctx.metrics is not None:
-            self._ctx.metrics.discovered_queues.set(len(discovered))
-        return discovered
 
     # ------------------------------------------------------------------ fetch and decode
 
