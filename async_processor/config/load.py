@@ -102,7 +102,9 @@ def reread_transport_config(config: AppConfig, env: Mapping[str, str]) -> AppCon
     _check_pools(transport_config, config.pools, source)
     fields = {name: getattr(config, name) for name in AppConfig.model_fields}
     fields["transport_config"] = transport_config
-    return _validate(AppConfig.model_validate, source, fields)
+    # The context again: a model field of a union is validated anew here.
+    validate = partial(AppConfig.model_validate, context={"env": env, "reload": True})
+    return _validate(validate, source, fields)
 
 
 def _validated_transport(

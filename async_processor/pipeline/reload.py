@@ -96,6 +96,7 @@ class QueueReload:
         self._applied = applied
         self._env = os.environ if env is None else env
         self._interval = config.runtime.transport_config_watch_interval
+        self._failure = ""  # the last failure logged, until a pass succeeds
 
     async def run(self) -> None:
         """A pass at once (the file may have changed since startup), then every interval."""
@@ -109,16 +110,13 @@ class QueueReload:
         try:
             plan = self._plan()
             if plan is None:
+                self._failure = ""
                 return None
             await self._apply(plan)
         except Exception as exc:  # whatever failed, the daemon goes on with the last good
-            log.warning(
-                "queue_config_reload_failed",
-                file=self.config.transport_config_file,
-                error=str(exc) or type(exc).__name__,
-            )
-            self._metrics.reloads_total.labels("error").inc()
+            self._failed(str(exc) or type(exc).__name__)
             return False
+        self._failure = ""
         self._metrics.reloads_total.labels("success").inc()
         self._metrics.last_success.set(time.time())
         log.info(
@@ -128,6 +126,16 @@ class QueueReload:
             removed=[q.id for q in plan.removed],
         )
         return True
+
+    def _failed(self, error: str) -> None:
+        """Counted at every pass (an alert fires while the file stays bad), logged once
+        per distinct failure (not every interval)."""
+        self._metrics.reloads_total.labels("error").inc()
+        if error != self._failure:
+            log.warning(
+                "queue_config_reload_failed", file=self.config.transport_config_file, error=error
+            )
+        self._failure = error
 
     def _plan(self) -> _Plan | None:
         """What the file asks for, checked whole before anything changes (gates built)."""

@@ -204,6 +204,24 @@ config, so it looks at the same keys). */}}
 {{- end }}
 {{- end -}}
 
+{{/* "true" when the daemon applies queue changes without a restart: a sorted-set
+transport and a watch interval other than zero (--transport-config-watch-interval). */}}
+{{- define "async-processor.watchesQueues" -}}
+{{- $every := toString (.Values.ap.transportConfigWatchInterval | default "") -}}
+{{- if and (eq .Values.ap.transport "redis-sortedset") $every (not (regexMatch "^[+]?[0.]+(ns|us|µs|μs|ms|s|m|h)?$" $every)) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* What a restart must follow when queues are reloaded in place: every config file, the
+transport config without its queues. */}}
+{{- define "async-processor.restartConfig" -}}
+{{- $ap := .Values.ap -}}
+{{- $transport := include "async-processor.transportConfig" . | fromJson -}}
+{{- $_ := unset $transport "queues" -}}
+{{- toJson (list $transport $ap.workerPools $ap.requestMergePolicyConfig $ap.transformConfig) -}}
+{{- end -}}
+
 {{/* The exporter's names and labels: its own app name, so the daemon's selectors (Service,
 PodMonitor, PodDisruptionBudget) never pick its pod. */}}
 {{- define "async-processor.exporterName" -}}
