@@ -49,6 +49,7 @@ from async_processor.health import serve_metrics
 from async_processor.messages import ErrorCode, Result
 from async_processor.metrics import Metrics
 from async_processor.pipeline.daemon import HARD_STOP_GRACE
+from async_processor.pipeline.reload import ReloadMetrics
 from tests.fixtures.servers import free_port, require_binary, require_module, stop_process
 from tests.fixtures.simulator import SimulatorProcess
 
@@ -142,6 +143,7 @@ def populated_metrics() -> Metrics:
     m.token_usage_invalid_total.labels("q", "default")  # the first answer with junk usage
     m.results_trimmed_total.labels("result-list")  # made by the sorted-set transport
     m.discovery_refused_total.labels("daemon_key")  # made by sorted-set queue discovery
+    ReloadMetrics(m.registry)  # registered when --transport-config-watch-interval is on
     # Gate gauges register when their gate is built: build one of each kind that has them.
     ctx = GateContext(owner=GateOwner("", "", "default"), metrics=m)
     build_gate("adaptive-concurrency", None, ctx)
