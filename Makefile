@@ -76,8 +76,10 @@ lint: venv
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# Every benchmark, one after the other (about 5 min); the run's tables replace the section
+# between the bench markers at the end of docs/performance.md (bench/docs.py).
 bench: venv sysdeps
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench --docs docs/performance.md
 
 # Harvest of idle pool capacity vs interactive impact, per gate strategy (about 15 min;
 # HARVEST_ARGS=--quick for about 3). Tables, JSON and PNGs under /tmp/async-processor-bench.

@@ -128,10 +128,16 @@ async def hammer(url: str, total: int, concurrency: int, body: bytes) -> LoadRes
     return LoadResult(total, time.perf_counter() - started, statuses)
 
 
+# Every table printed in this process, in order: ``python -m bench --docs`` writes them
+# into docs/performance.md (bench/docs.py).
+TABLES: list[tuple[str, list[tuple[str, str]]]] = []
+
+
 def table(title: str, rows: Sequence[tuple[str, str]]) -> None:
     """Print a bench's figures, with the load it ran under (others' work skews rates)."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     rows = [*rows, ("machine", f"{os.cpu_count()} CPUs, load average now {load}")]
+    TABLES.append((title, rows))
     width = max(len(name) for name, _ in rows)
     print(f"\n== {title}")
     for name, value in rows:
