@@ -14,7 +14,14 @@ from redis.asyncio import Redis
 
 from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import PoolConfig
-from tests.conformance.go_side import GoRequest, go_compact, go_score
+from tests.conformance.go_side import (
+    GoRequest,
+    GoRouting,
+    go_compact,
+    go_envelope,
+    go_score,
+    new_token,
+)
 from tests.conformance.support import GoSide, deadline_in, upstream, wait_until
 from tests.fixtures.inprocess import metric, running, sortedset_config
 from tests.fixtures.simulator import LocalSimulator
@@ -38,7 +45,10 @@ async def test_inline_requests_are_sent_verbatim_and_answered_once_with_their_to
     redis_url: str, r: Redis, go: GoSide, local_simulator: LocalSimulator
 ) -> None:
     deadline = deadline_in(300)
-    sent = [await go.producer.submit(GoRequest(f"i{n}", deadline, ODD)) for n in range(3)]
+    # With data.model (upstream's, #458: span attribute only, not sent).
+    sent = [
+        await go.producer.submit(GoRequest(f"i{n}", deadline, ODD, model="m")) for n in range(3)
+    ]
     async with running(sortedset_config(redis_url, local_simulator.url, go.queue)):
         results = await go.reader.receive_all(3)
     # The gateway got the envelope's payload bytes as the Go producer wrote them.
@@ -150,6 +160,8 @@ async def test_a_go_cancel_is_answered_cancelled_without_a_dispatch(
         results = await go.reader.receive_all(2)
     assert results["stop"]["error_code"] == "CANCELLED"
     assert results["stop"]["request_token"] == submitted.token
+    # Upstream's cleanup after the result: both markers, while they hold this token.
+    assert not await r.exists("request-cancel:stop", "request-active:stop")
     assert results["go-on"]["status_code"] == 200
     assert results["go-on"]["request_token"] == kept.token
     assert len(bodies(local_simulator)) == 1
@@ -246,3 +258,45 @@ async def test_a_gateway_error_is_a_result_a_go_reader_parses(
     assert result["status_code"] == 400
     assert json.loads(result["payload"])["error"]  # the gateway's body, as text
     assert result["request_token"] == submitted.token
+
+
+@upstream("§1.1")
+async def test_unusable_members_leave_the_queue(
+    redis_url: str, r: Redis, go: GoSide, local_simulator: LocalSimulator
+) -> None:
+    """Upstream drops a member that is not JSON, has no ``data`` or a deadline <= 0,
+    with no result. Ours (on purpose): nothing is dropped silently: one without a usable
+    id goes to ``<queue>:dead-letter`` (no result: there is no id to answer), one with an
+    id is answered ``INVALID_REQUEST``. Either way it leaves the queue, and no reader
+    sees a result it cannot parse."""
+    zero = go_envelope(GoRouting(request_token=new_token()), GoRequest("zero", 0))
+    no_data = b'{"internal":{},"request_kind":"redis"}'
+    await r.zadd(go.queue, {zero: 0, b"not json": 1, no_data: 2})
+    async with running(sortedset_config(redis_url, local_simulator.url, go.queue)):
+        result = (await go.reader.receive_all(1))["zero"]
+        parked = await wait_until(_parked_twice(r, f"{go.queue}:dead-letter"))
+    assert result["error_code"] == "INVALID_REQUEST"
+    assert {json.loads(e)["raw"] for e in parked} == {"not json", no_data.decode()}
+    assert await r.zcard(go.queue) == 0
+    assert bodies(local_simulator) == []
+
+
+def _parked_twice(r: Redis, key: str):  # type: ignore[no-untyped-def]
+    async def check() -> list[bytes] | None:
+        entries = await r.lrange(key, 0, -1)
+        return entries if len(entries) == 2 else None
+
+    return check
+
+
+@upstream("§4")
+async def test_our_producer_refuses_a_payload_upstreams_refuses(
+    redis_url: str, unique: str
+) -> None:
+    """A payload that is not a JSON object or ``null`` is refused before anything is
+    written, as upstream's producer refuses it."""
+    async with SortedSetClient(redis_url, unique, f"{unique}:results") as ours:
+        for payload in ([1], "text", 5):
+            with pytest.raises(ValueError, match="payload must be a JSON object"):
+                await ours.submit({"id": "x", "deadline": deadline_in(300), "payload": payload})
+        assert await ours.request_depth() == 0

@@ -10,9 +10,22 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 DOC = (HERE.parents[1] / "docs" / "migrating-from-go.md").read_text()
-# §1 steps 3-4 (expired, cancelled dequeues), §2-§6, and the §14 checklist rows (row 1's
+# §1 steps 1, 3 and 4 (unusable, expired, cancelled dequeues), §2-§6, and the §14 checklist rows (row 1's
 # claims are the claims tests'; its "publish with request_token" is here).
-REQUIRED = {"§1.3", "§1.4", "§2", "§3", "§4", "§5", "§6", "§14.1", "§14.2", "§14.3", "§14.4"}
+REQUIRED = {
+    "§1.1",
+    "§1.3",
+    "§1.4",
+    "§2",
+    "§3",
+    "§4",
+    "§5",
+    "§6",
+    "§14.1",
+    "§14.2",
+    "§14.3",
+    "§14.4",
+}
 
 
 def suite() -> dict[str, set[str]]:
