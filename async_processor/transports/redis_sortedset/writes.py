@@ -9,7 +9,7 @@ the removal of a completed message that its lapsed lease had put back on its que
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -57,6 +57,7 @@ class ResultWrites:
     _scripts: dict[str, AsyncScript]
     _claims: ClaimBook
     _routing: ResultRouting
+    _result_ttls: Callable[[], dict[str, int]]  # the retained lists' TTLs (upkeep)
 
     async def complete(self, items: Sequence[Completion]) -> None:
         """Per item, atomically: result + dedup marker + ack + cancellation cleanup (one
@@ -132,17 +133,18 @@ class ResultWrites:
     ) -> None:
         """Upstream's result TTL (routing ``result_ttl_seconds``, frozen at the first
         fetch): a list a result was written to expires that long after the write, as
-        upstream's ack sets it. A message is untrusted input: on a list our config names,
-        the configured retention wins (a TTL below it is raised to it; a list kept for
-        ever gets no expiry from a message). Not atomic with the write: if this fails the
-        list keeps its results longer (logged), never fewer."""
+        upstream's ack sets it. A message is untrusted input: on a list we retain
+        (configured, or a discovered queue's own), the configured retention wins (a TTL
+        below it is raised to it; a list kept for ever gets no expiry from a message).
+        Not atomic with the write: if this fails the list keeps its results longer
+        (logged), never fewer."""
         wanted: dict[str, int] = {}
         for (delivery, _), target, reply in zip(items, targets, replies, strict=True):
             ttl = delivery.envelope.routing.result_ttl_seconds if delivery.envelope else 0
             if ttl > 0 and not isinstance(reply, TransportError) and reply[0]:
                 name = self.config.result_queue_name if reply[2] else target
                 wanted[name] = max(wanted.get(name, 0), ttl)
-        configured = self.config.result_ttls() if wanted else {}
+        configured = self._result_ttls() if wanted else {}
         expiries = {
             name: max(ttl, configured.get(name, 0))
             for name, ttl in wanted.items()
