@@ -97,6 +97,7 @@ class QueueReload:
         self._env = os.environ if env is None else env
         self._interval = config.runtime.transport_config_watch_interval
         self._failure = ""  # the last failure logged, until a pass succeeds
+        self._content: bytes | None = None  # the file's bytes at the last pass
 
     async def run(self) -> None:
         """A pass at once (the file may have changed since startup), then every interval."""
@@ -107,6 +108,10 @@ class QueueReload:
     async def reload(self) -> bool | None:
         """One pass: True applied, False refused or failed (last good config kept), None
         when the file holds the config being served."""
+        # The bytes of the config being served: nothing to parse. (A failed pass is tried
+        # whole again: Redis may be back, a gate's source may answer.)
+        if self._same_bytes() and not self._failure:
+            return None
         try:
             plan = self._plan()
             if plan is None:
@@ -126,6 +131,18 @@ class QueueReload:
             removed=[q.id for q in plan.removed],
         )
         return True
+
+    def _same_bytes(self) -> bool:
+        """Whether the file holds the bytes the last pass read. Parsing and checking cost
+        ~90 ms at 1,000 queues (on the event loop) at every interval; a read costs µs."""
+        try:
+            with open(self.config.transport_config_file, "rb") as handle:
+                content = handle.read()
+        except OSError:  # the pass reports it
+            content = None
+        same = content is not None and content == self._content
+        self._content = content
+        return same
 
     def _failed(self, error: str) -> None:
         """Counted at every pass (an alert fires while the file stays bad), logged once

@@ -266,11 +266,13 @@ async def test_a_bad_file_keeps_the_last_good_config_and_counts_an_error(
 ) -> None:
     unique = files.unique
     files.write(files.config(files.queue("a")))
+    minus_one = {"gate_type": "local-max-concurrency", "gate_params": {"limit": -1}}
     bad: list[tuple[Any, str]] = [
         ('{"queues": [', "malformed JSON"),
         (files.config(files.queue("a"), files.queue("b", worker_pool_id="no")), "worker_pool_id"),
         (files.config(files.queue("a"), files.queue("b", igw_base_url="ftp://x")), "igw_base_url"),
         (files.config(files.queue("a"), files.queue("b", gate_type="no-such")), "no-such"),
+        (files.config(files.queue("a"), files.queue("b", **minus_one)), "limit"),  # its params
         (files.config(files.queue("a"), files.queue("a")), "duplicate"),  # one queue twice
         (None, "cannot read"),  # gone (a ConfigMap swap caught mid-way)
     ]

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from async_processor.config import (
     ENV_PREFIX,
@@ -22,6 +23,8 @@ from async_processor.config import (
 from async_processor.config.queues import QueueSpec
 from async_processor.errors import ConfigError
 from async_processor.merge.weighted_fair import WeightedFair, WeightedFairParams
+from async_processor.pipeline import reload as reload_module
+from async_processor.pipeline.reload import QueueReload, ReloadMetrics
 
 GW = "http://gw:8000"
 ENV_NAME = f"{ENV_PREFIX}TRANSPORT_CONFIG_WATCH_INTERVAL"
@@ -124,3 +127,37 @@ def test_weighted_fair_follows_a_queue_given_a_new_weight() -> None:
     assert policy.finish(before) == 1.0
     policy.served(after, policy.finish(after))
     assert policy.finish(after) == 1.25  # a step of 1/4 from the pool's time (1.0)
+
+
+@pytest.mark.anyio
+async def test_a_pass_over_unchanged_bytes_parses_nothing_but_a_failed_one_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parsing 1,000 queues costs ~90 ms on the event loop: not at every interval."""
+    config = daemon(tmp_path, "--transport-config-watch-interval=1s")
+    calls: list[AppConfig] = []
+
+    def counted(config: AppConfig, env: Any) -> AppConfig:
+        calls.append(config)
+        return reread_transport_config(config, env)
+
+    monkeypatch.setattr(reload_module, "reread_transport_config", counted)
+    stub = cast(Any, None)  # a pass that changes nothing touches none of them
+    watch = QueueReload(
+        config,
+        transport=stub,
+        gates=stub,
+        queues=stub,
+        forget=stub,
+        metrics=ReloadMetrics(CollectorRegistry()),
+        applied=stub,
+        env={},
+    )
+    path = tmp_path / "transport.json"
+    assert await watch.reload() is None and len(calls) == 1  # the first pass reads it
+    assert await watch.reload() is None and len(calls) == 1  # same bytes: not parsed
+    path.write_text(path.read_text() + "\n")  # other bytes, same config
+    assert await watch.reload() is None and len(calls) == 2
+    path.write_text("{")
+    assert await watch.reload() is False and len(calls) == 3
+    assert await watch.reload() is False and len(calls) == 4  # a failure is tried again
