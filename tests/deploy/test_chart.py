@@ -759,6 +759,7 @@ ALERTS = {
     "AsyncProcessorResultsTrimmed": "results_trimmed_total",
     "AsyncProcessorBrokerErrors": "broker_errors_total",
     "AsyncProcessorRedisDatasetLost": "redis_dataset_lost_total",
+    "AsyncProcessorQueueConfigReloadFailing": 'result="error"',
 }
 
 
@@ -883,6 +884,8 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
         # Both replicas see the same loss at minute 20 (a node came back empty).
         series(p + "redis_dataset_lost_total", "0x20 1x40", pod="a"),
         series(p + "redis_dataset_lost_total", "0x20 1x40", pod="b"),
+        # A bad file from minute 10 on (counted at every pass); a blip at minute 2.
+        series(p + "queue_config_reloads_total", "0 1x8 1+2x50", result="error", pod="a"),
         # Blind from minute 10 on one replica; a one-minute blip on pool "blip" stays quiet.
         series(p + "gate_metric_source_available", "1x10 0x50", **q, inference_pool="ip", pod="a"),
         series(p + "gate_metric_source_available", "1x60", **q, inference_pool="ip", pod="b"),
@@ -917,6 +920,10 @@ def test_promtool_rule_tests_fire_the_alerts(tmp_path: Path) -> None:
         ("AsyncProcessorRedisDatasetLost", "19m", []),
         ("AsyncProcessorRedisDatasetLost", "21m",
          [expected(rules["AsyncProcessorRedisDatasetLost"])]),
+        ("AsyncProcessorQueueConfigReloadFailing", "8m", []),  # one refused pass
+        ("AsyncProcessorQueueConfigReloadFailing", "13m", []),  # refused for 3m: not yet
+        ("AsyncProcessorQueueConfigReloadFailing", "17m",
+         [expected(rules["AsyncProcessorQueueConfigReloadFailing"])]),
         ("AsyncProcessorScrapeFailing", "30m",
          [expected(rules["AsyncProcessorScrapeFailing"], pod="a")]),
         ("AsyncProcessorDown", "30m", []),  # b is still up
@@ -1119,6 +1126,7 @@ def test_rendered_pod_spec_runs_and_serves_every_queried_metric(
         bindAddress="127.0.0.1",
         metricsBacklogPollInterval="1s",
         drainTimeout="5s",
+        transportConfigWatchInterval="30s",  # its alert's series too
     )
     objects = render(values)
     for name, text in objects["ConfigMap:config"]["data"].items():
