@@ -27,6 +27,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
+from async_processor.backlog_metrics import BacklogMetrics
 from async_processor.messages import ErrorCode, Request, Result
 
 PREFIX = "llm_d_async_async_"
@@ -77,85 +78,81 @@ class Metrics:
             "exceeded_deadline_requests", "Requests whose deadline passed."
         )
         self.shedded_total = counter("shedded_requests", "Attempts answered 429 by the gateway.")
+        self.dispatched_total = counter("dispatched_requests", "HTTP attempts, retries included.")
+        self.gate_wait_requeues_total = counter(
+            "gate_wait_requeues", "Messages handed back at --gate-wait-timeout (not failed)."
+        )
         self.dead_letter_total = counter(
             "dead_letter",
             "Messages with no usable id parked on the dead-letter list.",
             (*Q_LABELS, "reason"),
         )
-        self.result_route_rejected_total = Counter(
-            PREFIX + "result_route_rejected",
+        self.result_route_rejected_total = counter(
+            "result_route_rejected",
             "Results whose message-named list was refused; written to the configured list.",
             ("queue_name", "reason"),
-            registry=r,
         )
         self.duplicates_suppressed_total = counter(
             "duplicates_suppressed",
             "Results not written because the submission was already answered (dedup marker).",
         )
-        self.dead_letter_trimmed_total = Counter(
-            PREFIX + "dead_letter_trimmed",
+        self.dead_letter_trimmed_total = counter(
+            "dead_letter_trimmed",
             "Oldest dead-letter entries trimmed to keep a list within its cap.",
             ("queue_name",),
-            registry=r,
         )
-        self.results_trimmed_total = Counter(
-            PREFIX + "results_trimmed",
+        self.results_trimmed_total = counter(
+            "results_trimmed",
             "Results trimmed from a result list unconsumed past result_ttl_seconds.",
             ("result_list",),
-            registry=r,
         )
-        self.discovery_refused_total = Counter(
-            PREFIX + "queue_discovery_refused",
+        self.discovery_refused_total = counter(
+            "queue_discovery_refused",
             "Names in the discovery set or scan not polled, by reason (daemon_key, bad_name, "
             "cross_slot, over_cap).",
             ("reason",),
-            registry=r,
         )
         self.discovered_queues = Gauge(
             PREFIX + "queue_discovery_queues", "Discovered queues being polled.", registry=r
         )
-        self.abandoned_total = Counter(
-            PREFIX + "abandoned_claims",
+        self.abandoned_total = counter(
+            "abandoned_claims",
             "Claims given up after a write failed (lease left to expire), by reason.",
             ("queue_name", "reason"),
-            registry=r,
         )
-        self.broker_errors_total = Counter(
-            PREFIX + "broker_errors",
+        self.broker_errors_total = counter(
+            "broker_errors",
             "Broker calls that failed (Redis or Pub/Sub unreachable, refused, timed out), by "
             "operation; each is retried or its message comes back.",
             ("operation",),
-            registry=r,
         )
         for operation in BROKER_OPERATIONS:
             self.broker_errors_total.labels(operation)
-        self.idle_probe_errors_total = Counter(
-            PREFIX + "idle_probe_errors",
+        self.idle_probe_errors_total = counter(
+            "idle_probe_errors",
             "redis-sortedset idle-queue probes that failed (those queues were claimed instead).",
-            registry=r,
+            (),
         )
-        self.metrics_renders_total = Counter(
-            PREFIX + "metrics_renders",
+        self.metrics_renders_total = counter(
+            "metrics_renders",
             "Renders of the /metrics page (at most one a second per form, however many ask).",
-            registry=r,
+            (),
         )
-        self.redis_dataset_lost_total = Counter(
-            PREFIX + "redis_dataset_lost",
+        self.redis_dataset_lost_total = counter(
+            "redis_dataset_lost",
             "redis-sortedset: times the Redis data set was found replaced by an empty one.",
-            registry=r,
+            (),
         )
-        self.tokens_total = Counter(
-            PREFIX + "tokens",
+        self.tokens_total = counter(
+            "tokens",
             "Tokens in gateway answers' usage, by tenant (metadata attribute) and kind "
             "(prompt, completion, total).",
             ("queue_name", "pool_name", "tenant", "kind"),
-            registry=r,
         )
-        self.token_usage_invalid_total = Counter(
-            PREFIX + "token_usage_invalid",
+        self.token_usage_invalid_total = counter(
+            "token_usage_invalid",
             "Successful answers whose usage held a malformed or out-of-range count (not added).",
             ("queue_name", "pool_name"),
-            registry=r,
         )
         self.no_answer_total = counter(
             "gateway_no_answer",
@@ -184,6 +181,7 @@ class Metrics:
         self.queue_depth = gauge("queue_depth", "Messages waiting for a worker in-process.")
         self.inflight = gauge("inflight_requests", "Requests being dispatched.")
         self.broker_backlog = gauge("broker_backlog", "Messages waiting on the broker.")
+        self.backlog = BacklogMetrics(r, PREFIX, Q_LABELS)  # source_available, proximity
         self.dispatch_budget = gauge("dispatch_budget", "Queue gate budget in [0,1].")
         self.pool_worker_limit = gauge("pool_worker_limit", "Workers per pool.", ("pool_name",))
         self.gate_metric_value = gauge("gate_metric_value", "Gate metric reading.", G_LABELS)
@@ -248,6 +246,7 @@ class Metrics:
         queue a reload removed): its counters stay, as upstream's, and only the levels go."""
         match = {"queue_name": queue_name, **labels}
         self._bound = {k: v for k, v in self._bound.items() if not _matches(k, match)}
+        self.backlog.forget(match)  # levels only, whatever gauges_only says
         kind = Gauge if gauges_only else MetricWrapperBase
         for family in vars(self).values():
             # Only families that have such a series: remove_by_labels refuses a family
@@ -306,6 +305,8 @@ class QueueMetrics:
     failed_total: Counter
     exceeded_deadline_total: Counter
     shedded_total: Counter
+    dispatched_total: Counter
+    gate_wait_requeues_total: Counter
     inference_latency: Histogram
     queue_residence: Histogram
     queue_depth: LoopGauge
@@ -332,6 +333,8 @@ class QueueMetrics:
             failed_total=m.failed_total.labels(*labels),
             exceeded_deadline_total=m.exceeded_deadline_total.labels(*labels),
             shedded_total=m.shedded_total.labels(*labels),
+            dispatched_total=m.dispatched_total.labels(*labels),
+            gate_wait_requeues_total=m.gate_wait_requeues_total.labels(*labels),
             inference_latency=m.inference_latency.labels(*labels),
             queue_residence=m.queue_residence.labels(*labels),
             queue_depth=LoopGauge(m.queue_depth.labels(*labels)),

@@ -13,6 +13,7 @@
 - ``dispatch``: builds the gateway request (headers, deadline) and sends it.
 - ``cancels``: cancellation markers cut a message queued or in flight.
 - ``usage``: token accounting from the gateway's answer.
+- ``backlog``: the broker backlog poll (depth, availability, deadline proximity).
 - ``tracing``: spans around a message's trip (OpenTelemetry, optional).
 - ``settle``: turns an outcome into a result, a retry or a hand-back on the broker.
 - ``results``: the result writer (bounded batches to the transport).

@@ -34,6 +34,7 @@ from async_processor.merge import build_merge_policy
 from async_processor.merge.base import MergeContext, MergePolicy, Source
 from async_processor.metrics import Metrics
 from async_processor.pipeline.admission import PoolGate
+from async_processor.pipeline.backlog import poll_backlogs
 from async_processor.pipeline.cancels import CancelWatch
 from async_processor.pipeline.capacity import PoolCapacity, ShedPause, lane_size, pool_slots
 from async_processor.pipeline.discovery import QueueRefresh
@@ -192,7 +193,13 @@ class Processor:
         tg.start_soon(self._cancels.run)
         tg.start_soon(self._idle_gates.run)
         if rt.metrics_backlog_poll_interval > 0:
-            tg.start_soon(self._backlog_loop, rt.metrics_backlog_poll_interval)
+            tg.start_soon(
+                poll_backlogs,
+                self.transport,
+                self._polled,
+                self.metrics,
+                rt.metrics_backlog_poll_interval,
+            )
 
     async def _run_pipeline(
         self,
@@ -359,18 +366,9 @@ class Processor:
         mine = [q for q in queues if q.pool == config.id]
         return _Pool(config, mine, PoolCapacity(pool_slots(config.workers, len(mine))), gate)
 
-    async def _backlog_loop(self, interval: float) -> None:
-        while True:
-            polled = self._queues.specs() if self._queues else self.transport.queues
-            for queue in polled:  # discovered ones too, not those removed
-                try:
-                    depth = await self.transport.backlog(queue)
-                except Exception as exc:
-                    log.warning("backlog_poll_failed", queue=queue.name, error=str(exc))
-                    depth = None
-                if depth is not None:
-                    self.metrics.queue(queue.id, queue.name, queue.pool).broker_backlog.set(depth)
-            await anyio.sleep(interval)
+    def _polled(self) -> Sequence[QueueSpec]:
+        """The queues the backlog poll reads: discovered ones too, not those removed."""
+        return self._queues.specs() if self._queues else self.transport.queues
 
     async def _close_gates(self) -> None:
         for close in self.gate_ctx.closers:

@@ -203,6 +203,7 @@ class Worker:
             return HandBack(0.0)
         if anyio.current_time() >= scope.deadline:
             if scope.deadline < ends:  # the pool gate's wait limit, set while admitting
+                work.metrics.gate_wait_requeues_total.inc()
                 return HandBack(0.0)
             return expired(request.id, last_answer(work.envelope.routing))
         return _failure(request.id, ErrorCode.CANCELLED, CANCELLED_TEXT, None)
@@ -255,6 +256,7 @@ class Worker:
             self.lets_go.let_go(work.delivery)
         if self.settings.inference_ttl:
             stamp_inference_ttl(out, time.time())
+        work.metrics.dispatched_total.inc()
         started = time.monotonic()
         with tracing.http_request(out) as span:
             attempt = await send(self.http, out, timeout=timeout, limit=limit)

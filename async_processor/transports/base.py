@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 import anyio
 from anyio.abc import TaskStatus
 
+from async_processor.backlog_metrics import Backlog
 from async_processor.config.queues import QueueSpec
 from async_processor.messages import Envelope, Result
 from async_processor.registry import Registry
@@ -100,6 +101,16 @@ class Transport(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class ReadsBacklogs(Protocol):
+    """Optional: every queue's backlog in one go, with the deadlines' proximity (the
+    sorted set). A queue whose read failed maps to None; a failure of all raises."""
+
+    async def backlogs(
+        self, queues: Sequence[QueueSpec], now: float
+    ) -> dict[str, Backlog | None]: ...
 
 
 @dataclass(slots=True)

@@ -144,6 +144,7 @@ def populated_metrics() -> Metrics:
     m.results_trimmed_total.labels("result-list")  # made by the sorted-set transport
     m.discovery_refused_total.labels("daemon_key")  # made by sorted-set queue discovery
     ReloadMetrics(m.registry)  # registered when --transport-config-watch-interval is on
+    m.backlog.failed(queue.labels, proximity=True)  # the first backlog poll
     # Gate gauges register when their gate is built: build one of each kind that has them.
     ctx = GateContext(owner=GateOwner("", "", "default"), metrics=m)
     build_gate("adaptive-concurrency", None, ctx)

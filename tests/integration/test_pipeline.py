@@ -38,6 +38,7 @@ from tests.fixtures.servers import free_port
 from tests.fixtures.simulator import SimulatorProcess
 
 EXCEEDED = "llm_d_async_async_exceeded_deadline_requests_total"
+REQUEUES = "llm_d_async_async_gate_wait_requeues_total"
 
 pytestmark = pytest.mark.anyio
 
@@ -94,9 +95,11 @@ async def test_server_errors_are_retried_until_success(
         simulator.configure(error_rate=0.0)
         [result] = await client.drain_results(1, 15)
         retries = metric(processor, "llm_d_async_async_request_retries_total", queue_name=unique)
+        sent = metric(processor, "llm_d_async_async_dispatched_requests_total", queue_name=unique)
     assert result.status_code == 200
     assert retries >= 1
     assert simulator.stats()["by_status"].get("503", 0) == retries
+    assert sent == retries + 1 == sum(simulator.stats()["by_status"].values())  # every attempt
 
 
 async def test_429_counts_shed_and_honours_retry_after(
@@ -286,13 +289,16 @@ async def test_pool_gate_wait_limit_hands_back_instead_of_failing(
     config = sortedset_config(
         redis_url, simulator.url, unique, pools=pools, gate_wait_timeout="300ms"
     )
-    async with running(config):
+    async with running(config) as processor:
         client = await submit(redis_url, unique, _req("w1"))
         await anyio.sleep(1.0)
         assert await client.result_depth() == 0  # no terminal result
         r = aioredis.Redis.from_url(redis_url)
         depth = await r.zcard(unique) + await r.zcard(f"{unique}:inflight")
+        requeues = metric(processor, REQUEUES, queue_name=unique)
+        assert metric(processor, "llm_d_async_async_dispatched_requests_total") == 0
     assert depth == 1  # still on the broker, unharmed
+    assert requeues >= 1  # each hand-back at the wait limit counted, as upstream
 
 
 async def test_result_routing_to_message_result_queue(

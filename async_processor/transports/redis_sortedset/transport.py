@@ -32,6 +32,7 @@ from typing import Literal
 import structlog
 from redis.asyncio import Redis
 
+from async_processor.backlog_metrics import Backlog
 from async_processor.config import SortedSetConfig
 from async_processor.config.queues import QueueSpec
 from async_processor.errors import TransportError
@@ -69,6 +70,7 @@ from async_processor.transports.redis_sortedset.discovery import (
 from async_processor.transports.redis_sortedset.fetch import Fetcher
 from async_processor.transports.redis_sortedset.markers import MarkerChecks
 from async_processor.transports.redis_sortedset.payloads import StoredPayloads
+from async_processor.transports.redis_sortedset.proximity import read_backlogs
 from async_processor.transports.redis_sortedset.routing import ROUTE_REJECTIONS, ResultRouting
 from async_processor.transports.redis_sortedset.upkeep import SortedSetUpkeep
 from async_processor.transports.redis_sortedset.writes import HEAD_BYTES, ResultWrites
@@ -353,6 +355,10 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
         """Members waiting in the queue (claimed ones not counted)."""
         with redis_errors("backlog"):
             return int(await self._redis.zcard(queue.name))
+
+    async def backlogs(self, queues: Sequence[QueueSpec], now: float) -> dict[str, Backlog | None]:
+        """Every queue's depth and deadline proximity in two round trips (``proximity``)."""
+        return await read_backlogs(self._redis, queues, now, atomic=not self._keys.cluster)
 
     async def health(self) -> None:
         with redis_errors("ping"):
