@@ -93,6 +93,8 @@ async def _finish_single(store: Store, result: Result, tenant: str, request_id: 
 
 def _count(metrics: ApiMetrics, done: Recorded, results: int) -> None:
     new = max(done.new, 0)
+    metrics.outcomes.labels("completed").inc(done.new_ok)
+    metrics.outcomes.labels("failed").inc(new - done.new_ok)
     metrics.lines.labels("recorded").inc(new)
     metrics.lines.labels("dropped").inc(results - new)
     if new and done.answered == new:  # the batch's first results

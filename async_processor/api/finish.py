@@ -46,7 +46,8 @@ async def close_lines(
             for i, c in zip(open_lines, custom_ids, strict=True)
         ]
         if lines:
-            await store.record(batch_id, lines)
+            closed = await store.record(batch_id, lines)
+            ctx.metrics.outcomes.labels(code.removeprefix("batch_")).inc(max(closed.new, 0))
 
 
 async def finalize(ctx: Context, record: dict[str, str], from_: str, to: str) -> None:

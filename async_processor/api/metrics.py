@@ -1,5 +1,5 @@
-"""The API's metrics: requests by route, batch status changes, lines by outcome, time to
-a batch's first result.
+"""The API's metrics: requests by route, batches by status (open ones, and changes), lines
+by outcome, results read, time to a batch's first result.
 
 Stage: the API's observability. Input: the events the middleware, the store and the
 collector report. Output: ``async_processor_api_*`` families on the process's registry,
@@ -12,12 +12,14 @@ import time
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from async_processor.api.errors import Handler
 
 PREFIX = "async_processor_api_"
+OPEN_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+OUTCOMES = ("completed", "failed", "cancelled", "expired")
 
 
 class ApiMetrics:
@@ -43,6 +45,26 @@ class ApiMetrics:
             ["outcome"],
             registry=r,
         )
+        self.outcomes = Counter(
+            PREFIX + "lines",
+            "batch lines ended (by this replica): completed (a 2xx answer), failed (an "
+            "error answer or none), cancelled or expired (no result before the batch's end)",
+            ["outcome"],
+            registry=r,
+        )
+        self.open_batches = Gauge(
+            PREFIX + "batches",
+            "batches not yet ended, by status, as Redis holds them (every replica reports "
+            "the same numbers: take max, not sum)",
+            ["status"],
+            registry=r,
+        )
+        for status in OPEN_STATUSES:  # at 0 from the start, so an alert sees the series
+            self.open_batches.labels(status).set(0)
+        for outcome in OUTCOMES:
+            self.outcomes.labels(outcome).inc(0)
+        for outcome in ("recorded", "dropped"):
+            self.lines.labels(outcome).inc(0)
         self.first_result = Histogram(
             PREFIX + "first_result_seconds",
             "from a batch's creation to its first recorded result",

@@ -18,16 +18,19 @@ from collections.abc import AsyncIterator
 import anyio
 import structlog
 from anyio.abc import TaskGroup
+from redis.exceptions import RedisError
 
 from async_processor.api import keys
 from async_processor.api.collector import collect
 from async_processor.api.context import Context
 from async_processor.api.finish import CANCELLED, EXPIRED, close_lines, finalize
 from async_processor.api.lines import bodies, check_lines, line_request
+from async_processor.api.metrics import OPEN_STATUSES
 from async_processor.api.replicas import keep_watch
 from async_processor.api.retention import keep_retention
 from async_processor.api.store import TERMINAL, as_int
 from async_processor.client import SortedSetClient
+from async_processor.errors import TransportError
 
 log = structlog.get_logger(__name__)
 
@@ -36,6 +39,7 @@ TICK = 0.5  # seconds between looks at the open batches
 WAIT = 0.2  # seconds a driver waits for results before it looks again
 MAX_DRIVERS = 64  # batches one replica drives at once
 IDS_CHUNK = 1000  # custom ids per HSET
+STATUS_EVERY = 5.0  # seconds between counts of the open batches by status
 
 
 class Runner:
@@ -53,9 +57,23 @@ class Runner:
                 self.ctx.replica_timeout,
             )
             tg.start_soon(keep_watch, redis, results, self.replica, timeout)
+            tg.start_soon(self._count_statuses)
             while True:
                 await self._schedule(tg)
                 await anyio.sleep(TICK)
+
+    async def _count_statuses(self) -> None:
+        """The open batches by status, on the ``batches`` gauge (read from Redis, so
+        every replica shows all of them)."""
+        while True:
+            try:
+                ids = await self.ctx.store.open_batches(limit=100_000)
+                statuses = await self.ctx.store.statuses(ids)
+                for status in OPEN_STATUSES:
+                    self.ctx.metrics.open_batches.labels(status).set(statuses.count(status))
+            except (RedisError, TransportError) as exc:
+                log.warning("api_status_count_failed", error=str(exc))
+            await anyio.sleep(STATUS_EVERY)
 
     async def _schedule(self, tg: TaskGroup) -> None:
         store = self.ctx.store

@@ -51,8 +51,8 @@ return 0
 # line in arrival order: 1 out, 0 err; the results stream's cursor). ARGV: per line 8
 # values: index,
 # 'out' or 'err', the file line, input, output, total, cached, reasoning tokens.
-# Returns {new lines, lines answered now, the batch's created_at}; {-1} when the batch is
-# gone or sealed.
+# Returns {new lines, lines answered now, the batch's created_at, new output lines}; {-1}
+# when the batch is gone or sealed.
 RECORD = (
     _CHECK
     + """
@@ -63,11 +63,12 @@ end
 if redis.call('HGET', KEYS[1], 'sealed') ~= '0' then return {-1} end
 local usage = {'input_tokens', 'output_tokens', 'total_tokens', 'cached_tokens',
                'reasoning_tokens'}
-local new = 0
+local new, new_ok = 0, 0
 for i = 1, #ARGV, 8 do
   if redis.call('SETBIT', KEYS[2], ARGV[i], 1) == 0 then
     new = new + 1
     local ok = ARGV[i + 1] == 'out'
+    if ok then new_ok = new_ok + 1 end
     redis.call('RPUSH', ok and KEYS[3] or KEYS[4], ARGV[i + 2])
     redis.call('APPEND', KEYS[5], ok and '\1' or '\0')
     redis.call('HINCRBY', KEYS[1], ok and 'completed' or 'failed', 1)
@@ -78,7 +79,8 @@ for i = 1, #ARGV, 8 do
   end
 end
 local counts = redis.call('HMGET', KEYS[1], 'completed', 'failed', 'created_at')
-return {new, (tonumber(counts[1]) or 0) + (tonumber(counts[2]) or 0), tonumber(counts[3]) or 0}
+return {new, (tonumber(counts[1]) or 0) + (tonumber(counts[2]) or 0), tonumber(counts[3]) or 0,
+        new_ok}
 """
 )
 
@@ -126,11 +128,13 @@ class Line:
 @dataclass(frozen=True, slots=True)
 class Recorded:
     """What ``record`` did: lines new (-1: the batch is gone or finalized), lines of the
-    batch answered now, and the batch's ``created_at``."""
+    batch answered now, the batch's ``created_at``, and how many of the new lines are
+    output (not error) lines."""
 
     new: int
     answered: int = 0
     created_at: int = 0
+    new_ok: int = 0
 
 
 class Store:
@@ -229,7 +233,7 @@ class Store:
         )
         if int(reply[0]) < 0:
             return Recorded(new=-1)
-        return Recorded(int(reply[0]), int(reply[1]), int(reply[2]))
+        return Recorded(int(reply[0]), int(reply[1]), int(reply[2]), int(reply[3]))
 
     async def done(self, batch_id: str, start: int, stop: int) -> list[bool]:
         """Whether each line in [start, stop) has its result recorded."""
@@ -280,6 +284,13 @@ class Store:
     async def open_batches(self, limit: int = 1000) -> list[str]:
         ids = await self.redis.zrange(keys.OPEN_BATCHES, 0, limit - 1)
         return [text(i) for i in ids]
+
+    async def statuses(self, batch_ids: Sequence[str]) -> list[str]:
+        """Each batch's status ('' when it is gone), in one pipelined round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for batch_id in batch_ids:
+            pipe.hget(keys.batch_key(batch_id), "status")
+        return [text(s) if s is not None else "" for s in await pipe.execute()]
 
     # ------------------------------------------------------------------ requests
 
