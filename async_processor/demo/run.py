@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from async_processor.cli.args import duration, parse, subcommand_parser
 from async_processor.config import AppConfig, RuntimeConfig
+from async_processor.demo.batch import run_batch_step
 from async_processor.demo.feeds import QUEUES, TRANSPORTS, Feed, open_feed
 from async_processor.demo.local_servers import ServerMissing, embedded_redis, pubsub_emulator
 from async_processor.logs import configure_logging
@@ -53,6 +54,7 @@ class Options:
     error_rate: float
     workers: int
     timeout: float
+    batch_lines: int
 
 
 @dataclass
@@ -258,6 +260,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--error-rate", type=float, default=0.02, metavar="FRACTION", help="share of simulated 500s"
     )
+    p.add_argument(
+        "--batch-lines",
+        type=int,
+        default=20,
+        metavar="N",
+        help="lines of the last step's OpenAI batch (0: skip it)",
+    )
     p.add_argument("--workers", type=int, default=64, metavar="N", help="dispatch workers")
     p.add_argument(
         "--timeout",
@@ -284,11 +293,27 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         progress, figures = anyio.run(run_demo, opts, redis_url)
-    print_summary(summary_rows(progress, figures))
+        print_summary(summary_rows(progress, figures))
+        batch_ok = _batch_step(opts, redis_url)
     if progress.done < progress.total:
         print(f"demo: {progress.total - progress.done} requests got no result in time")
         return 1
-    return 0
+    return 0 if batch_ok else 1
+
+
+def _batch_step(opts: Options, redis_url: str) -> bool:
+    """The last step: a small batch with the OpenAI SDK through ``async-processor api``,
+    on the demo's private Redis only (an API on a shared one would drive and sweep that
+    Redis's other batches and files). False when it did not complete."""
+    if not opts.batch_lines or not redis_url or opts.redis_url:
+        return True
+    print(f"\nbatch: {opts.batch_lines} lines, OpenAI SDK -> async-processor api -> daemon")
+    done = anyio.run(run_batch_step, redis_url, opts.gateway_url, opts.batch_lines)
+    print(
+        f"  {done.status}: {done.completed}/{done.total} lines answered, output file "
+        f"{done.output_lines} lines, {done.seconds:.1f} s; first answer {done.first_answer!r}"
+    )
+    return done.status == "completed" and done.output_lines == opts.batch_lines
 
 
 def _broker(opts: Options, stack: ExitStack) -> str:

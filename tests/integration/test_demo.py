@@ -40,6 +40,8 @@ def test_demo_on_a_private_redis_server_retries_the_simulated_errors(
     errors = figure(out, r"'500': (\d+)")
     assert errors > 0
     assert figure(out, r"retries \(metrics\)\s+(\d+)") == errors
+    # The last step: a batch through the API with the real OpenAI SDK.
+    assert "completed: 20/20 lines answered, output file 20 lines" in out
 
 
 def test_demo_falls_back_to_fakeredis_without_redis_server(
