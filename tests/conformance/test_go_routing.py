@@ -23,7 +23,7 @@ from tests.conformance.go_side import (
     new_token,
 )
 from tests.conformance.support import GoSide, deadline_in, upstream, wait_until
-from tests.fixtures.inprocess import running, sortedset_config
+from tests.fixtures.inprocess import metric, running, sortedset_config
 from tests.fixtures.simulator import LocalSimulator
 from tests.integration.test_sortedset import opened
 
@@ -204,3 +204,23 @@ async def test_a_shutdown_hands_back_go_requests_with_their_fields_and_places(
         for name in ("dispatch_epoch", "x_future"):
             assert field_text(member, name) == field_text(FOREIGN, name)
     assert len(members) + await r.llen(go.results) == 5
+
+
+@upstream("§1.5")
+async def test_a_closed_queue_gate_leaves_go_members_untouched(
+    redis_url: str, r: Redis, go: GoSide, local_simulator: LocalSimulator
+) -> None:
+    """A queue whose gate gives no budget claims nothing: the producer's members keep
+    their bytes and scores (nothing re-added, nothing answered), as upstream's zero batch."""
+    deadline = deadline_in(300)
+    sent = [await go.producer.submit(GoRequest(f"g{n}", deadline)) for n in range(3)]
+    config = sortedset_config(
+        redis_url, local_simulator.url, go.queue,
+        queue_extra={"gate_type": "constant", "gate_params": {"value": 0}},
+    )  # fmt: skip
+    async with running(config) as daemon:
+        await wait_until(lambda: metric(daemon, "llm_d_async_async_gate_decisions_total") > 0)
+    members = await r.zrange(go.queue, 0, -1, withscores=True)
+    assert members == [(s.member, go_score(deadline, s.seq)) for s in sent]
+    assert await r.llen(go.results) == 0
+    assert local_simulator.requests() == []

@@ -10,13 +10,14 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 DOC = (HERE.parents[1] / "docs" / "migrating-from-go.md").read_text()
-# §1 steps 1, 3 and 4 (unusable, expired, cancelled dequeues), §2-§6, and the §14
+# §1 steps 1, 3, 4 and 5 (unusable, expired, cancelled, gated dequeues), §2-§6, and the §14
 # checklist rows (row 1's claims are the claims tests'; its "publish with request_token"
 # is here).
 REQUIRED = {
     "§1.1",
     "§1.3",
     "§1.4",
+    "§1.5",
     "§2",
     "§3",
     "§4",
