@@ -43,16 +43,21 @@ def test_api_killed_mid_batch_resumes_with_one_line_per_request(batch_stack: Bat
 
 
 def test_window_end_expires_the_unfinished_lines(batch_stack: BatchStack) -> None:
-    batch_stack.simulator.configure(latency=1.0)  # 16 at a time (the daemon): ~48 in 3 s
+    """Fast lines (10 ms) first, slow ones (20 s, past the 10 s window) after: the fast
+    ones finish whatever the machine's load, the slow ones cannot."""
+    batch_stack.simulator.configure(per_token=0.01)  # a line's time is its max_tokens
     client = batch_stack.client()
-    batch = run_batch(client, [line(f"e{i}") for i in range(100)], window="3s")
-    done = wait_for(client, batch.id, timeout=30)
+    fast = [line(f"f{i}", max_tokens=1) for i in range(10)]
+    slow = [line(f"s{i}", max_tokens=2000) for i in range(30)]
+    batch = run_batch(client, fast + slow, window="10s")
+    done = wait_for(client, batch.id, timeout=60)
     assert done.status == "expired" and done.expired_at
     output = file_lines(client, done.output_file_id)
     errors = file_lines(client, done.error_file_id)
     assert len(output) == done.request_counts.completed > 0
-    assert len(output) + len(errors) == done.request_counts.total == 100
-    assert len({x["custom_id"] for x in output + errors}) == 100
+    assert {x["custom_id"] for x in output} <= {f"f{i}" for i in range(10)}
+    assert len(output) + len(errors) == done.request_counts.total == 40
+    assert len({x["custom_id"] for x in output + errors}) == 40
     assert {x["error"]["code"] for x in errors} <= {"batch_expired", "DEADLINE_EXCEEDED"}
 
 
