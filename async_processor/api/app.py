@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -196,7 +197,8 @@ async def serve(args: argparse.Namespace) -> None:
     digests = _digests(args)
     default = Caps(args.max_open_batches, args.max_queued_lines, args.max_stored_bytes)
     caps = load_caps(args.tenant_caps_file, default)
-    conn = redis_connection_file(args.transport_config_file, "")
+    # REDIS_URL fills an empty url, as for the daemon (the chart's Secret sets it).
+    conn = redis_connection_file(args.transport_config_file, os.environ.get("REDIS_URL", ""))
     queue = _queue(args)
     host, port = _listen(args.listen)
     metrics = ApiMetrics()

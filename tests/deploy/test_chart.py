@@ -102,7 +102,7 @@ def render(values: dict[str, Any], name: str = "demo") -> dict[str, dict[str, An
         for obj in parse_docs(text):
             key = obj["kind"]
             suffix = obj["metadata"]["name"].rsplit("-", 1)[-1]
-            if key == "ConfigMap" or suffix in ("epp", "modelserver", "exporter"):
+            if key == "ConfigMap" or suffix in ("epp", "modelserver", "exporter", "api"):
                 key += ":" + suffix
             assert key not in objects, f"two {key} objects"
             objects[key] = obj
