@@ -6,6 +6,7 @@
 - ``reload``: re-reads the transport config file and applies its queues (hot reload).
 - ``running``: the pollers running now, each started and stopped on its own.
 - ``poller``: one per queue; fetches under the queue gate's budget, into a merge lane.
+- ``intake``: the poller's fetched batch admitted one message at a time (queue gate).
 - ``idle_gates``: reads the gates of queues waiting for a message (true gauges).
 - ``held``: what waits in memory for a worker, answered at its deadline.
 - ``admission``: the pool gates' verdicts on each message (Continue, Refuse, Drop, Wait).

@@ -20,8 +20,6 @@ dropped (G6): each message ends as a Work item, a result, a dead letter or a def
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Sequence
 from contextlib import AbstractContextManager, aclosing, nullcontext
 
 import anyio
@@ -29,36 +27,27 @@ import structlog
 from anyio.abc import ObjectSendStream
 
 from async_processor.config.queues import QueueSpec
-from async_processor.errors import InvalidMessage, TransportError
-from async_processor.gates.base import Action, Gate, Releases, refusal_decision
-from async_processor.messages import (
-    CANCELLED_TEXT,
-    GATE_DROPPED_TEXT,
-    Envelope,
-    ErrorCode,
-    Result,
-)
+from async_processor.errors import TransportError
+from async_processor.gates.base import Gate
 from async_processor.metrics import QueueMetrics
 from async_processor.pipeline.held import HeldLine, HeldWork
 from async_processor.pipeline.idle_gates import IdleGates, read_budget
+from async_processor.pipeline.intake import Intake
 from async_processor.pipeline.settle import Settler
-from async_processor.retry import REFUSE_DELAY, expired, last_answer
 from async_processor.transports.base import (
     Delivery,
     LoadsPayloads,
     SignalsMessages,
     Transport,
-    abandon,
 )
 from async_processor.work import Work
 
 log = structlog.get_logger(__name__)
 
-HAND_BACK_TIMEOUT = 5.0
 MAX_ERROR_BACKOFF = 5.0
 
 
-class Poller:
+class Poller(Intake):
     def __init__(
         self,
         *,
@@ -71,14 +60,17 @@ class Poller:
         held: HeldWork,
         idle_gates: IdleGates | None = None,
         bound_in_flight: bool = True,
+        gate_wait: float = math.inf,
     ) -> None:
         self.queue = queue
         self._transport = transport
         self._gate = gate
+        self._gate_wait = gate_wait
         self._settler = settler  # this poller's own: it closes the writer's sender when done
         self._capacity = settler.capacity
         self._lane = lane
         # What waits for the lane is held by the pool's expiry: answered at its deadline.
+        self._held = held
         self._line = HeldLine(held, lane, self._picked)
         self._metrics = metrics
         self._log = log.bind(queue=queue.name, pool=queue.pool)
@@ -199,184 +191,9 @@ class Poller:
             return self._capacity.slots
         return math.ceil(budget * self._capacity.slots) - self._in_flight - self._fetching
 
-    async def _admit_all(self, deliveries: Sequence[Delivery]) -> None:
-        # Let through by the gate, their payloads stored apart: loaded together, then sent.
-        loading: list[Work] = []
-        try:
-            for index, delivery in enumerate(deliveries):
-                try:
-                    if (work := await self._admit(delivery)) is not None:
-                        loading.append(work)
-                except BaseException:
-                    # Cut short (shutdown) mid-batch: the rest handed back now, not at lease end.
-                    start = index + 1 if delivery in self._handed_on else index
-                    await self._hand_back(deliveries[start:])
-                    self._handed_on.difference_update(deliveries[index:])
-                    raise
-                self._handed_on.discard(delivery)
-            await self._load_and_forward(loading)
-            await self._line.send()
-        except BaseException:
-            await self._give_back(loading)
-            await self._give_back(self._line.take_back())
-            raise
-
-    async def _admit(self, delivery: Delivery) -> Work | None:
-        """The delivery handled (forwarded, answered, handed back), or its Work when its
-        payload is still to be loaded (``_load_and_forward``)."""
-        envelope = await self._decode(delivery)
-        if envelope is None:
-            return None
-        request = envelope.request
-        if request.deadline < time.time():
-            self._metrics.exceeded_deadline_total.inc()
-            await self._finish(delivery, expired(request.id, last_answer(envelope.routing)).result)
-            return None
-        if await self._cancelled(delivery):
-            await self._finish(
-                delivery, Result.failure(request.id, ErrorCode.CANCELLED, CANCELLED_TEXT)
-            )
-            return None
-        return await self._gate_and_forward(delivery)
-
-    async def _load_and_forward(self, loading: list[Work]) -> None:
-        """The payloads of ``loading`` in one read (``LoadsPayloads``); each then goes on,
-        or ends with the result the transport gave it (missing, unusable). A failed read
-        hands them all back to their queue. ``loading`` is emptied as each is settled."""
-        if not loading:
-            return
-        assert self._payloads is not None  # only its deliveries wait for a load
-        try:
-            outcomes = await self._payloads.load_payloads([w.delivery for w in loading])
-        except TransportError as exc:
-            self._log.warning("payload_fetch_failed", error=str(exc), count=len(loading))
-            await self._give_back(loading)
-            return
-        for outcome in outcomes:
-            work = loading[0]
-            if outcome is None:
-                self._forward(work)
-                del loading[0]
-            else:
-                del loading[0]
-                with anyio.CancelScope(shield=True):
-                    await work.releases.release_all()
-                self._metrics.failed_total.inc()
-                await self._finish(work.delivery, outcome)
-            self._handed_on.discard(work.delivery)  # settled: no _admit holds it
-
-    async def _give_back(self, loading: list[Work]) -> None:
-        """Works not sent on (loading, or in line for the lane): their gate permits
-        released, their messages handed back, but for one already handed on."""
-        works = [w for w in loading if w.delivery not in self._handed_on]
-        loading[:] = []
-        with anyio.CancelScope(shield=True):
-            for work in works:
-                await work.releases.release_all()
-        await self._hand_back([w.delivery for w in works])
-        self._handed_on.difference_update(w.delivery for w in works)
-
-    async def _gate_and_forward(self, delivery: Delivery) -> Work | None:
-        envelope = delivery.envelope
-        assert envelope is not None
-        releases = Releases()
-        forwarded = False
-        try:
-            verdict = await self._gate.apply(envelope, releases)
-            if verdict.action in (Action.CONTINUE, Action.WAIT):
-                # Wait means nothing at queue level: the pool gate is where workers park.
-                self._in_flight += 1
-                releases.add(self._land)  # runs when the worker is done, or below if not sent
-                work = Work(delivery, envelope, self._metrics, releases, picked=self._picked)
-                if self._payloads is not None and self._payloads.stored_apart(delivery):
-                    forwarded = True  # its permits go with it to _load_and_forward
-                    return work
-                self._forward(work)
-                forwarded = True
-                self._handed_on.add(delivery)
-            elif verdict.action is Action.REFUSE:
-                self._metrics.gate_decision(refusal_decision(envelope))
-                await self._defer(delivery, REFUSE_DELAY)
-            else:
-                self._metrics.gate_decision("dropped")
-                result = verdict.result or Result.failure(
-                    envelope.id, ErrorCode.GATE_DROPPED, GATE_DROPPED_TEXT
-                )
-                await self._finish(delivery, result)
-        except Exception as exc:  # a gate backend failure defers the message, never drops it
-            self._metrics.gate_decision("error")
-            self._log.warning("queue_gate_error", request_id=envelope.id, error=str(exc))
-            await self._defer(delivery, REFUSE_DELAY)
-        finally:
-            if not forwarded:
-                with anyio.CancelScope(shield=True):
-                    await releases.release_all()
-        return None
-
-    def _forward(self, work: Work) -> None:
-        """Into the lane, or in line for it with the batch's rest admitted meanwhile."""
-        self._unpicked += 1
-        self._line.forward(work)
-
     def _waiting(self) -> int:
         """This queue's messages the merge has not taken yet (fetching ones included)."""
         return self._fetching + self._unpicked
-
-    def _picked(self) -> None:
-        self._unpicked -= 1
-
-    async def _land(self) -> None:
-        self._in_flight -= 1
-        self._landed.set()
-        self._landed = anyio.Event()
-
-    async def _decode(self, delivery: Delivery) -> Envelope | None:
-        try:
-            delivery.envelope = self._transport.decode(delivery)
-        except InvalidMessage as exc:
-            await self._poison(delivery, exc)
-            return None
-        return delivery.envelope
-
-    async def _poison(self, delivery: Delivery, exc: InvalidMessage) -> None:
-        self._log.warning(
-            "message_rejected", reason=exc.reason, request_id=exc.request_id, error=str(exc)
-        )
-        if exc.request_id:
-            self._metrics.failed_total.inc()
-            await self._finish(
-                delivery, Result.failure(exc.request_id, ErrorCode.INVALID_REQUEST, str(exc))
-            )
-            return
-        self._metrics.dead_letter(exc.reason)
-        await self._settler.dead_letter(delivery, exc.reason, str(exc))
-
-    async def _cancelled(self, delivery: Delivery) -> bool:
-        try:
-            return await self._transport.is_cancelled(delivery)
-        except TransportError as exc:
-            self._log.warning("cancel_check_failed", error=str(exc))
-            return False
-
-    async def _finish(self, delivery: Delivery, result: Result) -> None:
-        await self._settler.finish(delivery, result)
-        self._handed_on.add(delivery)
-
-    async def _defer(self, delivery: Delivery, delay: float) -> None:
-        await self._settler.defer(delivery, delay)
-        self._handed_on.add(delivery)
-
-    async def _hand_back(self, deliveries: Sequence[Delivery]) -> None:
-        handed = 0
-        with anyio.CancelScope(shield=True), anyio.move_on_after(HAND_BACK_TIMEOUT):
-            for delivery in deliveries:
-                await self._defer(delivery, 0.0)
-                handed += 1
-        # Not handed back in time (the writer is stuck): let their leases lapse, and give
-        # their slots back, since a removed queue's poller stops while the daemon runs on.
-        for delivery in deliveries[handed:]:
-            abandon(self._transport, delivery, "hand_back_timeout")
-            self._settler.release()
 
     async def _note_gate_closed(self) -> None:
         try:

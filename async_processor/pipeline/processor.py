@@ -348,6 +348,7 @@ class Processor:
             held=pool.held,
             idle_gates=self._idle_gates,
             bound_in_flight=self.config.runtime.budget_scope == "in-flight",
+            gate_wait=self.config.runtime.effective_gate_wait_timeout,
         )
         return Source(queue, lane_out), poller
 

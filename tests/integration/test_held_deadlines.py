@@ -19,6 +19,7 @@ import anyio
 import pytest
 from redis.asyncio import Redis
 
+from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config import AppConfig, MergePolicyConfig, PoolConfig, SortedSetConfig
 from async_processor.messages import ErrorCode, Result
 from async_processor.pipeline.processor import Processor
@@ -233,3 +234,71 @@ async def test_a_blocking_pool_gate_hands_back_at_the_gate_wait_timeout(
                 await anyio.sleep(0.05)
         assert not await all_results(redis_client, [unique])
         assert metric(processor, "llm_d_async_async_inflight_requests") == 1
+
+
+# ------------------------------------------------------------ the poller's own waits
+# (issue 30, item 5): a queue gate that waits inside its apply stalled the poller, and a
+# message whose payload was still to be loaded was held by nobody.
+
+BLOCKING = {
+    "gate_type": "local-max-concurrency",
+    "gate_params": {"limit": 1, "gating_mode": "blocking"},
+}
+
+
+async def test_messages_behind_a_blocking_queue_gate_are_answered_at_their_deadline(
+    redis_url: str, unique: str, simulator: SimulatorProcess, redis_client: Redis
+) -> None:
+    # The busy one holds the gate's only permit; the first late one waits inside the
+    # gate's apply, the rest on the broker behind the stalled poller. The wait ends at the
+    # deadline: each is answered then, not when the busy one finishes (5 s).
+    simulator.configure(latency=BUSY_FOR)
+    config = sortedset_config(
+        redis_url, simulator.url, unique, queue_extra=BLOCKING, drain_timeout="1s"
+    )
+    async with running(config) as processor:
+        await submit(redis_url, unique, request("busy", 600))
+        await until_in_flight(processor, 1)
+        late = [request(f"late{i}", 3) for i in range(4)]
+        await submit(redis_url, unique, *late)
+        seen = await results_as_they_come(redis_client, [unique], {x["id"] for x in late})
+        for item in late:
+            delay = seen[item["id"]] - item["deadline"]
+            assert -0.05 < delay < 1.0, f"{item['id']} answered {delay:.2f} s after its deadline"
+        by_id = {x.id: x for x in await all_results(redis_client, [unique])}
+        assert {by_id[x["id"]].error_code for x in late} == {ErrorCode.DEADLINE_EXCEEDED}
+        exceeded = metric(processor, "llm_d_async_async_exceeded_deadline_requests_total")
+        assert exceeded == len(late)
+    assert not [
+        x["id"] for x in late if x["id"] in " ".join(r["body"] for r in simulator.requests())
+    ]
+
+
+async def test_a_payload_being_loaded_is_answered_at_its_deadline(
+    redis_url: str, unique: str, simulator: SimulatorProcess, redis_client: Redis
+) -> None:
+    # One batch, payloads stored apart: the first message takes the queue gate's only
+    # permit and waits for the batch's payload read; the second waits inside the gate for
+    # that permit, so the first never got past the load: both stuck until the second's
+    # deadline (10 minutes). Held from its admission, the first is answered at its
+    # deadline, which gives its permit back, and the second goes on.
+    simulator.configure(latency=0.1)
+    late, after = request("late0", 3), request("after", 600)
+    async with SortedSetClient(
+        redis_url, unique, f"{unique}:results", payload_keys=True
+    ) as producer:
+        await producer.submit_many([late, after])
+    config = sortedset_config(
+        redis_url, simulator.url, unique, queue_extra=BLOCKING, drain_timeout="1s",
+        transport_extra={"batch_size": 10},
+    )  # fmt: skip
+    async with running(config) as processor:
+        seen = await results_as_they_come(redis_client, [unique], {"late0", "after"})
+        assert -0.05 < seen["late0"] - late["deadline"] < 1.0
+        by_id = {x.id: x for x in await all_results(redis_client, [unique])}
+        assert by_id["late0"].error_code == ErrorCode.DEADLINE_EXCEEDED
+        assert (by_id["after"].error_code, by_id["after"].status_code) == ("", 200)
+        assert metric(processor, "llm_d_async_async_exceeded_deadline_requests_total") == 1
+        pool = processor.pools[0]
+        assert pool.held is not None and pool.held.live == 0
+    assert "late0" not in " ".join(x["body"] for x in simulator.requests())

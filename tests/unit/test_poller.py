@@ -310,9 +310,9 @@ async def test_a_hand_back_that_cannot_finish_gives_up_the_rest_and_their_slots(
     """A removed queue's poller stops while the process runs on: what it could not hand
     back in time (the writer is stuck) is abandoned, so the heartbeat no longer renews it,
     and its slots come back (else the pool shrinks for good)."""
-    import async_processor.pipeline.poller as poller_module
+    import async_processor.pipeline.intake as intake_module
 
-    monkeypatch.setattr(poller_module, "HAND_BACK_TIMEOUT", 0.1)
+    monkeypatch.setattr(intake_module, "HAND_BACK_TIMEOUT", 0.1)
     future = time.time() + 600
     transport = AbandoningTransport([message(i, future) for i in ("a", "b", "c")])
     capacity = PoolCapacity(8)
@@ -413,3 +413,68 @@ async def test_a_batch_behind_a_full_lane_waits_held_and_a_stop_hands_back_the_r
     ]
     assert capacity.free == 8 - 1  # m0's slot stays with it
     assert poller._waiting() == 1 and poller._in_flight == 1
+
+
+class StuckGate:
+    """Open by its budget, but ``apply`` waits until cancelled: a queue gate whose permits
+    went elsewhere between the budget read and the message (a ``gate_group``'s other
+    queue, the queue's other fetch loop), as ``local-max-concurrency`` in blocking mode."""
+
+    async def budget(self) -> float:
+        return 1.0
+
+    async def apply(self, message: Envelope, releases: object) -> object:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def _stuck_gate_ops(deadlines: dict[str, float], gate_wait: float) -> list[Op]:
+    """A batch of ``deadlines`` against ``StuckGate``: the ops written, once the poller is
+    back at its next fetch (it gave up every wait)."""
+    transport = FakeTransport([message(i, d) for i, d in deadlines.items()])
+    lane_in, lane_out = anyio.create_memory_object_stream[Work](16)
+    writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
+    settler = Settler(
+        transport=cast(Transport, transport), writer=writer_in, capacity=PoolCapacity(8)
+    )
+    poller = Poller(
+        queue=QUEUE, transport=cast(Transport, transport), gate=cast(Gate, StuckGate()),
+        settler=settler, lane=lane_in, metrics=Metrics().queue("q", "q", "default"),
+        held=HeldWork(settler), gate_wait=gate_wait,
+    )  # fmt: skip
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(poller.run)
+        with anyio.fail_after(5):
+            await transport.blocked.wait()
+        tg.cancel_scope.cancel()
+    async with lane_out, writer_out:
+        assert not _drain(lane_out)
+        return _drain(writer_out)
+
+
+async def test_one_behind_a_queue_gate_that_waits_is_answered_at_its_deadline() -> None:
+    # The first waits in the gate; the second, behind it, is due first: it is answered at
+    # its deadline while the first waits on, until the gate-wait timeout hands it back.
+    soon = time.time() + 1.2
+    started = time.monotonic()
+    ops = await _stuck_gate_ops({"later": soon + 600, "soon": soon}, gate_wait=2.5)
+    assert time.monotonic() - started < 4
+    assert [(type(op).__name__, op.delivery.envelope.id) for op in ops] == [  # type: ignore[union-attr]
+        ("Completion", "soon"),
+        ("Deferral", "later"),
+    ]
+    assert cast(Completion, ops[0]).result.error_code == ErrorCode.DEADLINE_EXCEEDED
+
+
+async def test_a_queue_gate_that_waits_answers_its_message_at_its_deadline() -> None:
+    ops = await _stuck_gate_ops({"a": time.time() + 1.2}, gate_wait=60)
+    [answered] = ops
+    assert isinstance(answered, Completion)
+    assert answered.result.error_code == ErrorCode.DEADLINE_EXCEEDED
+
+
+async def test_a_queue_gate_that_waits_hands_back_at_the_gate_wait_timeout() -> None:
+    started = time.monotonic()
+    ops = await _stuck_gate_ops({"a": time.time() + 600, "b": time.time() + 600}, gate_wait=0.2)
+    assert time.monotonic() - started < 2
+    assert [type(op).__name__ for op in ops] == ["Deferral", "Deferral"]
