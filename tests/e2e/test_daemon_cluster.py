@@ -98,16 +98,20 @@ def test_cancel_reaches_the_daemon_through_slot_aware_markers(
     simulator.configure(error_rate=1.0, error_status=503)  # keeps it retrying until cancelled
     daemon_factory.start(_config(redis_cluster, simulator.url, [queue]))
     conn = RedisConnection(url=redis_cluster.url, mode="cluster")
-    result = anyio.run(_cancel_one, conn, queue)
+    result = anyio.run(_cancel_one, conn, queue, simulator)
     assert result.id == "c-1" and result.error_code == "CANCELLED"
 
 
-async def _cancel_one(conn: RedisConnection, queue: str) -> Result:
+async def _cancel_one(conn: RedisConnection, queue: str, simulator: SimulatorProcess) -> Result:
     async with SortedSetClient(conn, queue, f"{{{queue}}}:results") as client:
         await client.submit({"id": "c-1", "deadline": int(time.time() + 600), "payload": {}})
-        await anyio.sleep(1.0)  # claimed and failed at least once
+        # Claimed and failed at least once: the simulator saw it (a fixed sleep was not
+        # enough under load). Generous bounds: a retry waits 2-4 s, then 4-8 s.
+        with anyio.fail_after(60):
+            while (await anyio.to_thread.run_sync(simulator.stats))["total"] < 1:
+                await anyio.sleep(0.1)
         assert await client.cancel(["c-1"]) == 1
-        [result] = await client.drain_results(1, 30)
+        [result] = await client.drain_results(1, 60)
     return result
 
 

@@ -291,13 +291,23 @@ async def test_pool_gate_wait_limit_hands_back_instead_of_failing(
     )
     async with running(config) as processor:
         client = await submit(redis_url, unique, _req("w1"))
-        await anyio.sleep(1.0)
+        # Each admission of the message counts one gate_closed decision: a second one means
+        # the wait limit ended the first wait with a hand-back (a failure would have ended
+        # it for good). Polled, not slept on: under load a round takes longer.
+        with anyio.fail_after(30):
+            while metric(processor, "llm_d_async_async_gate_decisions_total",
+                         pool_name="p", reason="gate_closed") < 2:  # fmt: skip
+                await anyio.sleep(0.05)
         assert await client.result_depth() == 0  # no terminal result
         r = aioredis.Redis.from_url(redis_url)
-        depth = await r.zcard(unique) + await r.zcard(f"{unique}:inflight")
+        # One transaction: read one at a time, a claim or hand-back between the two reads
+        # counted the message twice or not at all.
+        async with r.pipeline(transaction=True) as pipe:
+            waiting, claimed = await pipe.zcard(unique).zcard(f"{unique}:inflight").execute()
+        await r.aclose()
         requeues = metric(processor, REQUEUES, queue_name=unique)
         assert metric(processor, "llm_d_async_async_dispatched_requests_total") == 0
-    assert depth == 1  # still on the broker, unharmed
+    assert waiting + claimed == 1  # still on the broker, unharmed
     assert requeues >= 1  # each hand-back at the wait limit counted, as upstream
 
 
