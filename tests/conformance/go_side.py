@@ -38,8 +38,9 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
+import anyio
 from redis.asyncio import Redis
 
 SEQ_PLACEHOLDER = b'"enqueue_seq":-1'
@@ -411,8 +412,6 @@ class GoResultReader:
     async def receive(self, timeout: float = 15.0) -> Delivery:
         """The oldest result, claimed by a fresh owner (raises TimeoutError, or
         UnparsableResult for an entry that is not a result)."""
-        import anyio  # a test dependency, not the module's
-
         owner = new_token()
         with anyio.fail_after(timeout):
             while True:
@@ -439,8 +438,6 @@ class GoResultReader:
 
     async def receive_all(self, n: int, timeout: float = 20.0) -> dict[str, dict[str, Any]]:
         """``n`` results received and acked, by id (a second result for an id fails)."""
-        import anyio
-
         out: dict[str, dict[str, Any]] = {}
         with anyio.fail_after(timeout):
             while len(out) < n:
@@ -479,4 +476,4 @@ def go_parse_result(raw: bytes) -> dict[str, Any]:
         out[name] = value
     if not out["id"]:
         raise UnparsableResult("result missing 'id' field")
-    return cast(dict[str, Any], out)
+    return out

@@ -128,6 +128,27 @@ async def test_a_route_frozen_by_a_go_daemon_answers_there_with_its_ttl(
 
 
 @upstream("§3")
+async def test_a_route_resolved_without_a_list_answers_on_the_transport_default(
+    redis_url: str, r: Redis, go: GoSide, local_simulator: LocalSimulator
+) -> None:
+    """Resolved with no ``result_queue_name`` (the queue named none when a Go daemon
+    froze it): the transport's default list, not the queue's list configured since."""
+    routing = GoRouting(
+        request_token=new_token(), request_queue_name=go.queue, result_routing_resolved=True
+    )
+    deadline = deadline_in(300)
+    await r.zadd(go.queue, {go_envelope(routing, GoRequest("dflt", deadline)): deadline})
+    config = sortedset_config(
+        redis_url, local_simulator.url, go.queue,
+        queue_extra={"result_queue_name": f"{go.queue}:since"},
+    )  # fmt: skip
+    async with running(config):
+        result = (await go.reader.receive_all(1))["dflt"]  # go.results: the default
+    assert result["status_code"] == 200
+    assert not await r.exists(f"{go.queue}:since")
+
+
+@upstream("§3")
 @pytest.mark.parametrize(("configured", "expected"), [(3600, (3500, 3600)), (0, (-1, -1))])
 async def test_a_route_ttl_never_shortens_a_configured_lists_retention(
     redis_url: str, r: Redis, go: GoSide, local_simulator: LocalSimulator,
