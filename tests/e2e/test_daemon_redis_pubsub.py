@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import redis
 
 from async_processor.messages import Result
-from tests.fixtures.daemon import DaemonFactory
+from tests.fixtures.daemon import Daemon, DaemonFactory
+from tests.fixtures.servers import RedisServer
 from tests.fixtures.simulator import SimulatorProcess
 
 pytestmark = [pytest.mark.slow]
@@ -88,3 +90,83 @@ def test_two_replicas_fan_out_but_publish_one_result_per_id(
     # ... but only one result per id went out.
     got += _collect(results, 1, 1.0)
     assert Counter(x.id for x in got) == Counter(ids)
+
+
+# ------------------------------------------------ Redis away with answers in flight
+# (issue 30, item 5: the fault cases ran on redis-sortedset only). What redis-pubsub
+# promises here: a message the daemon received is answered once, through Redis
+# refusing writes and through a restart (with AOF, so the dedup markers survive).
+
+IN_FLIGHT = 16
+TOTAL = 40
+
+
+def _publish_all(r: redis.Redis, channel: str, prefix: str) -> list[str]:
+    ids = [f"{prefix}{i}" for i in range(TOTAL)]
+    deadline = int(time.time()) + 600
+    for request_id in ids:
+        body = {"id": request_id, "deadline": deadline, "payload": {"prompt": request_id}}
+        assert r.publish(channel, json.dumps(body)) == 1  # the daemon has it
+    return ids
+
+
+def _until_in_flight(daemon: Daemon) -> None:
+    end = time.monotonic() + 20
+    while daemon.metric("llm_d_async_async_inflight_requests") < IN_FLIGHT:
+        assert time.monotonic() < end, "the requests never reached the gateway"
+        time.sleep(0.05)
+
+
+def test_redis_refusing_writes_with_answers_due_loses_none_and_doubles_none(
+    tmp_path: Path, unique: str, simulator: SimulatorProcess, daemon_factory: DaemonFactory
+) -> None:
+    # The result script (dedup marker + PUBLISH) is refused while Redis is out of memory:
+    # each answer waits and goes out once Redis takes writes again.
+    server = RedisServer(dir=tmp_path).start()
+    try:
+        simulator.configure(latency=1.0, error_rate=0.0)
+        r = redis.Redis.from_url(server.url)
+        results = r.pubsub()  # type: ignore[no-untyped-call]
+        results.subscribe(f"{unique}:results")
+        config = _config(server.url, simulator.url, unique)
+        daemon = daemon_factory.start(
+            config, "--concurrency", str(IN_FLIGHT), transport="redis-pubsub"
+        )
+        ids = _publish_all(r, f"{unique}:in", "oom")
+        _until_in_flight(daemon)
+        r.config_set("maxmemory", 1)  # noeviction: every write refused with OOM
+        got = _collect(results, TOTAL, 3.0)  # answers come due meanwhile: none goes out
+        r.config_set("maxmemory", 0)
+        got += _collect(results, TOTAL - len(got), 30)
+        assert "maxmemory" in daemon.logs()  # the refusals were met, and said
+        counts = Counter(x.id for x in got + _collect(results, 1, 1.0))
+        assert counts == Counter(ids)
+    finally:
+        server.stop()
+
+
+def test_a_redis_restart_with_answers_in_flight_loses_none_and_doubles_none(
+    tmp_path: Path, unique: str, simulator: SimulatorProcess, daemon_factory: DaemonFactory
+) -> None:
+    # Redis (AOF) restarts while 16 requests are at a 3 s gateway and 24 wait in the
+    # daemon's buffer: the daemon reconnects and resubscribes; every answer goes out once.
+    server = RedisServer(dir=tmp_path, aof=True).start()
+    try:
+        simulator.configure(latency=3.0, error_rate=0.0)
+        r = redis.Redis.from_url(server.url)
+        config = _config(server.url, simulator.url, unique)
+        daemon = daemon_factory.start(
+            config, "--concurrency", str(IN_FLIGHT), transport="redis-pubsub"
+        )
+        ids = _publish_all(r, f"{unique}:in", "restart")
+        _until_in_flight(daemon)
+        r.close()
+        server.restart()
+        r = redis.Redis.from_url(server.url)
+        results = r.pubsub()  # type: ignore[no-untyped-call]
+        results.subscribe(f"{unique}:results")  # before the first answer (3 s)
+        got = _collect(results, TOTAL, 40)
+        counts = Counter(x.id for x in got + _collect(results, 1, 1.0))
+        assert counts == Counter(ids), daemon.logs()[-2000:]
+    finally:
+        server.stop()
