@@ -112,13 +112,17 @@ class Metrics:
             "cross_slot, over_cap).",
             ("reason",),
         )
-        self.discovered_queues = Gauge(
-            PREFIX + "queue_discovery_queues", "Discovered queues being polled.", registry=r
+        self.discovered_queues = gauge(
+            "queue_discovery_queues", "Discovered queues being polled.", ()
         )
         self.abandoned_total = counter(
             "abandoned_claims",
             "Claims given up after a write failed (lease left to expire), by reason.",
             ("queue_name", "reason"),
+        )
+        legacy = "Expired claims of the previous release (<queue>:inflight) put back."
+        self.legacy_claims_returned_total = counter(
+            "legacy_claims_returned", legacy, ("queue_name",)
         )
         self.broker_errors_total = counter(
             "broker_errors",

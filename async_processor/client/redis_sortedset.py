@@ -346,9 +346,11 @@ class SortedSetClient:
             return int(await self._redis.zcard(queue or self.request_queue))
 
     async def inflight_depth(self, queue: str | None = None) -> int:
-        """Requests claimed by a processor and not yet answered or handed back."""
+        """Requests claimed by a processor (ours or a Go daemon) and not yet answered or
+        handed back (upstream's ``<queue>:claims-idx``)."""
         with redis_errors("depth"):
-            return int(await self._redis.zcard(self._keys.inflight(queue or self.request_queue)))
+            name = queue or self.request_queue
+            return int(await self._redis.zcard(self._keys.claims_idx(name)))
 
     async def result_depth(self, result_queue: str | None = None) -> int:
         with redis_errors("depth"):
@@ -361,10 +363,12 @@ class SortedSetClient:
             await delete_matching(self._redis, patterns)
 
     async def clear(self, names: Sequence[str] | None = None) -> None:
-        """Delete the request queue, its in-flight keys and the result list (or ``names``)."""
+        """Delete the request queue, its claim keys (and the previous release's) and the
+        result list (or ``names``)."""
         q = self.request_queue
         targets = names or [
             q,
+            *self._keys.claim_keys(q),
             self._keys.inflight(q),
             self._keys.inflight_meta(q),
             self.result_queue,

@@ -168,7 +168,8 @@ def _queue_status(
 ) -> QueueStatus:
     status = QueueStatus(queue.name, queue.pool, dead_letters=next(replies), origin=origin)
     if isinstance(config, SortedSetConfig):
-        status.depth, status.in_flight = next(replies), next(replies)
+        # Claims in upstream's layout (ours and a Go daemon's), plus the previous release's.
+        status.depth, status.in_flight = next(replies), next(replies) + next(replies)
         oldest = next(replies)
         status.oldest_deadline = oldest[0][1] if oldest else None
     return status
@@ -228,6 +229,7 @@ async def _counts(
             pipe.llen(keyspace.dead_letter(queue))
             if isinstance(config, SortedSetConfig):
                 pipe.zcard(queue)
+                pipe.zcard(keyspace.claims_idx(queue))
                 pipe.zcard(keyspace.inflight(queue))
                 pipe.zrange(queue, 0, 0, withscores=True)
         for result_list in result_lists:

@@ -9,8 +9,14 @@ dead-letter entry are ``redis.entries``.
 Keys (the reference's names where it has them):
 
     <queue>                   sorted set of envelopes, score = deadline (producer's ZADD)
-    <queue>:inflight          sorted set: claim id -> lease expiry (Redis clock)
-    <queue>:inflight:meta     hash: claim id -> "<original score>|<envelope>"
+    <queue>:claimed           hash: claim key -> the member claimed (upstream's claim
+                              layout, #412, shared with Go daemons v0.9.1+); claim key =
+                              id NUL request_token (id alone without a token)
+    <queue>:claim-owners      hash: claim key -> owner token (16 hex, one per process)
+    <queue>:claims-idx        sorted set: claim key -> lease expiry (Unix seconds)
+    <queue>:inflight          the current release's claims (sorted set: claim id -> lease
+    <queue>:inflight:meta     expiry; hash: claim id -> "<score>|<envelope>"), no longer
+                              written: still reaped, so a rolling upgrade loses nothing
     <queue>:dead-letter       list of JSON entries for messages with no usable id
     retry-sortedset           sorted set of envelopes, score = due time (shared, configurable)
     result-list               list of result JSON (LPUSH by us, BRPOP by the producer)
@@ -28,6 +34,8 @@ Keys (the reference's names where it has them):
     {result-list}:marks       zset: pushed count -> the first time it was seen
     request-active:<id>       the live submission's token, TTL until its deadline
     request-cancel:<id>       the token being cancelled, TTL 7 days
+    claim-batch:<owner>:<n>   one claim call's claim keys and scores, for a retry of the
+                              call whose reply was lost; expires after a lease
     request-done:<id>:<digest>  dedup marker: a terminal result was written for this
                               submission; digest = hash of (id, fingerprint), so two
                               different (id, token) pairs never share a marker
@@ -81,6 +89,9 @@ def done_key(request_id: str, fingerprint: str = "") -> str:
 
 
 SEQUENCE_PREFIX = "request-seq:"
+# A claim call's record (claim-batch:<owner>:<n>, JSON [[claim key, score], ...], expires
+# after a lease): a retried call whose reply was lost answers with what it claimed.
+CLAIM_RECORD_PREFIX = "claim-batch:"
 PAYLOAD_PREFIX = "request-payload:"
 # Upstream's counter outlives its deadline by this much (EXPIREAT deadline + 3600).
 SEQUENCE_GRACE_SECONDS = 3600
@@ -90,6 +101,7 @@ OWN_PREFIXES = (
     "request-done:",
     SEQUENCE_PREFIX,
     PAYLOAD_PREFIX,
+    CLAIM_RECORD_PREFIX,
 )
 # The discovered queues removed while they still held claims or retries: kept in Redis so
 # a restarted daemon (or one with discovery turned off) still reaps and moves them home.
@@ -144,10 +156,11 @@ def own_keys(
 
 
 def queue_keys(queues: Iterable[str]) -> set[str]:
-    """Request queues with their in-flight and dead-letter keys."""
+    """Request queues with their claim, in-flight and dead-letter keys."""
     exact: set[str] = set()
     for queue in queues:
         exact |= {queue, inflight_key(queue), inflight_meta_key(queue), dead_letter_key(queue)}
+        exact |= {claimed_key(queue), claim_owners_key(queue), claims_idx_key(queue)}
     return exact
 
 
@@ -162,6 +175,18 @@ def payload_key(request_id: str, token: str) -> str:
 
 def live_key(queue: str, request_id: str) -> str:
     return f"{queue}:live:{request_id}"
+
+
+def claimed_key(queue: str) -> str:
+    return f"{queue}:claimed"
+
+
+def claim_owners_key(queue: str) -> str:
+    return f"{queue}:claim-owners"
+
+
+def claims_idx_key(queue: str) -> str:
+    return f"{queue}:claims-idx"
 
 
 def inflight_key(queue: str) -> str:

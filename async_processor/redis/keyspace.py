@@ -6,13 +6,14 @@ transport and the client library, the startup check that a queue's result list s
 its slot, and scripts that also run inside a cluster pipeline.
 
 In cluster mode every Lua step must touch one slot, so every key derived for queue ``Q``
-carries Q's hash tag: ``{Q}:inflight``, ``{Q}:inflight:meta``, ``{Q}:dead-letter``,
-``{Q}:retry`` (a retry set per queue; ``retry_queue_name`` is not used), and the markers
-``{Q}:request-active:<id>``, ``{Q}:request-cancel:<id>``, ``{Q}:request-done:<id>:<fp>``.
-A queue whose name already has a tag (``{t}requests``) keeps it: its own keys are
-today's names (``{t}requests:inflight``, which hash on ``t``), its markers ``{t}:…``.
-Standalone and sentinel names stay exactly the Go daemon's (``redis.keys``).
-"""
+carries Q's hash tag: ``{Q}:claimed``, ``{Q}:claim-owners``, ``{Q}:claims-idx`` (as upstream
+names them), the previous release's ``{Q}:inflight``, ``{Q}:inflight:meta``,
+``{Q}:dead-letter``, ``{Q}:retry`` (a retry set per queue; ``retry_queue_name`` is not
+used), and the markers ``{Q}:request-active:<id>``, ``{Q}:request-cancel:<id>``,
+``{Q}:request-done:<id>:<fp>``. A queue whose name already has a tag (``{t}requests``) keeps
+it: its own keys are today's names (``{t}requests:inflight``, which hash on ``t``), its
+markers ``{t}:…``. Standalone and sentinel names stay exactly the Go daemon's
+(``redis.keys``)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,24 @@ class KeySpace:
 
     def _marker(self, queue: str, name: str) -> str:
         return f"{{{hash_tag(queue)}}}:{name}" if self.cluster else name
+
+    def claimed(self, queue: str) -> str:
+        """Upstream's claim hash (claim key -> member), ``{Q}:claimed`` in cluster mode."""
+        return self._own(queue, "claimed") if self.cluster else keys.claimed_key(queue)
+
+    def owners(self, queue: str) -> str:
+        return self._own(queue, "claim-owners") if self.cluster else keys.claim_owners_key(queue)
+
+    def claims_idx(self, queue: str) -> str:
+        return self._own(queue, "claims-idx") if self.cluster else keys.claims_idx_key(queue)
+
+    def claim_keys(self, queue: str) -> list[str]:
+        """The three claim keys, in the order every claim script takes them."""
+        return [self.claimed(queue), self.owners(queue), self.claims_idx(queue)]
+
+    def claim_record(self, queue: str, call: str) -> str:
+        """A claim call's record (``claim-batch:<owner>:<n>``), in the queue's slot."""
+        return self._marker(queue, keys.CLAIM_RECORD_PREFIX + call)
 
     def inflight(self, queue: str) -> str:
         return self._own(queue, "inflight") if self.cluster else keys.inflight_key(queue)
@@ -113,6 +132,7 @@ class KeySpace:
             return own
         names = list(queues)
         exact = {f(q) for q in names for f in (self.inflight, self.inflight_meta)}
+        exact |= {key for q in names for key in self.claim_keys(q)}
         exact |= {f(q) for q in names for f in (self.dead_letter, lambda q: self.retry(q, ""))}
         prefixes = {self._marker(q, p) for q in names for p in keys.OWN_PREFIXES}
         return replace(own, exact=own.exact | exact, prefixes=(*own.prefixes, *prefixes))

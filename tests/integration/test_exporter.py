@@ -90,11 +90,11 @@ async def test_backlog_follows_the_queue_retries_and_claims(
         assert (await get(f"{health}/readyz"))[0] == 200
         await backlog_becomes(f"{metrics}/backlog", 3)
         r.zadd(f"{queue}-retry", {"later": time.time() + 60})  # a parked retry is work too
-        r.zadd(f"{queue}:inflight", {"claim": time.time() + 30})  # so is a held claim
+        r.zadd(f"{queue}:claims-idx", {"claim": time.time() + 30})  # so is a held claim
         await backlog_becomes(f"{metrics}/backlog", 5)
         retries = f'{P}retry_set_members{{retry_set="{queue}-retry",state="parked"}} 1.0'
         await page_shows(f"{metrics}/metrics", retries)
-        r.delete(queue, f"{queue}-retry", f"{queue}:inflight")
+        r.delete(queue, f"{queue}-retry", f"{queue}:claims-idx")
         await backlog_becomes(f"{metrics}/backlog", 0)  # what lets KEDA scale to zero
         r.zadd(queue, {"m": deadline})
         r.lpush(f"{queue}:dead-letter", "x")
@@ -102,7 +102,7 @@ async def test_backlog_follows_the_queue_retries_and_claims(
         text = await page_shows(f"{metrics}/metrics", f"{P}unanswered_requests 1.0")
         # A removed tenant draining: its claim is work, what waits on it nobody polls.
         r.zadd("gone", {"a": deadline, "b": deadline})
-        r.zadd("gone:inflight", {"claim": time.time() + 30})
+        r.zadd("gone:claims-idx", {"claim": time.time() + 30})
         r.sadd(REMOVED_QUEUES_KEY, "gone")
         await backlog_becomes(f"{metrics}/backlog", 2)
     samples = {(s.name, s.labels.get("queue_id"), s.labels.get("queue_name")): s.value

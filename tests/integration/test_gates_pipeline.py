@@ -104,7 +104,7 @@ async def test_classifying_quota_drives_tier_admission(
         [dropped] = await client.drain_results(1, 10)
         await anyio.sleep(0.8)  # past the gate-wait limit: "held" goes back to the broker
         extra_results = await client.drain_results(1, 0.5)
-        depth = await r.zcard(unique) + await r.zcard(f"{unique}:inflight")
+        depth = await r.zcard(unique) + await r.zcard(f"{unique}:claims-idx")
     key_after = await r.get(f"{unique}:userid:bo")
     await r.aclose()
     # Interactive overflow under saturation: dropped with the 429 payload, no HTTP call.

@@ -303,7 +303,7 @@ async def test_pool_gate_wait_limit_hands_back_instead_of_failing(
         # One transaction: read one at a time, a claim or hand-back between the two reads
         # counted the message twice or not at all.
         async with r.pipeline(transaction=True) as pipe:
-            waiting, claimed = await pipe.zcard(unique).zcard(f"{unique}:inflight").execute()
+            waiting, claimed = await pipe.zcard(unique).zcard(f"{unique}:claims-idx").execute()
         await r.aclose()
         requeues = metric(processor, REQUEUES, queue_name=unique)
         assert metric(processor, "llm_d_async_async_dispatched_requests_total") == 0
@@ -379,7 +379,7 @@ async def test_drain_timeout_cuts_in_flight_and_hands_everything_back_at_once(
     took = time.monotonic() - started
     r = aioredis.Redis.from_url(redis_url)
     queued = await r.zcard(unique)
-    inflight = await r.zcard(f"{unique}:inflight")
+    inflight = await r.zcard(f"{unique}:claims-idx")
     assert took < 5, took  # 0.5 s drain timeout, not a 30 s lease
     assert (queued, inflight) == (20, 0)  # in flight and buffered: all back on the queue
     assert await client.result_depth() == 0

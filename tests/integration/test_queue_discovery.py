@@ -135,7 +135,7 @@ async def test_a_removed_queue_drains_without_losing_a_message_or_a_claim(
         await results(r, unique, 4)  # under way
         await r.srem(listed, queue)
         await anyio.sleep(1.5)  # removed, its poller stopped, what it forwarded finished
-        inflight = await r.zcard(redis_keys.inflight_key(queue))
+        inflight = await r.zcard(redis_keys.claims_idx_key(queue))
     answered = [Result.decode(raw).id for raw in await r.lrange(f"{unique}:results", 0, -1)]
     queued = await r.zcard(queue)
     assert inflight == 0  # no claim left behind

@@ -407,11 +407,12 @@ async def test_cluster_pipelines_load_their_scripts_on_every_primary(
     after ``RELOAD_EVERY``, so a node that lost them (here: SCRIPT FLUSH) recovers."""
     client = connect(RedisConnection(url=redis_cluster.url, mode="cluster"))
     extend = KeySpace(cluster=True).scripts(client)["extend"]
-    inflight = KeySpace(cluster=True).inflight(unique)
+    claim_keys = [KeySpace(cluster=True).owners(unique), KeySpace(cluster=True).claims_idx(unique)]
 
     async def extend_in_a_pipeline() -> Any:
         async with client.pipeline(transaction=False) as pipe:
-            await extend(keys=[inflight], args=[30, 1, "no-such-claim"], client=pipe)
+            args = [30, "0123456789abcdef", 1, "no-such-claim", 2e9]
+            await extend(keys=claim_keys, args=args, client=pipe)
             return (await pipe.execute())[0]
 
     assert await extend_in_a_pipeline() == [[b"no-such-claim"]]  # not held: reported lost

@@ -58,7 +58,7 @@ async def removed_while_draining(redis_url: str, unique: str, r: Redis) -> str:
         await transport.defer([Deferral(claimed[1], 0.05)])  # m2: a retry; m1: in flight
     finally:
         await transport.aclose()  # killed: no heartbeat, no hand-back
-    assert await r.zcard(f"{queue}:inflight") == 1 and await r.zcard(f"{queue}:retry") == 1
+    assert await r.zcard(f"{queue}:claims-idx") == 1 and await r.zcard(f"{queue}:retry") == 1
     return queue
 
 
@@ -89,7 +89,7 @@ async def test_a_removed_queue_left_draining_by_a_killed_daemon_is_drained_after
         await transport.reap()
         await transport.move_due()
         assert await r.zcard(queue) == 2  # back home
-        assert await r.zcard(f"{queue}:inflight") == 0 == await r.zcard(f"{queue}:retry")
+        assert await r.zcard(f"{queue}:claims-idx") == 0 == await r.zcard(f"{queue}:retry")
         with anyio.fail_after(30):  # then forgotten, here and in Redis, after its grace
             while queue in [q.name for q in transport.queues]:
                 await (transport.discover() if discovery else transport.settle_removed())
@@ -156,7 +156,7 @@ async def test_a_lagging_replicas_last_claim_on_a_removed_queue_is_not_stranded(
         await anyio.sleep(1.2)  # B's lease runs out
         await a.discover()
         await a.reap()
-        assert await r.zcard(f"{queue}:inflight") == 0
+        assert await r.zcard(f"{queue}:claims-idx") == 0
         assert await r.zcard(queue) == 2  # both home
         with anyio.fail_after(10):  # and then forgotten
             while queue in [q.name for q in a.queues]:

@@ -80,7 +80,7 @@ async def test_stop_ends_while_hand_backs_keep_the_queue_full(
         await r.delete(unique)
 
     took = await _stop(Processor(config), now, empty_the_queue)
-    queued, claimed = await r.zcard(unique), await r.zcard(f"{unique}:inflight")
+    queued, claimed = await r.zcard(unique), await r.zcard(f"{unique}:claims-idx")
     results = await r.llen(f"{unique}:results")
     await r.aclose()
     assert took < STOP_BOUND, took

@@ -118,8 +118,8 @@ async def test_fetch_claims_earliest_deadlines_and_fills_routing(make_config, r)
         envelopes = [transport.decode(d) for d in deliveries]
         assert [e.id for e in envelopes] == ["early", "mid"]
         assert await r.zcard(q) == 1
-        assert await r.zcard(redis_keys.inflight_key(q)) == 2
-        assert await r.hlen(redis_keys.inflight_meta_key(q)) == 2
+        assert await r.zcard(redis_keys.claims_idx_key(q)) == 2
+        assert await r.hlen(redis_keys.claimed_key(q)) == 2
         routing = envelopes[1].routing
         assert (routing.request_queue_name, routing.queue_id) == (q, "qid")
         assert routing.labels == {"team": "config", "x": "1", "tier": "batch"}
@@ -159,8 +159,8 @@ async def test_expired_lease_is_reaped_with_its_deadline_score(make_config, r) -
                 while await r.zscore(q, raw) is None:
                     await anyio.sleep(0.05)
         assert await r.zscore(q, raw) == deadline
-        assert await r.zcard(redis_keys.inflight_key(q)) == 0
-        assert await r.hlen(redis_keys.inflight_meta_key(q)) == 0
+        assert await r.zcard(redis_keys.claims_idx_key(q)) == 0
+        assert await r.hlen(redis_keys.claimed_key(q)) == 0
 
 
 async def test_heartbeat_keeps_a_long_request_claimed(make_config, r) -> None:
@@ -171,10 +171,10 @@ async def test_heartbeat_keeps_a_long_request_claimed(make_config, r) -> None:
         delivery = await fetch_one(worker)
         await anyio.sleep(1.2)  # four leases long
         assert await r.zcard(q) == 0
-        assert await r.zcard(redis_keys.inflight_key(q)) == 1
+        assert await r.zcard(redis_keys.claims_idx_key(q)) == 1
         await worker.complete([Completion(delivery, Result.http("long", 200, b"{}"))])
     assert [x.id for x in await results_of(r, config.result_queue_name)] == ["long"]
-    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+    assert await r.zcard(redis_keys.claims_idx_key(q)) == 0
 
 
 async def test_two_replicas_claim_disjoint_messages(make_config, r) -> None:
@@ -203,19 +203,29 @@ async def test_one_result_when_completed_twice_or_delivered_twice(make_config, r
     await r.zadd(q, {raw: deadline})
     async with opened(config) as a, opened(config) as b:
         first = await fetch_one(a)
-        await r.zadd(q, {raw: deadline})  # the same message delivered again
-        second = await fetch_one(b)
         await a.complete([Completion(first, Result.http("dup", 200, b"one"))])
         await a.complete([Completion(first, Result.http("dup", 200, b"again"))])
+        await r.zadd(q, {raw: deadline})  # the same message delivered again
+        second = await fetch_one(b)
         await b.complete([Completion(second, Result.http("dup", 200, b"two"))])
+        # Delivered again while still held: the later claim takes the claim key (as
+        # upstream's claim does), and the earlier holder's answer is fenced.
+        await r.zadd(q, {raw: deadline})
+        third = await fetch_one(a)
+        await r.zadd(q, {raw: deadline})
+        fourth = await fetch_one(b)
+        await a.complete([Completion(third, Result.http("dup", 200, b"three"))])
+        await b.complete([Completion(fourth, Result.http("dup", 200, b"four"))])
     assert [(x.id, x.payload) for x in await results_of(r, config.result_queue_name)] == [
         ("dup", "one")
     ]
-    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+    assert await r.zcard(redis_keys.claims_idx_key(q)) == 0
     assert await r.ttl(redis_keys.done_key("dup", "a" * 32)) > 0
 
 
-async def test_complete_after_lost_lease_removes_the_returned_message(make_config, r) -> None:
+async def test_a_complete_after_its_claim_was_reclaimed_is_fenced(make_config, r) -> None:
+    """Upstream's fenced ack: a stale owner writes nothing; the message, back on its queue,
+    is answered once by its next owner."""
     config = make_config(lease_seconds=0.2)
     q = config.queues[0].queue_name
     deadline = future()
@@ -225,7 +235,12 @@ async def test_complete_after_lost_lease_removes_the_returned_message(make_confi
         await anyio.sleep(0.3)
         await transport.reap()
         assert await r.zcard(q) == 1  # back on the queue
-        await transport.complete([Completion(delivery, Result.http("slow", 200, b"{}"))])
+        with capture_logs() as logs:
+            await transport.complete([Completion(delivery, Result.http("slow", 200, b"{}"))])
+        assert [e["event"] for e in logs] == ["lease_expired_before_complete"]
+        assert await r.zcard(q) == 1 and await r.llen(config.result_queue_name) == 0
+        again = await fetch_one(transport)
+        await transport.complete([Completion(again, Result.http("slow", 200, b"{}"))])
     assert await r.zcard(q) == 0
     assert len(await results_of(r, config.result_queue_name)) == 1
 
@@ -242,11 +257,11 @@ async def test_an_expired_claim_without_its_lease_entry_is_counted_and_logged(
     metrics = Metrics()
     async with opened(config, TransportContext(metrics=metrics)) as transport:
         first, second = await transport.fetch(transport.queues[0], 2, 0)
-        await r.hdel(redis_keys.inflight_meta_key(q), claim_of(first).id)
+        await r.hdel(redis_keys.claimed_key(q), claim_of(first).id)
         await anyio.sleep(0.3)
         with capture_logs() as logs:
             await transport.reap()
-    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+    assert await r.zcard(redis_keys.claims_idx_key(q)) == 0
     assert await r.zrange(q, 0, -1) == [second.raw]  # the one with its entry is back
     assert [(e["event"], e["log_level"], e["count"]) for e in logs if "count" in e] == [
         ("reaped_claims_without_lease_entry", "error", 1),
@@ -335,7 +350,7 @@ async def test_defer_zero_returns_the_updated_envelope_at_its_deadline(make_conf
     assert score == deadline
     assert raw == delivery.envelope.encode()
     assert json.loads(raw)["internal"]["labels"]["classification"] == "overflow"
-    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+    assert await r.zcard(redis_keys.claims_idx_key(q)) == 0
 
 
 async def test_defer_with_delay_parks_in_retry_set_until_due(make_config, r) -> None:
@@ -351,7 +366,7 @@ async def test_defer_with_delay_parks_in_retry_set_until_due(make_config, r) -> 
         await transport.defer([Deferral(delivery, 1.0)])
         [(raw, due)] = await r.zrange(config.retry_queue_name, 0, -1, withscores=True)
         assert before + 0.9 < due < time.time() + 1.1
-        assert await r.zcard(q) == 0 and await r.zcard(redis_keys.inflight_key(q)) == 0
+        assert await r.zcard(q) == 0 and await r.zcard(redis_keys.claims_idx_key(q)) == 0
         async with running(transport):
             await anyio.sleep(0.5)
             assert await r.zcard(q) == 0  # not yet due
@@ -400,7 +415,7 @@ async def test_dead_letter_entry(make_config, r) -> None:
     assert (entry["size"], entry["truncated"]) == (12, False)
     assert entry["sha1"] == hashlib.sha1(b'{"no": "id"}').hexdigest()
     assert abs(entry["time"] - time.time()) < 5
-    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+    assert await r.zcard(redis_keys.claims_idx_key(q)) == 0
 
 
 async def test_is_cancelled_matches_the_token(make_config, r) -> None:
@@ -459,7 +474,7 @@ async def test_claims_survive_a_redis_crash(make_config, private_redis) -> None:
         await transport.complete([Completion(delivery, Result.http("durable", 200, b""))])
     async with Redis.from_url(private_redis.url) as r:
         assert await r.llen(config.result_queue_name) == 1
-        assert await r.zcard(redis_keys.inflight_key(q)) == 0
+        assert await r.zcard(redis_keys.claims_idx_key(q)) == 0
 
 
 # --------------------------------------------- producer-chosen keys of the wrong type (review)
@@ -482,7 +497,7 @@ async def test_unusable_result_list_falls_back_to_the_default_and_acks_once(
         await transport.complete([Completion(delivery, Result.http("wr", 200, b"{}"))])
     assert [x.id for x in await results_of(r, config.result_queue_name)] == ["wr"]
     assert await r.get(wrong) == b"x"
-    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+    assert await r.zcard(redis_keys.claims_idx_key(q)) == 0
 
 
 async def test_failed_hand_back_leaves_the_claim_held(make_config, r, unique) -> None:
@@ -497,8 +512,8 @@ async def test_failed_hand_back_leaves_the_claim_held(make_config, r, unique) ->
         delivery = await fetch_one(transport)
         with pytest.raises(TransportError):
             await transport.defer([Deferral(delivery, 5.0)])
-    assert await r.zcard(redis_keys.inflight_key(q)) == 1
-    assert await r.hlen(redis_keys.inflight_meta_key(q)) == 1
+    assert await r.zcard(redis_keys.claims_idx_key(q)) == 1
+    assert await r.hlen(redis_keys.claimed_key(q)) == 1
 
 
 async def test_retry_whose_origin_is_not_a_sorted_set_goes_to_the_first_queue(
@@ -590,23 +605,44 @@ async def test_heartbeat_never_extends_a_lease_another_replica_reclaimed(make_co
         await anyio.sleep(0.3)  # a stalls past its lease
         await b.reap()
         second = await fetch_one(b)
-        b_expiry = await r.zscore(redis_keys.inflight_key(q), second.handle.id)
+        assert second.handle.id == first.handle.id  # one claim key: id NUL token
+        b_expiry = await r.zscore(redis_keys.claims_idx_key(q), second.handle.id)
+        await anyio.sleep(0.01)
         await a.heartbeat()
-        assert await r.zscore(redis_keys.inflight_key(q), first.handle.id) is None
-        assert await r.zscore(redis_keys.inflight_key(q), second.handle.id) == b_expiry
+        assert await r.zscore(redis_keys.claims_idx_key(q), second.handle.id) == b_expiry
         assert first.handle.id not in a._claims.held[q]
-        # a finishes anyway: its result counts once, and b's later one is the duplicate.
+        # a finishes anyway: fenced, it writes nothing; b's answer is the one result.
         await a.complete([Completion(first, Result.http("contested", 200, b"a"))])
         await b.complete([Completion(second, Result.http("contested", 200, b"b"))])
-    assert [x.payload for x in await results_of(r, config.result_queue_name)] == ["a"]
+    assert [x.payload for x in await results_of(r, config.result_queue_name)] == ["b"]
     assert await r.zcard(q) == 0
-    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+    assert await r.zcard(redis_keys.claims_idx_key(q)) == 0
 
 
-async def test_a_retried_claim_answers_with_the_batch_it_already_claimed(make_config, r) -> None:
+async def test_an_undecodable_member_is_claimed_by_its_sha1_and_handed_back(make_config, r) -> None:
+    # Upstream drops such a member; ours answers or dead-letters it, so it is owned while
+    # held: keyed by its SHA-1 (no id to key it by), and put back at its claimed score.
+    config = make_config()
+    q = config.queues[0].queue_name
+    await r.zadd(q, {b"not json": 42})
+    async with opened(config) as transport:
+        delivery = await fetch_one(transport, decode=False)
+        assert delivery.handle.id == hashlib.sha1(b"not json").hexdigest()
+        assert await r.hget(redis_keys.claimed_key(q), delivery.handle.id) == b"not json"
+        with pytest.raises(InvalidMessage):
+            transport.decode(delivery)
+        await transport.defer([Deferral(delivery, 0)])
+    assert await r.zrange(q, 0, -1, withscores=True) == [(b"not json", 42.0)]
+    assert not await r.exists(redis_keys.claimed_key(q), redis_keys.claims_idx_key(q))
+
+
+async def test_a_retried_claim_answers_with_the_batch_it_already_claimed(
+    make_config, r, unique
+) -> None:
     # redis-py retries a command whose reply was lost (Redis restarting) with the same
-    # arguments: the claim ran twice under one claim-id prefix, the second batch's meta
-    # overwrote the first's, and the first batch vanished (seen in the AOF restart e2e).
+    # arguments: the claim ran twice, the first batch claimed and never received, left to
+    # wait out its lease in nobody's hands (seen in the AOF restart e2e). The call's record
+    # (claim-batch:<owner>:<n>) answers the retry with that batch.
     config = make_config()
     q = config.queues[0].queue_name
     deadline = future()
@@ -614,16 +650,16 @@ async def test_a_retried_claim_answers_with_the_batch_it_already_claimed(make_co
     await r.zadd(q, {first: deadline, second: deadline + 1})
     async with opened(config) as transport:
         claim = transport._scripts["claim"]
-        args = [config.lease_seconds, 1000, 100, 1, "owner:7"]
-        script_keys = [q, redis_keys.inflight_key(q), redis_keys.inflight_meta_key(q)]
+        args = [config.lease_seconds, 1000, 100, "0123456789abcdef", 1]
+        script_keys = [q, *transport._keys.claim_keys(q), f"claim-batch:{unique}:7"]
         [once] = await claim(keys=script_keys, args=args)
         [again] = await claim(keys=script_keys, args=args)
     assert once == again
     assert once[1] == first
     assert await r.zrange(q, 0, -1) == [second]
-    assert await r.hgetall(redis_keys.inflight_meta_key(q)) == {
-        b"owner:7:1": f"{deadline}|".encode() + first
-    }
+    assert await r.hgetall(redis_keys.claimed_key(q)) == {b"c1": first}
+    assert await r.hgetall(redis_keys.claim_owners_key(q)) == {b"c1": b"0123456789abcdef"}
+    assert 0 < await r.ttl(f"claim-batch:{unique}:7") <= config.lease_seconds
 
 
 # --------------------------------------------- a message routes only within allowed keys (G10)
@@ -754,13 +790,13 @@ async def test_a_batch_survives_a_wrong_typed_in_flight_key(make_config, r) -> N
     q = config.queues[0].queue_name
     deadline = future()
     await r.zadd(q, {member(f"b{i}", deadline + i): deadline + i for i in range(5)})
-    await r.set(redis_keys.inflight_key(q), "not a sorted set")
+    await r.set(redis_keys.claims_idx_key(q), "not a sorted set")
     async with opened(config) as transport:
         for _ in range(3):
             with pytest.raises(TransportError, match="WRONGTYPE"):
                 await transport.fetch(transport.queues[0], 2, 0)
         assert await r.zcard(q) == 5
-        await r.delete(redis_keys.inflight_key(q))
+        await r.delete(redis_keys.claims_idx_key(q))
         assert len(await transport.fetch(transport.queues[0], 5, 0)) == 5
 
 
@@ -773,13 +809,13 @@ async def test_complete_changes_nothing_when_a_key_has_the_wrong_type(make_confi
     await r.zadd(q, {member("half", deadline): deadline})
     async with opened(config) as transport:
         delivery = await fetch_one(transport)
-        await r.delete(redis_keys.inflight_meta_key(q))
-        await r.set(redis_keys.inflight_meta_key(q), "x")
+        await r.delete(redis_keys.claimed_key(q))
+        await r.set(redis_keys.claimed_key(q), "x")
         with pytest.raises(TransportError, match="WRONGTYPE"):
             await transport.complete([Completion(delivery, Result.http("half", 200, b"{}"))])
     assert await r.llen(config.result_queue_name) == 0
     assert not await r.exists(redis_keys.done_key("half", entries.fingerprint(delivery.envelope)))
-    assert await r.zcard(redis_keys.inflight_key(q)) == 1
+    assert await r.zcard(redis_keys.claims_idx_key(q)) == 1
 
 
 async def test_different_id_and_token_pairs_never_share_a_dedup_marker(
@@ -847,16 +883,14 @@ async def test_an_oversized_member_is_answered_without_being_fetched_whole(
         await transport.complete([Completion(delivery, failure)])
     [result] = await results_of(r, config.result_queue_name)
     assert result.error_code == ErrorCode.INVALID_REQUEST
-    assert await r.zcard(redis_keys.inflight_key(q)) == 0
+    assert await r.zcard(redis_keys.claims_idx_key(q)) == 0
 
 
-async def test_an_oversized_member_answered_after_its_lease_lapsed_leaves_its_queue(
+async def test_an_oversized_member_answered_after_its_lease_lapsed_is_answered_once(
     make_config, r, unique
 ) -> None:
-    # Only a prefix of it was fetched, so removing the member the reaper put back by its
-    # bytes never matched: it stayed queued, was claimed and rejected again, its second
-    # result stopped by the dedup marker only (and answered again once that expired). Its
-    # size and SHA-1 from the claim find it (lua/drop_returned.lua).
+    # Only a prefix of it was fetched. Its stale owner's answer is fenced; its next claim
+    # (of a prefix again, keyed by its SHA-1 or its id) answers it, once.
     config = make_config(lease_seconds=0.2)
     q = config.queues[0].queue_name
     deadline = future()
@@ -872,6 +906,9 @@ async def test_an_oversized_member_answered_after_its_lease_lapsed_leaves_its_qu
         assert await r.zscore(q, big) == deadline  # back on its queue
         failure = Result.failure(f"{unique}-big", ErrorCode.INVALID_REQUEST, "too large")
         await transport.complete([Completion(delivery, failure)])
+        assert await r.llen(config.result_queue_name) == 0  # fenced
+        again = await fetch_one(transport, decode=False)
+        await transport.complete([Completion(again, failure)])
     assert await r.zrange(q, 0, -1) == [look_alike]
     assert len(await results_of(r, config.result_queue_name)) == 1
 
@@ -975,5 +1012,5 @@ async def test_a_claim_cut_after_it_landed_lets_its_leases_lapse(
         monkeypatch.setattr(transport._redis, "mget", hangs)
         with pytest.raises(TransportError):
             await transport.fetch(transport.queues[0], 1, 0)
-        assert await r.zcard(redis_keys.inflight_key(queue)) == 1  # the claim landed
+        assert await r.zcard(redis_keys.claims_idx_key(queue)) == 1  # the claim landed
         assert transport._claims.renewable(queue) == []  # and is not renewed

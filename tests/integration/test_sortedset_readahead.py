@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from async_processor.config import AppConfig, PoolConfig
 from async_processor.pipeline.capacity import prefetch
-from async_processor.redis.keys import inflight_key
+from async_processor.redis.keys import claims_idx_key
 from tests.fixtures.inprocess import running, sortedset_config, submit
 from tests.fixtures.simulator import SimulatorProcess
 
@@ -23,7 +23,7 @@ WORKERS = 200  # a prefetch of 50: five batches read ahead
 
 
 async def held(r: Redis, queue: str) -> int:
-    return int(await r.zcard(inflight_key(queue)))
+    return int(await r.zcard(claims_idx_key(queue)))
 
 
 def one_pool(

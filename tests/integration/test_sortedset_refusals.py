@@ -81,7 +81,7 @@ async def test_a_result_refused_by_redis_is_kept_and_written_after_the_refusal(
         abandoned = metric(processor, "llm_d_async_async_abandoned_claims_total")
         assert abandoned >= 1
         await client.aclose()
-    assert await admin.zcard(redis_keys.inflight_key(unique)) == 0
+    assert await admin.zcard(redis_keys.claims_idx_key(unique)) == 0
     print(f"200 result {took:.1f} s after the refusal ended (lease {LEASE} s)")
 
 
@@ -112,11 +112,11 @@ async def test_an_abandoned_claim_is_not_renewed(private_redis: RedisServer, adm
     transport = SortedSetTransport(config, TransportContext())  # type: ignore[arg-type]
     try:
         [delivery] = await transport.fetch(transport.queues[0], 1, 0)
-        [(claim, expiry)] = await admin.zrange("q:inflight", 0, -1, withscores=True)
+        [(claim, expiry)] = await admin.zrange("q:claims-idx", 0, -1, withscores=True)
         transport.abandon(delivery, "dead_letter_failed")
         await anyio.sleep(0.05)
         await transport.heartbeat()
-        assert await admin.zscore("q:inflight", claim) == expiry
+        assert await admin.zscore("q:claims-idx", claim) == expiry
     finally:
         await transport.aclose()
 

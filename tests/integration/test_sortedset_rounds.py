@@ -95,13 +95,13 @@ async def test_concurrent_claims_of_many_queues_share_rounds_and_deliver_each_me
                 tg.start_soon(drain, index)
         ids = Counter(transport.decode(d).id for d in fetched)
         for name in names:
-            assert await r.zcard(transport._keys.inflight(name)) == PER_QUEUE
+            assert await r.zcard(transport._keys.claims_idx(name)) == PER_QUEUE
         await transport.complete(
             [Completion(d, Result.http(ids_of(d), 200, b"{}")) for d in fetched]
         )
         for name in names:
             assert await r.zcard(name) == 0
-            assert await r.zcard(transport._keys.inflight(name)) == 0
+            assert await r.zcard(transport._keys.claims_idx(name)) == 0
             assert await r.llen(f"{{{name}}}:r") == PER_QUEUE
     assert ids == Counter(f"{name}/{i}" for name in names for i in range(PER_QUEUE))
     assert max(rounds) > 1  # claims of several queues went together
@@ -162,7 +162,7 @@ async def test_a_stray_key_fails_only_its_own_queues_claim(
     await r.zadd(good, {member("good/m", deadline): deadline})
     config = config_for(url, mode, [bad, good], claim_gather_ms=200)
     async with opened(config) as transport:
-        await r.set(transport._keys.inflight(bad), "not a sorted set")
+        await r.set(transport._keys.claims_idx(bad), "not a sorted set")
         outcome: dict[str, Any] = {}
 
         async def fetch(index: int) -> None:
@@ -176,7 +176,7 @@ async def test_a_stray_key_fails_only_its_own_queues_claim(
         async with anyio.create_task_group() as tg:
             tg.start_soon(fetch, 0)
             tg.start_soon(fetch, 1)
-        await r.delete(transport._keys.inflight(bad))
+        await r.delete(transport._keys.claims_idx(bad))
     assert isinstance(outcome[bad], TransportError)
     assert "WRONGTYPE" in str(outcome[bad])
     assert [ids_of_raw(d) for d in outcome[good]] == ["good/m"]
@@ -339,7 +339,7 @@ async def test_a_master_lost_mid_round_keeps_what_the_other_masters_claimed(
             assert isinstance(outcome[bad], TransportError)
             assert not isinstance(outcome[good], TransportError), outcome[good]
             assert [ids_of_raw(d) for d in outcome[good]] == ["good/m"]
-            assert await r.zcard(transport._keys.inflight(good)) == 1  # claimed once
+            assert await r.zcard(transport._keys.claims_idx(good)) == 1  # claimed once
             assert await r.zcard(good) == 0
     finally:
         await r.aclose()

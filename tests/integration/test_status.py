@@ -218,7 +218,7 @@ def test_status_and_dead_letter_replay_on_a_cluster_use_each_queues_slot(
     now = time.time()
     for i, queue in enumerate(queues):
         r.zadd(queue, {envelope(f"{queue}-{n}", now + 600): now + 600 for n in range(i + 1)})
-        r.zadd(f"{{{queue}}}:inflight", {"claim": now + 30})
+        r.zadd(f"{{{queue}}}:claims-idx", {"claim": now + 30})
         r.zadd(f"{{{queue}}}:retry", {envelope("r", now + 600, queue): now + 60})
     entry = {"reason": "malformed", "raw": envelope("dl", now + 900).decode(), "time": now}
     r.lpush(f"{{{queues[1]}}}:dead-letter", json.dumps(entry))
@@ -272,7 +272,7 @@ def test_status_and_dead_letters_see_the_daemons_discovered_and_removed_queues(
     anyio.run(_defer_and_dead_letter_in_discovered, SortedSetConfig.model_validate(raw), a)
     r.lpush(f"{a}:out", "result")
     r.sadd(redis_keys.REMOVED_QUEUES_KEY, c)  # removed, draining: a claim left
-    r.zadd(f"{c}:inflight", {"claim": now + 30})
+    r.zadd(f"{c}:claims-idx", {"claim": now + 30})
     r.zadd(f"{c}:retry", {envelope("c-r", now + 900, c): now + 60})  # its own retry set
     capsys.readouterr()  # the transport's log lines
     try:

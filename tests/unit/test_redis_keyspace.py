@@ -18,6 +18,7 @@ STANDALONE, CLUSTER = KeySpace(), KeySpace(cluster=True)
 
 def _all_names(space: KeySpace, queue: str) -> list[str]:
     return [
+        *space.claim_keys(queue),
         space.inflight(queue),
         space.inflight_meta(queue),
         space.dead_letter(queue),
@@ -30,6 +31,9 @@ def _all_names(space: KeySpace, queue: str) -> list[str]:
 
 def test_standalone_names_are_the_go_daemons() -> None:
     assert _all_names(STANDALONE, "requests") == [
+        "requests:claimed",
+        "requests:claim-owners",
+        "requests:claims-idx",
         "requests:inflight",
         "requests:inflight:meta",
         "requests:dead-letter",
@@ -49,6 +53,13 @@ def test_cluster_names_share_the_queues_slot(queue: str) -> None:
 
 def test_cluster_names_carry_the_queue_or_its_own_tag() -> None:
     assert CLUSTER.inflight("requests") == "{requests}:inflight"
+    # Upstream's claim keys, named as upstream's cluster mode names them (#491).
+    assert CLUSTER.claim_keys("requests") == [
+        "{requests}:claimed",
+        "{requests}:claim-owners",
+        "{requests}:claims-idx",
+    ]
+    assert CLUSTER.claimed("{t}requests") == "{t}requests:claimed"
     assert CLUSTER.active("requests", "7") == "{requests}:request-active:7"
     assert CLUSTER.inflight("{t}requests") == "{t}requests:inflight"  # its own tag kept
     assert CLUSTER.cancel("{t}requests", "7") == "{t}:request-cancel:7"
@@ -95,6 +106,8 @@ def test_cluster_config_checks_every_queue_at_startup() -> None:
 def test_routed_result_lists_and_own_keys_in_cluster_mode() -> None:
     own = CLUSTER.own_keys(keys.own_keys(["requests"], "retry", []), ["requests"])
     assert own.rejection("{requests}:inflight") == "reserved_key"
+    assert own.rejection("{requests}:claims-idx") == "reserved_key"
+    assert own.rejection("{requests}:claim-batch:0123456789abcdef:1") == "reserved_key"
     assert own.rejection("{requests}:request-done:x:y") == "reserved_key"
     assert own.rejection("{requests}:results") is None
     assert CLUSTER.routable("requests", "{requests}:mine")

@@ -11,7 +11,7 @@ import fakeredis
 import pytest
 
 from async_processor.config import SortedSetConfig
-from async_processor.errors import InvalidMessage, TransportError
+from async_processor.errors import TransportError
 from async_processor.messages import Envelope, Request, Result, Routing
 from async_processor.redis import entries, scripts
 from async_processor.redis import keys as redis_keys
@@ -49,6 +49,9 @@ def envelope(request_id: str, deadline: int, token: str = "", origin: str = "") 
     return Envelope(Request(id=request_id, deadline=deadline), routing, kind="redis").encode()
 
 
+CLAIM_KEYS = (redis_keys.claimed_key, redis_keys.claim_owners_key, redis_keys.claims_idx_key)
+
+
 def soon() -> int:
     return int(time.time()) + 600
 
@@ -70,13 +73,14 @@ async def test_a_batch_of_results_is_one_script_call(fake) -> None:
         return await script(**kwargs)  # type: ignore[arg-type]
 
     transport._scripts["complete"] = counting  # type: ignore[assignment]
-    await fake.zrem(redis_keys.inflight_key(Q), deliveries[3].handle.id)  # its lease lapsed
+    # Its lease lapsed and another owner took it: fenced, nothing written for it.
+    await fake.hset(redis_keys.claim_owners_key(Q), deliveries[3].handle.id, "f" * 16)
     items = [(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in deliveries]
     replies = await transport._write_results([*items, items[0]], queued=False)
     assert len(calls) == 1
-    assert replies == [(1, 1, 0), (1, 1, 0), (1, 1, 0), (1, 0, 0), (0, 0, 0)]
-    assert await fake.llen("result-list") == 4
-    assert await fake.zcard(redis_keys.inflight_key(Q)) == 0
+    assert replies == [(1, 1, 0), (1, 1, 0), (1, 1, 0), (0, 0, 0), (0, 0, 0)]
+    assert await fake.llen("result-list") == 3
+    assert await fake.hkeys(redis_keys.claimed_key(Q)) == [deliveries[3].handle.id.encode()]
 
 
 async def test_a_batch_is_one_request_without_a_pipeline(fake, monkeypatch) -> None:
@@ -119,7 +123,7 @@ async def test_a_batch_is_one_request_without_a_pipeline(fake, monkeypatch) -> N
         [Completion(d, Result.http(transport.decode(d).id, 200, b"{}")) for d in both]
     )
     assert pipelines == []
-    assert calls == [22]  # both queues' items in one call
+    assert calls == [24]  # both queues' items in one call
     assert await fake.llen("result-list") == 3
     assert await fake.llen("qb") == 2
 
@@ -129,24 +133,26 @@ async def test_claim_then_complete_acknowledges_and_writes_once(fake) -> None:
     await fake.zadd(Q, {envelope("x", soon(), token="t"): soon()})
     [delivery] = await transport.fetch(transport.queues[0], 10, 0)
     assert transport.decode(delivery).routing.labels == {"k": "cfg"}
-    meta = await fake.hget(redis_keys.inflight_meta_key(Q), delivery.handle.id)
-    score, raw = meta.split(b"|", 1)
-    assert (float(score), raw) == (delivery.handle.score, delivery.raw)
+    assert delivery.handle.id == "x\x00t"  # upstream's claim key: id NUL token
+    assert await fake.hget(redis_keys.claimed_key(Q), "x\x00t") == delivery.raw
+    owner = await fake.hget(redis_keys.claim_owners_key(Q), "x\x00t")
+    assert owner == transport._owner.encode() and len(owner) == 16
     await transport.complete([Completion(delivery, Result.http("x", 200, b"a"))] * 2)
     assert await fake.llen("result-list") == 1
     assert await fake.exists(redis_keys.done_key("x", "t"))
-    assert await fake.zcard(redis_keys.inflight_key(Q)) == 0
+    assert not await fake.exists(*(k(Q) for k in CLAIM_KEYS))
 
 
 async def test_reap_returns_expired_claims_only(fake) -> None:
     transport = make(fake, lease_seconds=0.05)
-    await fake.zadd(Q, {envelope("old", 100): 100, envelope("new", 200): 200})
+    old, new = soon(), soon() + 1
+    await fake.zadd(Q, {envelope("old", old): old, envelope("new", new): new})
     await transport.fetch(transport.queues[0], 1, 0)
     await anyio.sleep(0.1)
     await transport.fetch(transport.queues[0], 1, 0)  # "new": its lease is still running
     await transport.reap()
-    assert await fake.zrange(Q, 0, -1, withscores=True) == [(envelope("old", 100), 100.0)]
-    assert await fake.zcard(redis_keys.inflight_key(Q)) == 1
+    assert await fake.zrange(Q, 0, -1, withscores=True) == [(envelope("old", old), old)]
+    assert await fake.zcard(redis_keys.claims_idx_key(Q)) == 1
 
 
 async def test_heartbeat_forgets_lost_and_stale_claims(fake) -> None:
@@ -157,11 +163,15 @@ async def test_heartbeat_forgets_lost_and_stale_claims(fake) -> None:
     deliveries = await transport.fetch(transport.queues[0], 3, 0)
     for delivery in deliveries:
         transport.decode(delivery)
-    await fake.zrem(redis_keys.inflight_key(Q), deliveries[1].handle.id)  # reclaimed elsewhere
-    before = await fake.zscore(redis_keys.inflight_key(Q), deliveries[0].handle.id)
+    # Reclaimed and claimed by another owner: not renewed, forgotten.
+    await fake.hset(redis_keys.claim_owners_key(Q), deliveries[1].handle.id, "f" * 16)
+    idx = redis_keys.claims_idx_key(Q)
+    before = await fake.zscore(idx, deliveries[0].handle.id)
+    other = await fake.zscore(idx, deliveries[1].handle.id)
     await anyio.sleep(0.01)
     await transport.heartbeat()
-    assert await fake.zscore(redis_keys.inflight_key(Q), deliveries[0].handle.id) > before
+    assert await fake.zscore(idx, deliveries[0].handle.id) > before
+    assert await fake.zscore(idx, deliveries[1].handle.id) == other
     assert list(transport._claims.held[Q]) == [deliveries[0].handle.id]
 
 
@@ -169,22 +179,12 @@ async def test_defer_after_lost_lease_does_not_duplicate(fake) -> None:
     transport = make(fake)
     await fake.zadd(Q, {envelope("d", soon()): soon()})
     [delivery] = await transport.fetch(transport.queues[0], 1, 0)
-    await fake.delete(redis_keys.inflight_key(Q))  # the reaper took it back
+    await fake.delete(redis_keys.claim_owners_key(Q))  # the reaper took it back
     await transport.defer([Deferral(delivery, 3)])
     await transport.dead_letter(delivery, "r", "d")
     assert await fake.zcard("retry-sortedset") == 0
     assert await fake.llen(redis_keys.dead_letter_key(Q)) == 0
     assert transport._claims.held[Q] == {}
-
-
-async def test_defer_without_envelope_puts_raw_bytes_back_at_claimed_score(fake) -> None:
-    transport = make(fake)
-    await fake.zadd(Q, {b"not json": 42})
-    [delivery] = await transport.fetch(transport.queues[0], 1, 0)
-    with pytest.raises(InvalidMessage):
-        transport.decode(delivery)
-    await transport.defer([Deferral(delivery, 0)])
-    assert await fake.zrange(Q, 0, -1, withscores=True) == [(b"not json", 42.0)]
 
 
 async def test_move_due_sends_unparsable_members_to_the_first_queue_now(fake) -> None:
@@ -227,7 +227,7 @@ def test_keys_and_scripts() -> None:
     assert redis_keys.done_key("a:b") != redis_keys.done_key("a", "b")
     assert redis_keys.active_key("i") == "request-active:i"
     assert redis_keys.cancel_key("i") == "request-cancel:i"
-    assert "ZPOPMIN" in scripts.script_source("claim")
+    assert "inflight" in scripts.script_source("reap_legacy")  # the upgrade's reaper
     with pytest.raises(KeyError, match="known"):
         scripts.script_source("nope")
 

@@ -1,30 +1,34 @@
--- Extend the leases of claims this process still holds, for several queues in one call
--- (all in one slot in cluster mode): the heartbeat's one call per slot group, not one
--- per queue (200 tenant queues each holding a prefetched claim: 200 calls a round).
--- KEYS[i] in-flight zset of queue i; ARGV[1] lease seconds; then, per queue in KEYS
--- order, the count n of its claim ids followed by those n ids.
--- Returns per queue the claim ids no longer held (reclaimed by a reaper, or
--- acknowledged), or the WRONGTYPE text of a queue whose in-flight key has the wrong type:
--- that queue is left alone, the others are extended.
+-- Renew the leases of claims this process holds, for several queues in one call (all in
+-- one slot in cluster mode): the heartbeat's one call per slot group, not one per claim
+-- (upstream renews each claim with its own script). Fenced as upstream's renew: a claim
+-- whose owner is no longer this process (reclaimed and claimed by another, Go or ours) or
+-- that is gone is not touched, and reported lost.
+-- Per queue i: KEYS[2i-1] <queue>:claim-owners, KEYS[2i] <queue>:claims-idx. ARGV[1] lease
+-- seconds, ARGV[2] owner token; then, per queue in KEYS order, the count n of its claims
+-- followed by n pairs (claim key, latest expiry: its deadline + 300, as upstream caps it).
+-- Returns per queue the claim keys no longer held, or the WRONGTYPE text of a queue whose
+-- claim keys have the wrong type: that queue is left alone, the others are renewed.
 local t = redis.call('TIME')
 local expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
+local owner = ARGV[2]
 local replies = {}
-local at = 2
-for q = 1, #KEYS do
+local at = 3
+for q = 1, #KEYS / 2 do
+  local owners, idx = KEYS[2 * q - 1], KEYS[2 * q]
   local n = tonumber(ARGV[at])
-  if usable_as(KEYS[q], 'zset') then
+  if usable_as(owners, 'hash') and usable_as(idx, 'zset') then
     local lost = {}
-    for i = at + 1, at + n do
-      if redis.call('ZSCORE', KEYS[q], ARGV[i]) then
-        redis.call('ZADD', KEYS[q], 'XX', expiry, ARGV[i])
+    for i = at + 1, at + 2 * n, 2 do
+      if redis.call('HGET', owners, ARGV[i]) == owner then
+        redis.call('ZADD', idx, math.min(expiry, tonumber(ARGV[i + 1])), ARGV[i])
       else
         lost[#lost + 1] = ARGV[i]
       end
     end
     replies[q] = lost
   else
-    replies[q] = 'WRONGTYPE key ' .. KEYS[q] .. ' is not a sorted set'
+    replies[q] = 'WRONGTYPE a claim key of ' .. idx .. ' has the wrong type'
   end
-  at = at + n + 1
+  at = at + 2 * n + 1
 end
 return replies

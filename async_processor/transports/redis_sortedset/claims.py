@@ -1,7 +1,7 @@
 """Claim bookkeeping for redis-sortedset: what a fetched delivery's receipt is and which
 claims this process holds.
 
-A fetch records each claim here (``hold``); the heartbeat extends the ones still held and
+A fetch records each claim here (``hold``); the heartbeat renews the ones still held and
 not long past their deadline (``renewable``); an ack in flight is marked ``acking`` so a
 heartbeat that misses its claim does not take it for a lost lease; whatever settles or is
 abandoned is ``release``d (docs/architecture.md G1, G11).
@@ -22,13 +22,15 @@ from async_processor.transports.base import Delivery
 log = structlog.get_logger(__name__)
 
 # Stop extending a claim this long after its deadline: by then the pipeline has answered
-# it, so a claim still held is a leak, and letting it expire hands the message back.
+# it, so a claim still held is a leak, and letting it expire hands the message back. Also
+# upstream's cap on a lease: never past the deadline plus this.
 STALE_CLAIM_GRACE = 300.0
 
 
 @dataclass(slots=True)
 class Claim:
-    """A delivery's receipt: the claim id in ``<queue>:inflight`` and its original score.
+    """A delivery's receipt: its claim key in upstream's claim layout (``<queue>:claimed``,
+    ``:claim-owners``, ``:claims-idx``; ``id`` NUL ``request_token``) and its original score.
 
     ``cancelled`` is the last reading of its cancel marker, taken at ``read_at``
     (monotonic): with the fetch (one read per claim round instead of a GET per message),
@@ -37,7 +39,8 @@ class Claim:
     (a ``dataclasses.replace`` per message twice cost ~3 µs).
     ``size`` is the member's size in bytes; ``digest`` (its SHA-1) is set only for a member
     over ``--max-message-bytes``, of which the delivery holds a prefix only.
-    ``sha1`` set: the delivery let go of its bytes once its request was written.
+    ``let_go``: the delivery let go of its bytes once its request was written (they are
+    read back from ``<queue>:claimed`` for a hand-back or a dead letter).
     """
 
     id: str
@@ -50,12 +53,20 @@ class Claim:
     # Its result was sent and the reply lost: the write may have landed, so a marker
     # found and the claim gone on the next send are most likely its own (not counted).
     unsure: bool = False
-    # Set when the delivery let its bytes go (``SortedSetTransport.let_go``): what finds
-    # the member again in its queue after a lapsed lease (its first bytes, SHA-1 and
-    # ``size``), and its dedup fingerprint, which is a digest of the request with it.
-    head: bytes = b""
-    sha1: bytes = b""
+    # Set when the delivery let its bytes go (``SortedSetTransport.let_go``), with its
+    # dedup fingerprint, which is a digest of the request with them.
+    let_go: bool = False
     fingerprint: str = ""
+
+
+def key_text(raw: bytes) -> str:
+    """A claim key read from Redis as text: an id is whatever bytes the message holds (not
+    always UTF-8), kept exact by ``surrogateescape`` and sent back by ``key_bytes``."""
+    return raw.decode(errors="surrogateescape")
+
+
+def key_bytes(claim: Claim) -> bytes:
+    return claim.id.encode(errors="surrogateescape")
 
 
 def claim_of(delivery: Delivery) -> Claim:
@@ -113,18 +124,19 @@ class ClaimBook:
         finally:
             self._settling -= ids
 
-    def renewable(self, queue_name: str) -> list[str]:
-        """Held claim ids, dropping those long past their deadline (a leak, see above)."""
+    def renewable(self, queue_name: str) -> list[tuple[bytes, float]]:
+        """Held claim keys, each with the latest lease expiry upstream allows it (deadline
+        + ``STALE_CLAIM_GRACE``), dropping those long past their deadline (a leak)."""
         held = self.held.get(queue_name, {})
         cutoff = time.time() - STALE_CLAIM_GRACE
-        stale = [cid for cid, d in held.items() if deadline_of(d) < cutoff]
-        for claim_id in stale:
-            log.warning("stale_claim_released", claim=claim_id)
-            del held[claim_id]
-        return list(held)
+        stale = [key for key, d in held.items() if deadline_of(d) < cutoff]
+        for key in stale:
+            log.warning("stale_claim_released", claim=key)
+            del held[key]
+        return [(key_bytes(claim_of(d)), deadline_of(d) + STALE_CLAIM_GRACE) for d in held.values()]
 
     def forget_lost(self, queue_name: str, claim_ids: Iterable[str]) -> list[str]:
-        """Forget claims whose lease Redis no longer has; a claim acked while the extend
+        """Forget claims no longer ours in Redis; a claim acked while the renewal
         was on its way is not lost, only done; nor is one whose result write lost its reply
         (``Claim.unsure``): most likely that write acknowledged it. Returns the ones really
         lost."""

@@ -6,7 +6,7 @@ Stage: broker I/O (which queues exist). Input: ``queue_discovery`` (``set_key`` 
 a sorted set nobody else owns; every refused name counted by reason.
 
 A listed name is untrusted input (docs/architecture.md G14): it is refused (``daemon_key``)
-when it is one of the daemon's keys or shaped like one (``<q>:inflight``, ``<q>:retry``,
+when it is one of the daemon's keys or shaped like one (``<q>:claimed``, ``<q>:retry``,
 ``…:live:…``, ``request-done:…``, a result list, a gate key), ``bad_name`` when empty,
 over ``MAX_NAME_BYTES`` or not UTF-8 text without control characters, ``cross_slot`` in
 cluster mode when its result list is in another slot, ``over_cap`` past
@@ -362,11 +362,12 @@ class QueueCatalog:
         with redis_errors("queue discovery"):
             now = await _redis_now(redis)
             async with redis.pipeline(transaction=False) as pipe:
-                for name in names:
+                for name in names:  # claims (either layout) and retries
+                    pipe.zcard(self._keys.claims_idx(name))
                     pipe.zcard(self._keys.inflight(name))
                     pipe.zcard(self._removed_keys.retry(name, ""))
                 counts = await pipe.execute()
-            busy = [n for i, n in enumerate(names) if counts[2 * i] or counts[2 * i + 1]]
+            busy = [n for i, n in enumerate(names) if any(counts[3 * i : 3 * i + 3])]
             empty = [n for n in names if n not in busy]
             async with redis.pipeline(transaction=False) as pipe:
                 if busy:

@@ -11,7 +11,7 @@ the round's first fetch waits ``claim_gather_ms`` (or until ``GATHER_FULL`` mess
 asked for) and sends the whole round: one ``claim.lua`` call per slot group (all queues
 together outside cluster mode; one call per hash slot in cluster mode, pipelined), then
 the markers of everything claimed in one more round trip. Each queue's claim is still its
-own: its count, its claim-id prefix, its keys checked and written on their own.
+own: its count, its claim record, its keys checked and written on their own.
 
 Idle probe. A queue whose last claim found nothing is not claimed again until the probe
 sees members in it: every ``FETCH_POLL_STEP`` (the old claim retry step, so the added
@@ -46,7 +46,7 @@ from async_processor.messages import ID_PREFIX_BYTES
 from async_processor.redis.conn import redis_errors, transport_error
 from async_processor.redis.keyspace import KeySpace
 from async_processor.transports.base import Delivery
-from async_processor.transports.redis_sortedset.claims import Claim, ClaimBook
+from async_processor.transports.redis_sortedset.claims import Claim, ClaimBook, key_text
 
 if TYPE_CHECKING:
     from async_processor.metrics import Metrics
@@ -63,7 +63,8 @@ PROBE_WARN_SECONDS = 60.0  # at most one idle_probe_failed warning per this many
 
 @dataclass(eq=False)
 class _Ask:
-    """One fetch's part of a round: its queue, count and claim-id prefix; then its answer."""
+    """One fetch's part of a round: its queue, count and claim record's name; then its
+    answer."""
 
     queue: QueueSpec
     limit: int
@@ -103,7 +104,7 @@ class Fetcher:
     scripts: dict[str, AsyncScript]
     claims: ClaimBook
     check_markers: CheckMarkers  # reads the round's cancel and live markers, parks seconds
-    owner: str  # claim ids are unique per process and fetch
+    owner: str  # this process's claim owner token; a claim call's record is named by it
     lease: float
     max_bytes: int
     gather: float = 0.0  # seconds a round waits for more fetches to join
@@ -215,7 +216,7 @@ class Fetcher:
             except TransportError:
                 # The whole pipeline failed (in cluster mode: one master unreachable, its
                 # connection dropped mid-send), yet the other masters may have claimed.
-                # Each call again, on its own: claim.lua answers a prefix it has seen with
+                # Each call again, on its own: claim.lua answers a record it has made with
                 # the batch claimed under it, so those claims are recorded, not left to
                 # wait out a lease in nobody's hands.
                 replies = await self._one_by_one(calls)
@@ -270,11 +271,12 @@ class Fetcher:
 
     def _call(self, group: Sequence[_Ask]) -> tuple[list[str], list[Any]]:
         script_keys: list[str] = []
-        args: list[Any] = [self.lease, self.max_bytes, ID_PREFIX_BYTES]
+        args: list[Any] = [self.lease, self.max_bytes, ID_PREFIX_BYTES, self.owner]
         for ask in group:
             name = ask.queue.name
-            script_keys += [name, self.keys.inflight(name), self.keys.inflight_meta(name)]
-            args += [ask.limit, ask.prefix]
+            script_keys += [name, *self.keys.claim_keys(name)]
+            script_keys.append(self.keys.claim_record(name, ask.prefix))
+            args.append(ask.limit)
         return script_keys, args
 
     def _deliveries(self, ask: _Ask, answer: Any) -> None:
@@ -283,7 +285,7 @@ class Fetcher:
             return
         for i in range(0, len(answer), 5):
             claim = Claim(
-                id=answer[i].decode(),
+                id=key_text(answer[i]),
                 score=float(answer[i + 2]),
                 size=int(answer[i + 3]),
                 digest=answer[i + 4].decode(),

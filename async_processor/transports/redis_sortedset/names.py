@@ -29,7 +29,8 @@ REFUSALS = ("daemon_key", "bad_name", "cross_slot", "over_cap", "wrong_type")
 LOGGED_REFUSALS = 1000  # distinct refused names logged per process (then only counted)
 # Shapes of the keys the daemon and the client derive from a queue name.
 _DERIVED = re.compile(
-    r"(:inflight|:inflight:meta|:dead-letter|:retry|:pushed|:marks)$|:live:|:seq:"
+    r"(:inflight|:inflight:meta|:claimed|:claim-owners|:claims-idx|:dead-letter|:retry|:pushed"
+    r"|:marks)$|:live:|:seq:"
     r"|(^|\}:)(" + "|".join(re.escape(p) for p in OWN_PREFIXES) + ")"
 )
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

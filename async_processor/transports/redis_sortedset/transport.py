@@ -4,11 +4,14 @@ Stage: broker I/O for ``--transport redis-sortedset``. Input: ``SortedSetConfig`
 are sorted sets of envelopes scored by deadline). Output: ``Delivery`` objects for the
 poller; results on Redis lists; hand-backs on the queue or the shared retry set.
 
-At-least-once (docs/architecture.md G1): a fetch moves members into ``<queue>:inflight`` under a
-lease (one Lua call); the heartbeat extends the leases this process holds; any replica's
-reaper puts expired claims back with their deadline score; ``complete``/``defer``/
-``dead_letter`` acknowledge a claim atomically with their write. ``kill -9`` loses nothing:
-a dead replica's claims come back after one lease.
+At-least-once (docs/architecture.md G1), in upstream's claim layout (llm-d-async #412, so
+Go daemons v0.9.1+ share the queue): a fetch moves members into ``<queue>:claimed`` /
+``:claim-owners`` / ``:claims-idx`` under a lease and this process's owner token (one Lua
+call); the heartbeat renews the claims still ours; any replica's reaper (or a Go daemon's)
+puts expired claims back at their queue score; ``complete``/``defer``/``dead_letter``
+acknowledge a claim atomically with their write, only while it is still ours (fenced). ``kill
+-9`` loses nothing: a dead replica's claims come back after one lease. The current
+release's ``<queue>:inflight`` claims are still reaped (``reap_legacy``, upgrades).
 
 Exactly one result (G2): ``complete`` writes the result only if it sets the marker
 ``request-done:<id>:<fp>`` (TTL ``dedup_ttl_seconds``) in the same script. ``fp`` is the
@@ -22,9 +25,8 @@ next one is written (docs/transports.md has what that buys on a failover).
 
 from __future__ import annotations
 
-import hashlib
 import math
-import uuid
+import secrets
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Literal
@@ -61,6 +63,7 @@ from async_processor.transports.redis_sortedset.claims import (
     ClaimBook,
     claim_of,
     deadline_of,
+    key_bytes,
 )
 from async_processor.transports.redis_sortedset.dataset import DatasetWatch
 from async_processor.transports.redis_sortedset.discovery import (
@@ -73,7 +76,7 @@ from async_processor.transports.redis_sortedset.payloads import StoredPayloads
 from async_processor.transports.redis_sortedset.proximity import read_backlogs
 from async_processor.transports.redis_sortedset.routing import ROUTE_REJECTIONS, ResultRouting
 from async_processor.transports.redis_sortedset.upkeep import SortedSetUpkeep
-from async_processor.transports.redis_sortedset.writes import HEAD_BYTES, ResultWrites
+from async_processor.transports.redis_sortedset.writes import ResultWrites
 
 log = structlog.get_logger(__name__)
 
@@ -106,7 +109,9 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
         self._keys = KeySpace(cluster=config.mode == "cluster", queue_retry=discovery is not None)
         self._scripts = self._keys.scripts(self._redis)
         static = config.queue_specs()
-        self._claims = ClaimBook([q.name for q in static])  # the heartbeat extends what it holds
+        self._claims = ClaimBook([q.name for q in static])  # the heartbeat renews what it holds
+        # Upstream's owner token: one per process, 16 hex characters (8 random bytes).
+        self._owner = secrets.token_hex(8)
         self._dataset = DatasetWatch(self._redis, ctx.metrics)
         self._fetcher = Fetcher(
             self._redis,
@@ -114,7 +119,7 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
             self._scripts,
             self._claims,
             self._check_markers,
-            owner=uuid.uuid4().hex,
+            owner=self._owner,
             lease=config.lease_seconds,
             max_bytes=ctx.max_message_bytes,
             metrics=ctx.metrics,
@@ -137,6 +142,7 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
             for reason in ABANDON_REASONS:
                 metrics.abandoned_total.labels(queue.name, reason)
             metrics.dead_letter_trimmed_total.labels(queue.name)
+            metrics.legacy_claims_returned_total.labels(queue.name)
         for result_list in self.config.result_ttls():
             metrics.results_trimmed_total.labels(result_list)
 
@@ -205,42 +211,41 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
     def let_go(self, delivery: Delivery) -> None:
         """Drop the message's bytes as its request goes out (``LetsGo``): a request waits
         seconds at the gateway, and its bytes (4.4 KB at 4 KiB payloads) were most of what
-        the daemon held per request in flight (issue 13). While the claim is held its
-        lease hash has the member, which a hand-back or a dead letter reads back
-        (``_got_back``); kept are its dedup fingerprint (a digest of the request, payload
-        included) and what finds it in its queue if the lease lapses (``_drop_returned``).
-        A member fetched as a prefix only (oversized) never gets this far."""
+        the daemon held per request in flight (issue 13). While the claim is held
+        ``<queue>:claimed`` has the member, which a hand-back or a dead letter reads back
+        (``_got_back``); kept is its dedup fingerprint (a digest of the request, payload
+        included). A member fetched as a prefix only (oversized) never gets this far."""
         claim = claim_of(delivery)
         envelope = delivery.envelope
-        if envelope is None or claim.sha1 or claim.digest:
+        if envelope is None or claim.let_go or claim.digest:
             return
-        raw = delivery.raw
         claim.fingerprint = entries.fingerprint(envelope)
-        claim.head = raw[:HEAD_BYTES]
-        claim.sha1 = hashlib.sha1(raw, usedforsecurity=False).digest()
+        claim.let_go = True
         delivery.raw = b""
         envelope.request.payload = LET_GO
 
     async def _got_back(self, deliveries: Sequence[Delivery]) -> list[Back]:
         """Per delivery, whether it holds its bytes again: those let go are read back from
-        their lease entries, in one round trip. ``LAPSED``: the claim is no longer held (its
-        lease lapsed, and the reaper put the message back on its queue). ``ANSWERED``: the
-        claim is still ours but its lease entry is gone (an eviction, a DEL of the hash):
-        no bytes to hand back, and the reaper would drop the claim without a trace, so the
-        message ends here with a failure result (``_answer_lost``)."""
-        gone = [d for d in deliveries if claim_of(d).sha1]
+        ``<queue>:claimed`` while the claim is ours, in one round trip. ``LAPSED``: the
+        claim is no longer ours (its lease lapsed, and a reaper put the message back on its
+        queue). ``ANSWERED``: the claim is still ours but its member is gone (an eviction,
+        a DEL of the hash): no bytes to hand back, and the reaper would drop the claim
+        without a trace, so the message ends here with a failure result (``_answer_lost``)."""
+        gone = [d for d in deliveries if claim_of(d).let_go]
         lost: list[Delivery] = []
         if gone:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for delivery in gone:
-                    name, claim_id = delivery.queue.name, claim_of(delivery).id
-                    pipe.hget(self._keys.inflight_meta(name), claim_id)
-                    pipe.zscore(self._keys.inflight(name), claim_id)
+                    name, key = delivery.queue.name, key_bytes(claim_of(delivery))
+                    pipe.hget(self._keys.claimed(name), key)
+                    pipe.hget(self._keys.owners(name), key)
                 replies = await pipe.execute()
-            for delivery, entry, score in zip(gone, replies[::2], replies[1::2], strict=True):
-                if entry is not None:  # "<score>|<member>", as claim.lua wrote it
-                    self._restore(delivery, entry[entry.index(b"|") + 1 :])
-                elif score is not None:
+            for delivery, member, owner in zip(gone, replies[::2], replies[1::2], strict=True):
+                if owner != self._owner.encode():
+                    continue  # lapsed: not ours any more
+                if member is not None:
+                    self._restore(delivery, member)
+                else:
                     lost.append(delivery)
             await self._answer_lost(lost)
         return [_back(d, lost) for d in deliveries]
@@ -271,8 +276,7 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
         delivery.raw = member
         if delivery.envelope is not None:
             delivery.envelope.request.payload = fresh.request.payload
-        claim = claim_of(delivery)
-        claim.head, claim.sha1 = b"", b""
+        claim_of(delivery).let_go = False
 
     # ------------------------------------------------------------------ acknowledgements
 
@@ -297,7 +301,7 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
             for item in items:
                 await self._scripts["defer"](
                     keys=self._ack_keys(item.delivery, self._defer_target(item)),
-                    args=[claim_of(item.delivery).id, *_defer_args(item)],
+                    args=[key_bytes(claim_of(item.delivery)), *_defer_args(item), self._owner],
                     client=pipe,
                 )
             return list(await pipe.execute())
@@ -324,7 +328,12 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
                 )
                 parked, trimmed = await self._scripts["dead_letter"](
                     keys=self._ack_keys(delivery, target),
-                    args=[claim.id, entry, self.config.dead_letter_max_entries],
+                    args=[
+                        key_bytes(claim),
+                        entry,
+                        self.config.dead_letter_max_entries,
+                        self._owner,
+                    ],
                 )
         self._claims.release(delivery)
         if not parked and back != ANSWERED:
@@ -335,8 +344,7 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
                 self._ctx.metrics.dead_letter_trimmed_total.labels(delivery.queue.name).inc(trimmed)
 
     def _ack_keys(self, delivery: Delivery, target: str) -> list[str]:
-        name = delivery.queue.name
-        return [self._keys.inflight(name), self._keys.inflight_meta(name), target]
+        return [*self._keys.claim_keys(delivery.queue.name), target]
 
     def abandon(self, delivery: Delivery, reason: str) -> None:
         """Stop renewing a claim whose write was given up: its lease expires within
@@ -371,17 +379,17 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
 def _back(delivery: Delivery, lost: list[Delivery]) -> Back:
     if any(delivery is d for d in lost):
         return ANSWERED
-    return LAPSED if claim_of(delivery).sha1 else HELD
+    return LAPSED if claim_of(delivery).let_go else HELD
 
 
 def _defer_args(item: Deferral) -> list[bytes | float | str]:
-    """(member, score, mode): the updated envelope at its place in the queue, or due after
-    the delay."""
+    """(member, score, mode, cap): the updated envelope at its place in the queue, or due
+    after the delay (capped at its deadline)."""
     delivery = item.delivery
     member = delivery.envelope.encode() if delivery.envelope else delivery.raw
     if item.delay > 0:
         return [member, item.delay, "delay", deadline_of(delivery)]
-    return [member, _queue_score(delivery), "at"]
+    return [member, _queue_score(delivery), "at", 0]
 
 
 def _queue_score(delivery: Delivery) -> float:

@@ -1,13 +1,13 @@
 """Upkeep for redis-sortedset: the loops that keep claims and queues healthy between
 fetches, on every replica (docs/architecture.md G1, G7).
 
-heartbeat (extend this process's leases), reap (expired claims back on their queue, any
-replica's), move_due (due retries back on their origin queue), expire_due (queued members
-past their deadline answered without a worker), retain (unconsumed results trimmed),
-settle_removed (removed discovered queues an earlier run left, kept until empty) and the
-data-set watch (dataset.py: a Redis that came back empty is reported).
-``SortedSetTransport`` mixes this in; ``run`` is its upkeep task.
-"""
+heartbeat (renew the claims still this process's), reap (expired claims back on their queue,
+any replica's or a Go daemon's; and the previous release's ``<queue>:inflight`` claims,
+first at start-up: the upgrade's migration), move_due (due retries back on their origin
+queue), expire_due (queued members past their deadline answered without a worker), retain
+(unconsumed results trimmed), settle_removed (removed discovered queues an earlier run left,
+kept until empty) and the data-set watch (dataset.py: a Redis that came back empty is
+reported). ``SortedSetTransport`` mixes this in; ``run`` is its upkeep task."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from async_processor.redis.conn import redis_errors, warn_if_evicting
 from async_processor.redis.keyspace import KeySpace
 from async_processor.retry import expired, last_answer
 from async_processor.transports.base import Delivery, TransportContext
-from async_processor.transports.redis_sortedset.claims import ClaimBook
+from async_processor.transports.redis_sortedset.claims import ClaimBook, key_text
 from async_processor.transports.redis_sortedset.dataset import DatasetWatch
 from async_processor.transports.redis_sortedset.discovery import QueueCatalog
 
@@ -59,6 +59,7 @@ class SortedSetUpkeep:
     _scripts: dict[str, AsyncScript]
     _redis: Redis
     _claims: ClaimBook
+    _owner: str  # this process's claim owner token
     _catalog: QueueCatalog
     _dataset: DatasetWatch
     decode: Callable[[Delivery], Envelope]
@@ -69,6 +70,7 @@ class SortedSetUpkeep:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Heartbeat, reaper and retry mover, until cancelled."""
         lease = self.config.lease_seconds
+        await self.migrate_legacy()
         async with anyio.create_task_group() as tg:
             tg.start_soon(_every, "heartbeat", lease / 3, self.heartbeat)
             tg.start_soon(_every, "reap", lease / 2, self.reap)
@@ -130,34 +132,63 @@ class SortedSetUpkeep:
             log.warning(f"{action}_failed", queue=queue, error=error)
 
     async def heartbeat(self) -> None:
-        """Extend every lease this process holds, one call per slot group (at most
-        ``CHUNK`` claims a call), all in one round trip; forget claims taken back. A queue
-        whose in-flight key has the wrong type fails alone (its leases lapse)."""
+        """Renew every claim this process holds while it is still ours (fenced, as
+        upstream's renew), one call per slot group (at most ``CHUNK`` claims a call), all
+        in one round trip; forget claims taken back. A queue whose claim keys have the
+        wrong type fails alone (its leases lapse)."""
         held = {
             name: ids for name in list(self._claims.held) if (ids := self._claims.renewable(name))
         }
-        calls = _extend_calls(self._keys, held, self.config.lease_seconds)
+        calls = _extend_calls(self._keys, held, [self.config.lease_seconds, self._owner])
         replies = await self._run_calls("heartbeat", "extend", [(k, a) for k, a, _ in calls])
         for (_, _, names), reply in zip(calls, replies, strict=True):
             for name, lost in zip(names, reply, strict=True):
                 if isinstance(lost, bytes):
                     log.warning("heartbeat_failed", queue=name, error=lost.decode(errors="replace"))
                     continue
-                really_lost = self._claims.forget_lost(name, (c.decode() for c in lost))
+                really_lost = self._claims.forget_lost(name, (key_text(c) for c in lost))
                 if really_lost:
                     log.warning("leases_lost", queue=name, count=len(really_lost))
 
     async def reap(self) -> None:
-        """Put every expired claim of every queue back with its deadline score. A claim
-        whose lease entry is gone (an eviction, a DEL by hand) has nothing to put back: its
-        message is lost unless its holder still answers it, so each is logged and counted,
-        never dropped silently. Its claim id does not name the request, so no result can
-        be written for it."""
+        """Put every expired claim of every queue back at its queue score, whoever held
+        it (upstream's reclaim). A claim whose member is gone (an eviction, a DEL by hand)
+        has nothing to put back: its message is lost unless its holder still answers it,
+        so each is logged and counted, never dropped silently. Then the current release's
+        expired claims (``reap_legacy``)."""
+        groups = [[q.name, *self._keys.claim_keys(q.name)] for q in self.queues]
+        await self._drain("reap", "reap", groups, self._reaped)
+        await self._reap_legacy()
+
+    async def migrate_legacy(self) -> None:
+        """At start-up: the claims the current release left in ``<queue>:inflight`` whose
+        lease expired go back to their queue (idempotent: a claim moves once; logged and
+        counted). Claims still leased belong to pods of that release still running; the
+        reaper keeps taking back those that expire, so an upgrade pod by pod loses nothing."""
+        try:
+            moved = await self._reap_legacy()
+        except TransportError as exc:  # the reaper's next round tries again
+            log.warning("legacy_claims_migration_failed", error=str(exc))
+            return
+        log.info("legacy_claims_migrated", count=moved, queues=len(self.queues))
+
+    async def _reap_legacy(self) -> int:
         groups = [
             [q.name, self._keys.inflight(q.name), self._keys.inflight_meta(q.name)]
             for q in self.queues
         ]
-        await self._drain("reap", "reap", groups, self._reaped)
+        moved = 0
+
+        def read(group: list[str], reply: list[int]) -> tuple[int, int]:
+            nonlocal moved
+            taken, kept = self._reaped(group, reply)
+            moved += kept
+            if kept and self._ctx.metrics is not None:
+                self._ctx.metrics.legacy_claims_returned_total.labels(group[0]).inc(kept)
+            return taken, kept
+
+        await self._drain("reap", "reap_legacy", groups, read)
+        return moved
 
     def _reaped(self, group: list[str], reply: list[int]) -> tuple[int, int]:
         """reap.lua's ``{taken, without a lease entry}`` for ``group``'s queue."""
@@ -314,23 +345,24 @@ class SortedSetUpkeep:
 
 
 def _extend_calls(
-    keyspace: KeySpace, held: dict[str, list[str]], lease: float
+    keyspace: KeySpace, held: dict[str, list[tuple[bytes, float]]], head: list[Any]
 ) -> list[tuple[list[str], list[Any], list[str]]]:
-    """The heartbeat's extend calls: (keys, args, queue per key) per slot group, at most
-    ``CHUNK`` claim ids a call (a queue with more is split over calls)."""
+    """The heartbeat's extend calls: (keys, args, queue per key pair) per slot group, at
+    most ``CHUNK`` claims a call (a queue with more is split over calls); ``head`` are the
+    arguments every call starts with (lease, owner)."""
     calls: list[tuple[list[str], list[Any], list[str]]] = []
     for names in keyspace.slot_groups(list(held)):
         parts = [(n, held[n][i : i + CHUNK]) for n in names for i in range(0, len(held[n]), CHUNK)]
         count = CHUNK  # start a call at the first part
-        for name, ids in parts:
-            if count + len(ids) > CHUNK:
-                calls.append(([], [lease], []))
+        for name, claims in parts:
+            if count + len(claims) > CHUNK:
+                calls.append(([], list(head), []))
                 count = 0
-            script_keys, args, owners = calls[-1]
-            script_keys.append(keyspace.inflight(name))
-            args += [len(ids), *ids]
-            owners.append(name)
-            count += len(ids)
+            script_keys, args, queues = calls[-1]
+            script_keys += [keyspace.owners(name), keyspace.claims_idx(name)]
+            args += [len(claims), *(value for claim in claims for value in claim)]
+            queues.append(name)
+            count += len(claims)
     return calls
 
 

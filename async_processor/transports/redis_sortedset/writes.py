@@ -1,16 +1,15 @@
 """The write half of ``SortedSetTransport``: results written and claims acknowledged.
 
 Stage: broker I/O (``complete``). Input: ``Completion``s (a delivery and its result).
-Output: per item, atomically, the result on its list, the dedup marker, the ack and the
-cancellation cleanup (``lua/complete.lua``, one script per hash slot of the batch), then
-the removal of a completed message that its lapsed lease had put back on its queue
-(``lua/drop_returned.lua``).
+Output: per item, atomically, the result on its list, the dedup marker, the fenced ack
+(upstream's claim layout: written only while the claim is still this process's) and the
+cancellation cleanup (``lua/complete.lua``, one script per hash slot of the batch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -29,6 +28,7 @@ from async_processor.transports.redis_sortedset.claims import (
     ClaimBook,
     by_queue,
     claim_of,
+    key_bytes,
     token_of,
 )
 from async_processor.transports.redis_sortedset.payloads import payload_key
@@ -36,13 +36,6 @@ from async_processor.transports.redis_sortedset.routing import ResultRouting
 
 log = structlog.get_logger(__name__)
 
-# A let-go member's first bytes kept to find it again in its queue after a lapsed lease
-# (lua/drop_returned.lua), and the most members sharing them and its score compared there.
-HEAD_BYTES = 128
-MOST_COMPARED = 10_000
-# Member bytes one call there reads before the next call goes on: each member is copied
-# into Lua and hashed (400 look-alikes of 256 KiB held Redis 321 ms in one call).
-BYTES_PER_CALL = 1 << 20
 ScriptCall = tuple[list[str], list[bytes | str | int]]  # one script's keys and arguments
 Written = tuple[int, int, int]  # a complete reply: (written, held, fell_back)
 
@@ -58,17 +51,20 @@ class ResultWrites:
     _claims: ClaimBook
     _routing: ResultRouting
     _result_ttls: Callable[[], dict[str, int]]  # the retained lists' TTLs (upkeep)
+    _owner: str  # this process's claim owner token (16 hex)
 
     async def complete(self, items: Sequence[Completion]) -> None:
-        """Per item, atomically: result + dedup marker + ack + cancellation cleanup (one
-        script per hash slot of the batch: one call outside cluster mode). An item whose
-        keys have the wrong type fails alone (``PartialWrite``) and stays held."""
+        """Per item, atomically: result + dedup marker + fenced ack + cancellation cleanup
+        (one script per hash slot of the batch: one call outside cluster mode). An item
+        whose keys have the wrong type fails alone (``PartialWrite``) and stays held. An
+        item whose claim is no longer ours (its lease lapsed and it was reclaimed) writes
+        nothing: the message's next owner answers it, as upstream's fenced ack does."""
         if not items:
             return
         with self._claims.acking(d for d, _ in items):
             try:
                 replies = await self._write_results(items, queued=False)
-                await self._drop_returned(self._settled(items, replies))
+                self._settled(items, replies)
                 await self._drop_payloads(
                     [d for (d, _), r in zip(items, replies, strict=True) if not _failed(r)]
                 )
@@ -84,16 +80,17 @@ class ResultWrites:
 
     def _settled(
         self, items: Sequence[Completion], replies: Sequence[Written | TransportError]
-    ) -> list[Delivery]:
-        """Forget the claims written; returns those no longer held (lease lapsed)."""
-        lost = []
+    ) -> None:
+        """Forget the claims written, and warn of those no longer ours (lease lapsed)."""
+        lost = 0
         for (delivery, _), reply in zip(items, replies, strict=True):
             if isinstance(reply, TransportError):
                 continue  # still held: the writer tries it again, then leaves it to its lease
             self._claims.release(delivery)
-            if not reply[1]:
-                lost.append(delivery)
-        return lost
+            # After a lost reply the claim is most likely gone by our own write.
+            lost += not reply[1] and not claim_of(delivery).unsure
+        if lost:
+            log.warning("lease_expired_before_complete", count=lost)
 
     async def _write_results(
         self, items: Sequence[tuple[Delivery, Result]], *, queued: bool
@@ -117,8 +114,7 @@ class ResultWrites:
             if isinstance(reply, TransportError):
                 continue
             written, held, fell_back = reply
-            # Not held, after a lost reply: our own write landed then (no duplicate).
-            if not written and (held or not (queued or claim_of(delivery).unsure)):
+            if held and not written:  # ours, but its submission was answered already
                 self._duplicate(delivery, result)
             if fell_back:
                 self._routing.rejected(delivery, target, "wrong_type")
@@ -199,11 +195,12 @@ class ResultWrites:
         args: list[bytes | str | int] = [
             self.config.dedup_ttl_seconds,
             "queued" if queued else "claim",
+            self._owner,
         ]
         for index in group:
             delivery, result = items[index]
             script_keys += self._complete_keys(delivery, result, targets[index], queued=queued)
-            member = delivery.raw if queued else claim_of(delivery).id
+            member = delivery.raw if queued else key_bytes(claim_of(delivery))
             token = token_of(delivery)
             drop = "1" if payload_key(delivery) and not self._keys.cluster else ""
             args += [member, _stamped(result, token).encode(), token, drop]
@@ -240,11 +237,13 @@ class ResultWrites:
         self, delivery: Delivery, result: Result, target: str, *, queued: bool
     ) -> list[str]:
         name = delivery.queue.name
+        claimed, owners, idx = self._keys.claim_keys(name)
         return [
             self._keys.done(name, result.id, _fingerprint(delivery)),
             target,
-            name if queued else self._keys.inflight(name),
-            self._keys.inflight_meta(name),
+            name if queued else claimed,
+            owners,
+            idx,
             self._keys.active(name, result.id),
             self._keys.cancel(name, result.id),
             self._routing.configured(delivery),
@@ -252,46 +251,8 @@ class ResultWrites:
             keys.result_side_key(target, "pushed"),
             keys.result_side_key(self._routing.configured(delivery), "pushed"),
             # Cluster mode: the payload key is in another slot (dropped after the script).
-            (not self._keys.cluster and payload_key(delivery)) or self._keys.inflight(name),
+            (not self._keys.cluster and payload_key(delivery)) or idx,
         ]
-
-    async def _drop_returned(self, deliveries: list[Delivery]) -> None:
-        """A completed message whose lease had expired may be back on its queue: remove it
-        so no replica works on it again (the dedup marker already stops a second result).
-        One round trip, and one more per round of searches among look-alikes that read
-        ``BYTES_PER_CALL`` and go on (Redis serves the others in between)."""
-        if not deliveries:
-            return
-        # After a lost reply the claim is most likely gone by our own write: not warned,
-        # but removed all the same in case its lease had lapsed before that write.
-        if expired := sum(not claim_of(d).unsure for d in deliveries):
-            log.warning("lease_expired_before_complete", count=expired)
-        held = [d for d in deliveries if _known_by(d) is None]
-        searches = [
-            _Search(d.queue.name, [repr(claim_of(d).score), *known])
-            for d in deliveries
-            if (known := _known_by(d)) is not None
-        ]
-        not_found = 0
-        with redis_errors("complete"):
-            while held or searches:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for delivery in held:
-                        pipe.zrem(delivery.queue.name, delivery.raw)
-                    for search in searches:
-                        await self._scripts["drop_returned"](
-                            keys=[search.queue], args=search.args(), client=pipe
-                        )
-                    replies = (await pipe.execute())[len(held) :]
-                held = []
-                not_found += sum(r == -1 for r in replies)
-                searches = [
-                    s.going_on(r)
-                    for s, r in zip(searches, replies, strict=True)
-                    if isinstance(r, list)
-                ]
-        if not_found:  # not seen among MOST_COMPARED look-alikes, or they changed meanwhile
-            log.warning("returned_member_not_found", count=not_found)
 
 
 def _written(reply: Any) -> Written | TransportError:
@@ -320,36 +281,3 @@ def _fingerprint(delivery: Delivery) -> str:
     if isinstance(claim, Claim) and claim.fingerprint:
         return claim.fingerprint
     return entries.fingerprint(delivery.envelope)
-
-
-@dataclass
-class _Search:
-    """A member looked for among look-alikes by ``drop_returned.lua``: its queue, score,
-    first bytes, size and SHA-1, and where the last call stopped."""
-
-    queue: str
-    known: list[bytes | str | int]
-    most: int = MOST_COMPARED
-    place: int = 0
-    before: bytes = b""
-
-    def args(self) -> list[bytes | str | int]:
-        return [*self.known, self.most, BYTES_PER_CALL, self.place, self.before]
-
-    def going_on(self, reply: list[Any]) -> _Search:
-        """The search after a call that ran out of bytes: ``{place, SHA-1, compared}``."""
-        self.place, self.before, self.most = int(reply[0]), reply[1], self.most - int(reply[2])
-        return self
-
-
-def _known_by(delivery: Delivery) -> tuple[bytes, int, str] | None:
-    """What finds a member this process does not hold whole in its queue (first bytes,
-    size, SHA-1 in hex): one let go (``let_go``), or one over ``--max-message-bytes`` of
-    which only a prefix was fetched (its size and SHA-1 came with the claim). None: the
-    delivery holds the member, removed by its bytes."""
-    claim = claim_of(delivery)
-    if claim.sha1:
-        return claim.head, claim.size, claim.sha1.hex()
-    if claim.digest:
-        return delivery.raw[:HEAD_BYTES], claim.size, claim.digest
-    return None
