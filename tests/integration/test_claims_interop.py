@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import anyio
 import pytest
 import redis
-from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
 from async_processor.config import SortedSetConfig
@@ -26,6 +25,7 @@ from async_processor.metrics import Metrics
 from async_processor.redis import keys as redis_keys
 from async_processor.transports.base import Completion, TransportContext
 from async_processor.transports.redis_sortedset.transport import SortedSetTransport
+from tests.integration import test_sortedset as sortedset
 from tests.integration.test_sortedset import opened, results_of
 from tests.integration.test_upstream_wire import go_envelope
 from tests.interop.go_worker import GoShapedWorker, claim_key, claim_keys, queue_score
@@ -33,13 +33,7 @@ from tests.interop.go_worker import GoShapedWorker, claim_key, claim_keys, queue
 pytestmark = pytest.mark.anyio
 GW = "http://gw.test:8000"
 TOKEN = "9f3c2a1b7d6e5f40"
-
-
-@pytest.fixture
-async def r(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
+r = sortedset.r  # the transport tests' client of this test's Redis
 
 
 @pytest.fixture
@@ -84,7 +78,7 @@ async def wait_until_past(sync: redis.Redis, idx: str, slack: float = 0.05) -> N
     await anyio.sleep(max(0.0, latest - time.time()) + slack)
 
 
-async def test_our_claims_are_upstreams_keys_and_values(redis_url, sync, unique) -> None:
+async def test_our_claims_are_upstreams_keys_and_values(redis_url, r, sync, unique) -> None:
     config = config_for(redis_url, unique, lease=30)
     q = f"{unique}-q"
     deadline = int(time.time()) + 600
@@ -100,7 +94,7 @@ async def test_our_claims_are_upstreams_keys_and_values(redis_url, sync, unique)
         expiry = sync.zscore(idx, key)
         assert expiry is not None and time.time() + 28 < expiry <= time.time() + 30.5
         await transport.complete(answered(transport, [delivery]))
-    [result] = await results_of(Redis.from_url(redis_url), f"{unique}-results")
+    [result] = await results_of(r, f"{unique}-results")
     assert result.request_token == f"{TOKEN}00"
     assert not sync.exists(claimed, owners, idx)
 
