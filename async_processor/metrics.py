@@ -1,12 +1,12 @@
 """Metrics: the reference's ``llm_d_async_async_*`` families on an injected registry.
 
-Input: events from every stage. Output: Prometheus series. Stages get an object bound
-to their (queue, pool) once (``Metrics.queue``), not label triples at every call.
-Counters are declared without ``_total``; prometheus-client adds it.
+Input: events from every stage. Output: Prometheus series. Stages get an object bound to
+their (queue, pool) once (``Metrics.queue``), not label triples at every call. Counters are
+declared without ``_total``; prometheus-client adds it.
 
 Beyond the reference (added, none of its names or labels changed): the process and Python
-collectors, ``llm_d_async_build_info``, error results by ``error_code``, and per result
-the time from submission and the deadline slack left (``QueueMetrics.result_written``).
+collectors, ``llm_d_async_build_info``, error results by ``error_code``, and per result the
+time from submission and the deadline slack left (``QueueMetrics.result_written``).
 ``failed_requests_total`` keeps the reference's fixed labels (a new label would split its
 series and break every query summing it), so the error code has its own counter.
 """
@@ -29,6 +29,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from async_processor.backlog_metrics import BacklogMetrics
 from async_processor.messages import ErrorCode, Request, Result
+from async_processor.sortedset_metrics import SortedSetFamilies
 
 PREFIX = "llm_d_async_async_"
 Q_LABELS = ("queue_id", "queue_name", "pool_name")
@@ -57,7 +58,7 @@ SLACK_BUCKETS = (
 )  # fmt: skip
 
 
-class Metrics:
+class Metrics(SortedSetFamilies):
     """Every family the daemon exports, registered on one registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -69,6 +70,8 @@ class Metrics:
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = Q_LABELS) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=r)
+
+        SortedSetFamilies.__init__(self, r, PREFIX)
 
         self.request_total = counter("request", "Requests pulled for the first time.")
         self.retries_total = counter("request_retries", "Requests re-enqueued with backoff.")
@@ -96,34 +99,6 @@ class Metrics:
             "duplicates_suppressed",
             "Results not written because the submission was already answered (dedup marker).",
         )
-        self.dead_letter_trimmed_total = counter(
-            "dead_letter_trimmed",
-            "Oldest dead-letter entries trimmed to keep a list within its cap.",
-            ("queue_name",),
-        )
-        self.results_trimmed_total = counter(
-            "results_trimmed",
-            "Results trimmed from a result list unconsumed past result_ttl_seconds.",
-            ("result_list",),
-        )
-        self.discovery_refused_total = counter(
-            "queue_discovery_refused",
-            "Names in the discovery set or scan not polled, by reason (daemon_key, bad_name, "
-            "cross_slot, over_cap).",
-            ("reason",),
-        )
-        self.discovered_queues = gauge(
-            "queue_discovery_queues", "Discovered queues being polled.", ()
-        )
-        self.abandoned_total = counter(
-            "abandoned_claims",
-            "Claims given up after a write failed (lease left to expire), by reason.",
-            ("queue_name", "reason"),
-        )
-        legacy = "Expired claims of the previous release (<queue>:inflight) put back."
-        self.legacy_claims_returned_total = counter(
-            "legacy_claims_returned", legacy, ("queue_name",)
-        )
         self.broker_errors_total = counter(
             "broker_errors",
             "Broker calls that failed (Redis or Pub/Sub unreachable, refused, timed out), by "
@@ -132,19 +107,9 @@ class Metrics:
         )
         for operation in BROKER_OPERATIONS:
             self.broker_errors_total.labels(operation)
-        self.idle_probe_errors_total = counter(
-            "idle_probe_errors",
-            "redis-sortedset idle-queue probes that failed (those queues were claimed instead).",
-            (),
-        )
         self.metrics_renders_total = counter(
             "metrics_renders",
             "Renders of the /metrics page (at most one a second per form, however many ask).",
-            (),
-        )
-        self.redis_dataset_lost_total = counter(
-            "redis_dataset_lost",
-            "redis-sortedset: times the Redis data set was found replaced by an empty one.",
             (),
         )
         self.tokens_total = counter(

@@ -4,7 +4,8 @@ claims this process holds.
 A fetch records each claim here (``hold``); the heartbeat renews the ones still held and
 not long past their deadline (``renewable``); an ack in flight is marked ``acking`` so a
 heartbeat that misses its claim does not take it for a lost lease; whatever settles or is
-abandoned is ``release``d (docs/architecture.md G1, G11).
+abandoned is ``release``d (docs/architecture.md G1, G11). ``defer_args`` is what a
+hand-back writes: the member and its place (upstream's §5 score) or its due time.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from async_processor.transports.base import Delivery
+from async_processor.routing import queue_score
+from async_processor.transports.base import Deferral, Delivery
 
 log = structlog.get_logger(__name__)
 
@@ -148,3 +150,26 @@ class ClaimBook:
             and (gone := held.pop(c, None)) is not None
             and not claim_of(gone).unsure
         ]
+
+
+def defer_args(item: Deferral) -> list[bytes | float | str]:
+    """(member, score, mode, cap): the updated envelope at its place in the queue, or due
+    after the delay (capped at its deadline)."""
+    delivery = item.delivery
+    member = delivery.envelope.encode() if delivery.envelope else delivery.raw
+    if item.delay > 0:
+        return [member, item.delay, "delay", deadline_of(delivery)]
+    return [member, queue_score_of(delivery), "at", 0]
+
+
+def queue_score_of(delivery: Delivery) -> float:
+    """Where a handed-back message goes in its queue: its deadline plus upstream's order
+    fraction (``enqueue_seq``); without one, the score it was claimed with when that is
+    of its deadline (the current release's own fraction, or a bare deadline)."""
+    envelope, claimed = delivery.envelope, claim_of(delivery).score
+    if envelope is None:
+        return claimed
+    deadline = envelope.request.deadline
+    if envelope.routing.enqueue_seq > 0:
+        return queue_score(deadline, envelope.routing.enqueue_seq)
+    return claimed if math.floor(claimed) == deadline else float(deadline)

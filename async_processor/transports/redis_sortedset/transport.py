@@ -25,7 +25,6 @@ next one is written (docs/transports.md has what that buys on a failover).
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import replace
@@ -51,7 +50,6 @@ from async_processor.redis import entries, keys
 from async_processor.redis.conn import connect
 from async_processor.redis.conn import redis_errors as redis_errors
 from async_processor.redis.keyspace import KeySpace
-from async_processor.routing import queue_score
 from async_processor.transports.base import (
     TRANSPORTS,
     Deferral,
@@ -62,7 +60,7 @@ from async_processor.transports.redis_sortedset.claims import (
     Claim,
     ClaimBook,
     claim_of,
-    deadline_of,
+    defer_args,
     key_bytes,
 )
 from async_processor.transports.redis_sortedset.dataset import DatasetWatch
@@ -301,7 +299,7 @@ class SortedSetTransport(ResultWrites, MarkerChecks, SortedSetUpkeep, StoredPayl
             for item in items:
                 await self._scripts["defer"](
                     keys=self._ack_keys(item.delivery, self._defer_target(item)),
-                    args=[key_bytes(claim_of(item.delivery)), *_defer_args(item), self._owner],
+                    args=[key_bytes(claim_of(item.delivery)), *defer_args(item), self._owner],
                     client=pipe,
                 )
             return list(await pipe.execute())
@@ -380,29 +378,6 @@ def _back(delivery: Delivery, lost: list[Delivery]) -> Back:
     if any(delivery is d for d in lost):
         return ANSWERED
     return LAPSED if claim_of(delivery).let_go else HELD
-
-
-def _defer_args(item: Deferral) -> list[bytes | float | str]:
-    """(member, score, mode, cap): the updated envelope at its place in the queue, or due
-    after the delay (capped at its deadline)."""
-    delivery = item.delivery
-    member = delivery.envelope.encode() if delivery.envelope else delivery.raw
-    if item.delay > 0:
-        return [member, item.delay, "delay", deadline_of(delivery)]
-    return [member, _queue_score(delivery), "at", 0]
-
-
-def _queue_score(delivery: Delivery) -> float:
-    """Where a handed-back message goes in its queue: its deadline plus upstream's order
-    fraction (``enqueue_seq``); without one, the score it was claimed with when that is
-    of its deadline (the current release's own fraction, or a bare deadline)."""
-    envelope, claimed = delivery.envelope, claim_of(delivery).score
-    if envelope is None:
-        return claimed
-    deadline = envelope.request.deadline
-    if envelope.routing.enqueue_seq > 0:
-        return queue_score(deadline, envelope.routing.enqueue_seq)
-    return claimed if math.floor(claimed) == deadline else float(deadline)
 
 
 @TRANSPORTS.register("redis-sortedset", SortedSetConfig)
