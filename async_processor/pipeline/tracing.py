@@ -11,6 +11,12 @@ installed. Otherwise every call returns a shared no-op object and opentelemetry 
 imported, so the daemon runs without the extra and pays ~nothing per message. The SDK
 itself reads ``OTEL_EXPORTER_OTLP_INSECURE``, ``OTEL_TRACES_SAMPLER(_ARG)`` and
 ``OTEL_RESOURCE_ATTRIBUTES``; the service name defaults to ``llm-d-async``.
+
+Attribute names are upstream's (``gen_ai.request.id``, ``gen_ai.request.model``,
+``llm_d.async.queue.id`` / ``.queue.name`` / ``.retry_count`` / ``.error.category``); the
+names of before (``request.id``, ``queue.id``, ``queue.name``, ``retry.count``,
+``error.category``) are set beside them for one more release (``LEGACY_NAMES``), as
+upstream does, so trace queries can move over.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 
 from async_processor.logs import mask_url
@@ -37,6 +44,44 @@ if TYPE_CHECKING:
     from async_processor.work import Work
 
 log = structlog.get_logger(__name__)
+
+REQUEST_ID = "gen_ai.request.id"
+REQUEST_MODEL = "gen_ai.request.model"
+QUEUE_ID = "llm_d.async.queue.id"
+QUEUE_NAME = "llm_d.async.queue.name"
+RETRY_COUNT = "llm_d.async.retry_count"
+ERROR_CATEGORY = "llm_d.async.error.category"
+# Set beside the current names until the next release (deprecated; CHANGELOG).
+LEGACY_NAMES = {
+    REQUEST_ID: "request.id",
+    QUEUE_ID: "queue.id",
+    QUEUE_NAME: "queue.name",
+    RETRY_COUNT: "retry.count",
+    ERROR_CATEGORY: "error.category",
+}
+
+
+def _named(attributes: dict[str, str | int]) -> dict[str, str | int]:
+    """``attributes`` under their current names and, where there is one, the old too."""
+    return attributes | {LEGACY_NAMES[k]: v for k, v in attributes.items() if k in LEGACY_NAMES}
+
+
+class _Model(msgspec.Struct):
+    model: str = ""
+
+
+def request_model(work: Work) -> str:
+    """The request's ``model`` field, else its payload's (upstream's fallback); "" when
+    neither says. Read only while a span records: the payload is parsed for one key."""
+    request = work.envelope.request
+    model = request.extra.get("model")
+    if isinstance(model, str) and model:
+        return model
+    try:
+        return msgspec.json.decode(request.payload, type=_Model).model
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""  # not an object, or a model that is no string: said nowhere
+
 
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 SERVICE_NAME_ENV = "OTEL_SERVICE_NAME"
@@ -212,16 +257,19 @@ class _ProcessSpan(_LiveSpan):
         carrier = {k: request.metadata[k] for k in CARRIER_KEYS if request.metadata.get(k)}
         parent = self._state.propagator.extract(carrier) if carrier else None
         attributes: dict[str, str | int] = {
-            "request.id": request.id,
-            "retry.count": self._work.envelope.routing.retry_count,
+            REQUEST_ID: request.id,
+            RETRY_COUNT: self._work.envelope.routing.retry_count,
         }
+        model = request_model(self._work)
+        if model:
+            attributes[REQUEST_MODEL] = model
         queue = self._work.queue
         if queue.id:
-            attributes["queue.id"] = queue.id
+            attributes[QUEUE_ID] = queue.id
         if queue.name:
-            attributes["queue.name"] = queue.name
+            attributes[QUEUE_NAME] = queue.name
         span = self._state.tracer.start_span(
-            "process-request", context=parent, attributes=attributes
+            "process-request", context=parent, attributes=_named(attributes)
         )
         self._activate(span, parent)
         return self
@@ -252,7 +300,7 @@ class _ProcessSpan(_LiveSpan):
             "re-enqueue",
             context=Context(),
             links=[Link(self._span.get_span_context())],
-            attributes={"request.id": self._work.envelope.request.id},
+            attributes=_named({REQUEST_ID: self._work.envelope.request.id}),
         )
         span.end()
 
@@ -293,7 +341,7 @@ class _HttpSpan(_LiveSpan):
             description = attempt.describe()
             _fail(self._span, category, description)
             # The parent shows why the message did not succeed without opening children.
-            self._parent.set_attribute("error.category", category)
+            self._parent.set_attributes(_named({ERROR_CATEGORY: category}))
 
 
 def _category(status: int, fatal: bool) -> str | None:
@@ -312,5 +360,5 @@ def _category(status: int, fatal: bool) -> str | None:
 def _fail(span: Span, category: str, description: str) -> None:
     from opentelemetry.trace import Status, StatusCode
 
-    span.set_attribute("error.category", category)
+    span.set_attributes(_named({ERROR_CATEGORY: category}))
     span.set_status(Status(StatusCode.ERROR, description or category))

@@ -123,6 +123,11 @@ async def test_spans_follow_metadata_traceparent_and_reach_the_gateway(
     assert f"{process.context.trace_id:032x}" == TRACE_ID
     assert f"{process.parent.span_id:016x}" == PARENT_SPAN
     assert dict(process.attributes or {}) == {
+        # upstream's names, and the old ones beside them for one more release
+        "gen_ai.request.id": "r1",
+        "llm_d.async.retry_count": 0,
+        "llm_d.async.queue.id": "qid",
+        "llm_d.async.queue.name": "qname",
         "request.id": "r1",
         "retry.count": 0,
         "queue.id": "qid",
@@ -154,6 +159,7 @@ async def test_without_metadata_a_new_trace_starts_here(
     process = _by_name(exporter.get_finished_spans())["process-request"]
     assert process.parent is None
     assert process.attributes is not None and process.attributes["retry.count"] == 3
+    assert process.attributes["llm_d.async.retry_count"] == 3
     (received,) = local_simulator.requests()
     assert _traceparent(received["headers"])[1] == f"{process.context.trace_id:032x}"
 
@@ -174,8 +180,10 @@ async def test_http_failures_carry_an_error_category(
     assert http.attributes is not None and process.attributes is not None
     assert http.attributes["http.response.status_code"] == status
     assert http.attributes["error.category"] == category
+    assert http.attributes["llm_d.async.error.category"] == category
     assert http.status.status_code is StatusCode.ERROR
     assert process.attributes["error.category"] == category
+    assert process.attributes["llm_d.async.error.category"] == category
     assert [e.name for e in process.events] == (["retry_scheduled"] if retried else [])
 
 
@@ -200,6 +208,7 @@ async def test_invalid_message_fails_the_process_span_without_http(
     assert process.status.status_code is StatusCode.ERROR
     assert process.attributes is not None
     assert process.attributes["error.category"] == "INVALID_REQ"
+    assert process.attributes["llm_d.async.error.category"] == "INVALID_REQ"
 
 
 @pytest.mark.anyio
@@ -224,7 +233,31 @@ async def test_abort_at_drain_timeout_records_a_linked_reenqueue_span(
     assert requeue.parent is None  # detached: a root of its own
     assert requeue.context.trace_id != process.context.trace_id
     assert [link.context.span_id for link in requeue.links] == [process.context.span_id]
-    assert dict(requeue.attributes or {}) == {"request.id": "abort-me"}
+    assert dict(requeue.attributes or {}) == {
+        "gen_ai.request.id": "abort-me",
+        "request.id": "abort-me",
+    }
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("extra", "model"),
+    [
+        ({"model": "from-request", "payload": {"model": "from-payload"}}, "from-request"),
+        ({"payload": {"prompt": "p", "model": "from-payload"}}, "from-payload"),
+        ({"payload": {"model": 7}}, None),  # not a string: said nowhere
+        ({"payload": {"p": 1}}, None),
+    ],
+)
+async def test_the_request_model_is_the_requests_else_its_payloads(
+    exporter: InMemorySpanExporter,
+    local_simulator: LocalSimulator,
+    extra: dict[str, Any],
+    model: str | None,
+) -> None:
+    await _handle(_work(local_simulator.url, **extra))
+    process = _by_name(exporter.get_finished_spans())["process-request"]
+    assert (process.attributes or {}).get("gen_ai.request.model") == model
 
 
 @pytest.mark.anyio
