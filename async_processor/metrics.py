@@ -46,16 +46,14 @@ BROKER_OPERATIONS = (
     "payload_delete", "result_ttl")  # fmt: skip
 
 INFERENCE_BUCKETS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
-RESIDENCE_BUCKETS = (
-    500, 1000, 2000, 5000, 10000, 30000, 60000, 120000, 300000, 600000,
-    1800000, 3600000, 7200000, 21600000, 43200000, 86400000,
-)  # fmt: skip
+RESIDENCE_BUCKETS = (500, 1000, 2000, 5000, 10000, 30000, 60000, 120000, 300000, 600000,
+                     1800000, 3600000, 7200000, 21600000, 43200000, 86400000)  # fmt: skip
 MESSAGE_LATENCY_BUCKETS = (100, 1000, 5000, 10000, 20000, 50000, 100000, 200000, 500000, 1000000)
 # Deadline slack at completion: the le="0" bucket counts results past their deadline.
-SLACK_BUCKETS = (
-    0, 1000, 10000, 60000, 300000, 900000, 1800000, 3600000, 7200000, 21600000, 43200000,
-    86400000,
-)  # fmt: skip
+SLACK_BUCKETS = (0, 1000, 10000, 60000, 300000, 900000, 1800000, 3600000, 7200000, 21600000,
+                 43200000, 86400000)  # fmt: skip
+TOKEN_DIRECTIONS = {"prompt": "input", "completion": "output", "total": ""}  # kind: upstream's
+NO_TENANT = "none"  # the message has no usable tenant attribute
 
 
 class Metrics(SortedSetFamilies):
@@ -114,9 +112,9 @@ class Metrics(SortedSetFamilies):
         )
         self.tokens_total = counter(
             "tokens",
-            "Tokens in gateway answers' usage, by tenant (metadata attribute) and kind "
-            "(prompt, completion, total).",
-            ("queue_name", "pool_name", "tenant", "kind"),
+            "Tokens in gateway answers' usage: direction input/output (upstream's), and by "
+            "tenant and kind (prompt, completion; total, deprecated: no direction).",
+            (*Q_LABELS, "direction", "tenant", "kind"),
         )
         self.token_usage_invalid_total = counter(
             "token_usage_invalid",
@@ -294,6 +292,8 @@ class QueueMetrics:
                 m.dead_letter_total.labels(*labels, reason)
             for code in ErrorCode:
                 m.error_results_total.labels(*labels, code.value)
+            for kind in ("prompt", "completion"):  # upstream's pair; tenants come as they count
+                m.tokens_total.labels(*labels, TOKEN_DIRECTIONS[kind], NO_TENANT, kind)
         return cls(
             labels=labels,
             request_total=m.request_total.labels(*labels),

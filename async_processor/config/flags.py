@@ -79,6 +79,9 @@ FLAGS: tuple[Flag, ...] = (
          "or fetch (each fetch only, as the Go reference)", "budget_scope"),
     Flag("shed-pause", "after a 429 the pool sends nothing new for Retry-After, at most this "
          "long (0 disables)", "shed_pause"),
+    Flag("tokens-kind-total", "also write tokens_total{kind=\"total\"} (deprecated: it double "
+         "counts under sum; off by default in the next release, then removed)",
+         "tokens_kind_total", boolean=True),
     Flag("tenant-label-limit", "distinct tenants in tokens_total per replica; more count "
          "as 'other'", "tenant_label_limit"),
     Flag("metrics-backlog-poll-interval", "broker backlog gauge interval (0 disables)",

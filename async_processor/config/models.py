@@ -119,6 +119,7 @@ class RuntimeConfig(Strict):
     metrics_bearer_token: str = ""
     # Distinct tenants counted in tokens_total per process; the rest count as "other".
     tenant_label_limit: Annotated[int, Field(ge=0)] = 100
+    tokens_kind_total: bool = True  # tokens_total{kind="total"}: deprecated, off next release
     tls: TLSConfig = Field(default_factory=TLSConfig)
     # The gateway's HTTP client (async_processor.httpclients); pyreqwest is an extra.
     http_client: Literal["httptools", "aiohttp", "pyreqwest"] = "httptools"

@@ -128,6 +128,7 @@ class Processor:
             str(config.merge_policy.parameters.get("fairness_attribute") or "")
             or DEFAULT_FAIRNESS_ATTRIBUTE,
             rt.tenant_label_limit,
+            total=rt.tokens_kind_total,
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -2,9 +2,14 @@
 
 Stage: after an HTTP attempt, beside dispatch. Input: a successful answer's body (the
 OpenAI format: ``"usage": {"prompt_tokens": …, "completion_tokens": …, "total_tokens":
-…}``) and the message's metadata. Output: ``llm_d_async_async_tokens_total{queue_name,
-pool_name, tenant, kind}`` (kind ``prompt``, ``completion`` or ``total``). The body itself
-is not changed: the result carries the gateway's bytes as they came, as every result does.
+…}``) and the message's metadata. Output: ``llm_d_async_async_tokens_total{queue_id,
+queue_name, pool_name, direction, tenant, kind}``: upstream's ``direction`` (``input`` =
+prompt tokens, ``output`` = completion tokens) on every series, and ours, ``tenant`` and
+``kind`` (``prompt`` / ``completion``, the same split). ``kind="total"`` (prompt +
+completion, no ``direction``) is deprecated: a ``sum`` over the family counted every
+token twice; it is written while ``--tokens-kind-total`` is on (this release's default)
+and goes in the next. The body itself is not changed: the result carries the gateway's
+bytes as they came, as every result does.
 
 Cheap and bounded: the body is never parsed as a whole. ``usage`` comes after the choices
 in OpenAI answers, so only the last ``USAGE_WINDOW`` bytes are searched for the key, and
@@ -30,6 +35,7 @@ import structlog
 from prometheus_client import Counter
 
 from async_processor.headers import fairness_id
+from async_processor.metrics import NO_TENANT, TOKEN_DIRECTIONS
 
 log = structlog.get_logger(__name__)
 
@@ -42,13 +48,15 @@ USAGE_KEY = b'"usage"'
 # 2**32 per answer takes 2**21 maximal answers to get there.
 MAX_TOKENS = 2**32
 FIELDS = {"prompt": "prompt_tokens", "completion": "completion_tokens", "total": "total_tokens"}
-NO_TENANT = "none"  # the message has no usable tenant attribute
 OTHER_TENANT = "other"  # past the cap on distinct tenants, or a tenant named like a label
 # A tenant whose id is a reserved label value is counted as "other": "none" must mean
 # "no tenant attribute" only, and a named series must be that tenant's alone.
 RESERVED_TENANTS = frozenset({NO_TENANT, OTHER_TENANT})
 INVALID_LOG_SECONDS = 60.0  # at most one warning a minute: a bad gateway answers often
 _DECODER = json.JSONDecoder()
+
+
+Labels = tuple[str, str, str]  # queue_id, queue_name, pool_name
 
 
 class Usage(NamedTuple):
@@ -109,14 +117,17 @@ def _counts(usage: dict[str, object]) -> Usage:
 class TokenAccounting:
     """Counts each answer's tokens under its tenant, with at most ``limit`` tenants."""
 
-    def __init__(self, family: Counter, invalid: Counter, attribute: str, limit: int) -> None:
+    def __init__(
+        self, family: Counter, invalid: Counter, attribute: str, limit: int, *, total: bool = True
+    ) -> None:
         self._family = family
+        self._total = total  # kind="total" written (deprecated)
         self._invalid = invalid
         self._attribute = attribute
         self._limit = limit
         self._tenants: set[str] = set()
         # Labelled children, looked up once: ``labels()`` costs ~2 µs a call, twice a message.
-        self._children: dict[tuple[str, str, str, str], Counter] = {}
+        self._children: dict[tuple[str, ...], Counter] = {}
         self._warned_at = -INVALID_LOG_SECONDS
 
     def tenant(self, metadata: Mapping[str, str]) -> str:
@@ -131,27 +142,31 @@ class TokenAccounting:
         self._tenants.add(value)
         return value
 
-    def count(self, queue: str, pool: str, metadata: Mapping[str, str], body: bytes) -> None:
-        """Adds the answer's usage; never raises (the answer is a success whatever it says)."""
+    def count(self, queue: Labels, metadata: Mapping[str, str], body: bytes) -> None:
+        """Adds the answer's usage under ``queue``'s (queue_id, queue_name, pool_name), as
+        ``QueueMetrics.labels``; never raises (the answer is a success whatever it says)."""
         try:
             usage = parse_usage(body)
             if usage is None:
                 return
             if usage.invalid:
-                self._invalid_usage(queue, pool, "out_of_range")
+                self._invalid_usage(queue, "out_of_range")
             if not usage.counts:
                 return
             tenant = self.tenant(metadata)
             for kind, n in usage.counts.items():
-                key = (queue, pool, tenant, kind)
+                if kind == "total" and not self._total:
+                    continue
+                key = (*queue, TOKEN_DIRECTIONS[kind], tenant, kind)
                 child = self._children.get(key)
                 if child is None:
                     child = self._children[key] = self._family.labels(*key)
                 child.inc(n)
         except Exception as exc:  # a bug here must not turn a 200 into an error result
-            self._invalid_usage(queue, pool, type(exc).__name__)
+            self._invalid_usage(queue, type(exc).__name__)
 
-    def _invalid_usage(self, queue: str, pool: str, reason: str) -> None:
+    def _invalid_usage(self, labels: Labels, reason: str) -> None:
+        _, queue, pool = labels
         self._invalid.labels(queue, pool).inc()
         now = time.monotonic()
         if now - self._warned_at >= INVALID_LOG_SECONDS:

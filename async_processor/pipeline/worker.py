@@ -263,7 +263,7 @@ class Worker:
             span.answered(attempt)
         latency = time.monotonic() - started
         if self.tokens is not None and 200 <= attempt.status < 300:  # count() never raises
-            self.tokens.count(work.queue.name, self.pool, request.metadata, attempt.body)
+            self.tokens.count(work.metrics.labels, request.metadata, attempt.body)
         self._observe(work, attempt, latency)
         decision = decide(
             request.id,

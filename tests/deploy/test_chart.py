@@ -139,7 +139,7 @@ def populated_metrics() -> Metrics:
     m.dead_letter_trimmed_total.labels("q")
     m.duplicates_suppressed_total.labels("q", "q", "default")
     m.pool_worker_limit.labels("default").set(1)
-    m.tokens_total.labels("q", "default", "none", "prompt")  # the first answer with usage
+    m.tokens_total.labels("q", "q", "default", "", "none", "total")  # deprecated kind="total"
     m.token_usage_invalid_total.labels("q", "default")  # the first answer with junk usage
     m.results_trimmed_total.labels("result-list")  # made by the sorted-set transport
     m.discovery_refused_total.labels("daemon_key")  # made by sorted-set queue discovery
@@ -461,6 +461,11 @@ def test_inference_ttl_header_is_a_flag_when_asked_for() -> None:
         "--inference-ttl-header=true" in container(render(with_ap(inferenceTTLHeader=True)))["args"]
     )
     assert not any("inference-ttl" in a for a in container(render(with_ap()))["args"])
+
+
+def test_tokens_kind_total_is_turned_off_by_a_flag() -> None:
+    assert "--tokens-kind-total=false" in container(render(with_ap(tokensKindTotal=False)))["args"]
+    assert not any("tokens-kind" in a for a in container(render(with_ap()))["args"])
 
 
 def test_keda_example_scales_on_the_broker_backlog() -> None:

@@ -13,7 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 NAME = "llm_d_async_async_tokens_total"
 KINDS = ("prompt", "completion", "total")
 SELECTOR = re.compile(NAME + r"(\{[^}]*\})?")
-KIND_MATCHER = re.compile(r'kind\s*(=~|=|!=|!~)\s*"([^"]*)"')
+KIND_MATCHER = re.compile(r'\bkind\s*(=~|=|!=|!~)\s*"([^"]*)"')
+# Upstream's label: the kinds each direction holds ("total" has none).
+DIRECTION_MATCHER = re.compile(r'\bdirection\s*(=~|=|!=|!~)\s*"([^"]*)"')
+DIRECTIONS = {"prompt": "input", "completion": "output", "total": ""}
 
 
 def queries() -> Iterator[tuple[str, str]]:
@@ -45,10 +48,12 @@ def _exprs(path: Path, node: object) -> Iterator[tuple[str, str]]:
 
 def kinds_selected(selector: str) -> set[str]:
     chosen = set(KINDS)
-    for op, value in KIND_MATCHER.findall(selector):
-        match = {k for k in KINDS if re.fullmatch(value, k) if op in ("=~", "!~")}
-        equal = {k for k in KINDS if k == value}
-        chosen &= {"=": equal, "=~": match, "!=": set(KINDS) - equal, "!~": set(KINDS) - match}[op]
+    for matcher, name in ((KIND_MATCHER, lambda k: k), (DIRECTION_MATCHER, DIRECTIONS.get)):
+        for op, value in matcher.findall(selector):
+            match = {k for k in KINDS if re.fullmatch(value, name(k)) if op in ("=~", "!~")}
+            equal = {k for k in KINDS if name(k) == value}
+            every = set(KINDS)
+            chosen &= {"=": equal, "=~": match, "!=": every - equal, "!~": every - match}[op]
     return chosen
 
 
@@ -57,6 +62,9 @@ def test_kinds_selected_reads_the_matchers() -> None:
     assert kinds_selected('{kind="total"}') == {"total"}
     assert kinds_selected('{tenant="a", kind=~"prompt|completion"}') == {"prompt", "completion"}
     assert kinds_selected('{kind!="total"}') == {"prompt", "completion"}
+    assert kinds_selected('{direction=~"input|output"}') == {"prompt", "completion"}
+    assert kinds_selected('{direction!=""}') == {"prompt", "completion"}
+    assert kinds_selected('{direction="input"}') == {"prompt"}
 
 
 def test_no_shipped_query_adds_total_to_its_parts() -> None:

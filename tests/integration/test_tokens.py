@@ -117,3 +117,38 @@ async def test_a_hostile_usage_leaves_the_answer_a_success_and_counts_only_valid
     assert counted == {kind: float(expected[kind]) for kind in counted}
     assert invalid == sum(bad for _, _, bad in HOSTILE)
     assert no_tenant == 0
+
+
+def token_series(processor: Any, queue: str) -> dict[tuple[str, str, str], float]:
+    return {
+        (s.labels["direction"], s.labels["tenant"], s.labels["kind"]): s.value
+        for family in processor.metrics.registry.collect()
+        for s in family.samples
+        if s.name == TOKENS and s.labels["queue_name"] == queue
+    }
+
+
+@pytest.mark.parametrize("kind_total", [True, False])
+async def test_upstreams_direction_series_exist_from_the_start_and_add_up(
+    redis_url: str, unique: str, simulator: SimulatorProcess, kind_total: bool
+) -> None:
+    config = sortedset_config(redis_url, simulator.url, unique, tokens_kind_total=kind_total)
+    async with running(config) as processor:
+        # At 0 before the first answer, so increase() and upstream's dashboards see the queue.
+        assert token_series(processor, unique) == {
+            ("input", "none", "prompt"): 0.0,
+            ("output", "none", "completion"): 0.0,
+        }
+        client = await submit(redis_url, unique, _req("d1", None, "x" * 40, 3))
+        [result] = await client.drain_results(1, 20)
+        series = token_series(processor, unique)
+    usage = json.loads(result.payload)["usage"]
+    expected = {
+        ("input", "none", "prompt"): float(usage["prompt_tokens"]),
+        ("output", "none", "completion"): float(usage["completion_tokens"]),
+    }
+    if kind_total:  # deprecated, still on by default: no direction, so sum by (direction)
+        expected[("", "none", "total")] = float(usage["total_tokens"])  # keeps the pair apart
+    assert series == expected
+    upstream_sum = sum(v for (direction, _, _), v in series.items() if direction)
+    assert upstream_sum == usage["prompt_tokens"] + usage["completion_tokens"]

@@ -93,10 +93,13 @@ def test_a_huge_answer_is_scanned_only_at_its_end() -> None:
     assert parse_usage(early + b" " * USAGE_WINDOW + b'"}') is None
 
 
+Q = ("qid", "q", "p")  # queue_id, queue_name, pool_name
+
+
 def families() -> tuple[Counter, Counter]:
     registry = CollectorRegistry()
-    tokens = Counter("t_tokens", "", ("queue_name", "pool_name", "tenant", "kind"),
-                     registry=registry)  # fmt: skip
+    labels = ("queue_id", "queue_name", "pool_name", "direction", "tenant", "kind")
+    tokens = Counter("t_tokens", "", labels, registry=registry)
     invalid = Counter("t_invalid", "", ("queue_name", "pool_name"), registry=registry)
     return tokens, invalid
 
@@ -120,9 +123,9 @@ def test_tenants_past_the_cap_count_as_other() -> None:
     accounting = TokenAccounting(tokens, invalid, "userid", limit=2)
     body = answer({"prompt_tokens": 10, "completion_tokens": 1})
     for user in ("a", "b", "c", "d", "a"):
-        accounting.count("q", "p", {"userid": user}, body)
-    accounting.count("q", "p", {}, body)
-    accounting.count("q", "p", {"userid": "a"}, b'{"error": "no usage"}')
+        accounting.count(Q, {"userid": user}, body)
+    accounting.count(Q, {}, body)
+    accounting.count(Q, {"userid": "a"}, b'{"error": "no usage"}')
     assert counts(tokens) == {
         ("a", "prompt"): 20, ("a", "completion"): 2, ("a", "total"): 22,
         ("b", "prompt"): 10, ("b", "completion"): 1, ("b", "total"): 11,
@@ -137,8 +140,8 @@ def test_a_tenant_named_like_a_reserved_label_counts_as_other() -> None:
     accounting = TokenAccounting(tokens, invalid, "userid", limit=2)
     body = answer({"prompt_tokens": 10, "total_tokens": 10})
     for user in ("none", "other", "a"):  # reserved names take no place under the cap
-        accounting.count("q", "p", {"userid": user}, body)
-    accounting.count("q", "p", {}, body)
+        accounting.count(Q, {"userid": user}, body)
+    accounting.count(Q, {}, body)
     assert counts(tokens) == {
         ("other", "prompt"): 20, ("other", "total"): 20,
         ("a", "prompt"): 10, ("a", "total"): 10,
@@ -152,8 +155,8 @@ def test_hostile_usage_never_raises_nor_poisons_the_counters() -> None:
     with capture_logs() as logs:
         for junk in HOSTILE:
             body = answer({"prompt_tokens": junk, "completion_tokens": 3})
-            accounting.count("q", "p", {"userid": "a"}, body)  # old code: OverflowError
-        accounting.count("q", "p", {"userid": "a"}, b'{"usage": ' + b"[" * 4000)
+            accounting.count(Q, {"userid": "a"}, body)  # old code: OverflowError
+        accounting.count(Q, {"userid": "a"}, b'{"usage": ' + b"[" * 4000)
     assert counts(tokens) == {("a", "completion"): 3.0 * len(HOSTILE)}
     assert invalid_count(invalid) == len(HOSTILE) + 1
     # At most one warning a minute, and it carries neither the body nor the junk.
@@ -169,5 +172,25 @@ def test_count_never_raises_into_the_result_path(monkeypatch: pytest.MonkeyPatch
         raise OverflowError("a bug")
 
     monkeypatch.setattr("async_processor.pipeline.usage.parse_usage", broken)
-    accounting.count("q", "p", {"userid": "a"}, answer({"prompt_tokens": 1}))
+    accounting.count(Q, {"userid": "a"}, answer({"prompt_tokens": 1}))
     assert invalid_count(invalid) == 1
+
+
+def directions(family: Counter) -> dict[tuple[str, str, str], float]:
+    return {
+        (s.labels["queue_id"], s.labels["direction"], s.labels["kind"]): s.value
+        for metric in family.collect()
+        for s in metric.samples
+        if s.name.endswith("_total")
+    }
+
+
+@pytest.mark.parametrize("total", [True, False])
+def test_every_series_but_the_deprecated_total_has_upstreams_direction(total: bool) -> None:
+    tokens, invalid = families()
+    accounting = TokenAccounting(tokens, invalid, "userid", limit=2, total=total)
+    accounting.count(Q, {"userid": "a"}, answer({"prompt_tokens": 10, "completion_tokens": 4}))
+    expected = {("qid", "input", "prompt"): 10, ("qid", "output", "completion"): 4}
+    if total:  # --tokens-kind-total (this release's default): no direction, so that
+        expected[("qid", "", "total")] = 14  # sum by (direction) keeps input/output apart
+    assert directions(tokens) == expected
