@@ -48,6 +48,10 @@ from async_processor.errors import TransportError
 # answers or a slot is uncovered; catching RedisError alone turned a cluster outage into
 # a crash or an error result where a standalone one waits. TimeoutError is an OSError.
 REDIS_AWAY: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
+# RuntimeError too: a cluster client's INFO to every node at startup, beside the first
+# scripts, met a connection another task had closed ("the handler is closed", uvloop) and
+# crashed the daemon about one start in four. A probe only warns.
+_PROBE_FAILURES: tuple[type[Exception], ...] = (*REDIS_AWAY, RuntimeError)
 
 log = structlog.get_logger(__name__)
 
@@ -136,7 +140,7 @@ async def warn_if_evicting(client: Redis) -> None:
     try:
         with anyio.fail_after(CONNECT_TIMEOUT):
             info = await client.info("memory")
-    except REDIS_AWAY as exc:
+    except _PROBE_FAILURES as exc:
         log.debug("eviction_policy_unknown", error=str(exc))
         return
     # A cluster client answers per node: {node: {field: value}}.
