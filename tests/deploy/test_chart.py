@@ -525,9 +525,9 @@ def test_exporter_is_one_replica_of_the_same_image_on_the_same_config(tmp_path: 
     local = [re.sub("|".join(map(re.escape, mounts)), str(tmp_path), a) for a in c["args"][1:]]
     settings = parse_settings(local, {}, extend=_flags)
     assert settings.extra["interval"] == 10.0
-    config = load_config(
-        [a for a in local if not a.startswith("--interval")], {"REDIS_URL": "redis://r"}
-    )
+    assert settings.extra["no_legacy_metric_names"] is True
+    own = ("--interval", "--no-legacy-metric-names")  # the exporter's, not the daemon's
+    config = load_config([a for a in local if not a.startswith(own)], {"REDIS_URL": "redis://r"})
     assert config.runtime.metrics_bearer_token == "t"
     # The daemon's selectors (Service, PDB, PodMonitor) never pick the exporter's pod.
     pod_labels = exporter["spec"]["template"]["metadata"]["labels"]
@@ -542,10 +542,10 @@ def test_exporter_serves_the_deprecated_names_until_turned_off() -> None:
 
     values = load_values(SCALE_TO_ZERO)
     [c] = render(values)["Deployment:exporter"]["spec"]["template"]["spec"]["containers"]
-    assert "--no-legacy-metric-names" not in c["args"]  # one release with both names
-    values["ap"]["exporter"]["legacyMetricNames"] = False
+    assert "--no-legacy-metric-names" in c["args"]  # the example turns them off
+    del values["ap"]["exporter"]["legacyMetricNames"]
     [c] = render(values)["Deployment:exporter"]["spec"]["template"]["spec"]["containers"]
-    assert "--no-legacy-metric-names" in c["args"]
+    assert "--no-legacy-metric-names" not in c["args"]  # by default: one release with both
     parser = argparse.ArgumentParser()
     _flags(parser)
     assert parser.parse_args(["--no-legacy-metric-names"]).no_legacy_metric_names is True

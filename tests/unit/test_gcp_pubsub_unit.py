@@ -26,7 +26,7 @@ from async_processor.transports.gcp_pubsub.transport import (
     GcpPubSubTransport,
     resource_path,
 )
-from tests.fixtures.servers import free_port
+from tests.fixtures.monitoring import StaticToken, monitoring_api
 
 pytestmark = [pytest.mark.anyio, pytest.mark.gcp]
 
@@ -184,13 +184,6 @@ def test_full_paths_are_kept_and_short_ids_get_the_project() -> None:
     assert dead == "projects/p1/topics/orders-dead-letter"
 
 
-class StaticToken:
-    """google.auth-style credentials that are always valid."""
-
-    valid = True
-    token = "secret-token"
-
-
 async def test_backlog_reader_queries_cloud_monitoring() -> None:
     seen: list[web.Request] = []
 
@@ -199,20 +192,12 @@ async def test_backlog_reader_queries_cloud_monitoring() -> None:
         point = {"interval": {"endTime": "2026-01-01T00:00:00Z"}, "value": {"int64Value": "42"}}
         return web.json_response({"timeSeries": [{"points": [point]}]})
 
-    app = web.Application()
-    app.router.add_get("/v3/projects/{project}/timeSeries", series)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    reader = BacklogReader(
-        "proj", base_url=f"http://127.0.0.1:{port}/v3", credentials=StaticToken()
-    )
-    try:
-        assert await reader.undelivered("projects/p2/subscriptions/orders") == 42
-    finally:
-        await reader.aclose()
-        await runner.cleanup()
+    async with monitoring_api(series) as url:
+        reader = BacklogReader("proj", base_url=url, credentials=StaticToken())
+        try:
+            assert await reader.undelivered("projects/p2/subscriptions/orders") == 42
+        finally:
+            await reader.aclose()
     [request] = seen
     assert request.match_info["project"] == "p2"
     assert request.headers["Authorization"] == "Bearer secret-token"
