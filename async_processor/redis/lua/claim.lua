@@ -12,7 +12,8 @@
 -- dead-letter) is keyed by its SHA-1, so it is still owned. Lease expiry = min(now + lease,
 -- deadline + 300), as upstream's.
 -- Returns one reply per queue: {claim key, member, score, size, sha1, ...} ({} when the
--- queue is empty), or the WRONGTYPE text of a queue whose keys have the wrong type: that
+-- queue is empty), or the WRONGTYPE text of a queue whose keys have the wrong type (an
+-- empty queue's claim keys are not looked at): that
 -- queue is left untouched, and the others are claimed (one queue's stray key must not stop
 -- every tenant's fetches). A member over ARGV[2] bytes comes as its first ARGV[3] bytes with
 -- its size and SHA-1 (sha1 is "" for the others): the daemon answers or dead-letters it
@@ -55,9 +56,18 @@ local function claim_queue(queue, claimed, owners, idx, record, limit)
   -- The same record again means the client retried a claim whose reply it never got (e.g.
   -- Redis restarting): answer with that batch, the claims still ours. Claiming anew would
   -- leave the members claimed the first time in nobody's hands until their lease ran out.
+  local wrong = 'WRONGTYPE a key of queue ' .. queue .. ' has the wrong type'
+  -- Types are checked only where a claim is written or read back: a queue found empty
+  -- (most calls, with several replicas at batch 1) costs no TYPE at all.
+  local function usable()
+    return usable_as(claimed, 'hash') and usable_as(owners, 'hash') and usable_as(idx, 'zset')
+  end
   -- (pcall: a record key of another type is only overwritten, below, never read.)
   local seen = redis.pcall('GET', record)
   if type(seen) == 'string' then
+    if not usable() then
+      return wrong
+    end
     for _, entry in ipairs(cjson.decode(seen)) do
       local member = redis.call('HGET', claimed, entry[1])
       if member and redis.call('HGET', owners, entry[1]) == owner then
@@ -66,7 +76,10 @@ local function claim_queue(queue, claimed, owners, idx, record, limit)
     end
     return out
   end
-  local lowest = redis.call('ZRANGE', queue, 0, limit - 1, 'WITHSCORES')
+  local lowest = redis.pcall('ZRANGE', queue, 0, limit - 1, 'WITHSCORES')
+  if lowest['err'] ~= nil or (#lowest > 0 and not usable()) then
+    return wrong
+  end
   if #lowest == 0 then
     return out
   end
@@ -96,13 +109,8 @@ end
 local replies = {}
 for q = 1, #KEYS / 5 do
   local k = 5 * q
-  local queue, claimed, owners, idx = KEYS[k - 4], KEYS[k - 3], KEYS[k - 2], KEYS[k - 1]
   -- Each queue's keys are checked before its own writes (the others' keys are distinct).
-  if usable_as(queue, 'zset') and usable_as(claimed, 'hash') and usable_as(owners, 'hash')
-      and usable_as(idx, 'zset') then
-    replies[q] = claim_queue(queue, claimed, owners, idx, KEYS[k], tonumber(ARGV[4 + q]))
-  else
-    replies[q] = 'WRONGTYPE a key of queue ' .. queue .. ' has the wrong type'
-  end
+  replies[q] = claim_queue(KEYS[k - 4], KEYS[k - 3], KEYS[k - 2], KEYS[k - 1], KEYS[k],
+    tonumber(ARGV[4 + q]))
 end
 return replies
