@@ -111,6 +111,14 @@ class WaitsForChange(Protocol):
     async def wait_changed(self, timeout: float) -> None: ...
 
 
+def waits_in_apply(gate: Gate) -> bool:
+    """Whether ``gate.apply`` may wait for as long as it takes (a gate that says so with a
+    true ``waits_in_apply`` attribute: ``local-max-concurrency`` in ``blocking`` mode, a
+    composite holding one). A queue gate's wait is bounded by the poller only then: the
+    cancel scope that bounds it costs more than a whole open gate's check."""
+    return bool(getattr(gate, "waits_in_apply", False))
+
+
 class BudgetBatch(Protocol):
     """Reads the budgets of many gates of one kind together (``ReadsInBatch``)."""
 

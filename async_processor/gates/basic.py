@@ -25,6 +25,7 @@ from async_processor.gates.base import (
     Releases,
     Verdict,
     build_gate,
+    waits_in_apply,
 )
 from async_processor.gates.params import GateSpec, GateSpecObject, GateSpecs, Int, Params
 from async_processor.gates.shared import ChangeSignal, InnerGate, observe_all, wait_any_changed
@@ -54,7 +55,7 @@ class LocalMaxConcurrencyGate:
     def __init__(self, limit: int, blocking: bool) -> None:
         self.limit = limit
         self.in_flight = 0
-        self._blocking = blocking
+        self._blocking = self.waits_in_apply = blocking
         self._slots: anyio.Semaphore | None = None  # blocking mode; made in the loop
         self._changed = ChangeSignal()
 
@@ -101,6 +102,7 @@ class CompositeGate:
 
     def __init__(self, gates: Sequence[Gate]) -> None:
         self.gates = list(gates)
+        self.waits_in_apply = any(waits_in_apply(gate) for gate in self.gates)
 
     async def budget(self) -> float:
         return min([await gate.budget() for gate in self.gates], default=1.0)

@@ -27,6 +27,7 @@ from async_processor.gates.base import (
     Releases,
     Verdict,
     WaitsForChange,
+    waits_in_apply,
 )
 from async_processor.messages import Envelope
 from async_processor.metrics import PREFIX, Q_LABELS
@@ -137,6 +138,7 @@ class InnerGate:
 
     def __init__(self, inner: Gate) -> None:
         self.inner = inner
+        self.waits_in_apply = waits_in_apply(inner)
 
     async def budget(self) -> float:
         return await self.inner.budget()

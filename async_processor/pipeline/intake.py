@@ -18,6 +18,7 @@ rest of the batch is handed back.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -28,7 +29,14 @@ import anyio
 from structlog.typing import FilteringBoundLogger
 
 from async_processor.errors import InvalidMessage, TransportError
-from async_processor.gates.base import Action, Gate, Releases, Verdict, refusal_decision
+from async_processor.gates.base import (
+    Action,
+    Gate,
+    Releases,
+    Verdict,
+    refusal_decision,
+    waits_in_apply,
+)
 from async_processor.messages import (
     CANCELLED_TEXT,
     GATE_DROPPED_TEXT,
@@ -48,9 +56,11 @@ HAND_BACK_TIMEOUT = 5.0
 
 @dataclass
 class Behind:
-    """The deliveries after one in its batch, and the earliest of their deadlines."""
+    """The deliveries after one in its batch (from ``start`` on: no copy per message),
+    and the earliest of their deadlines."""
 
-    deliveries: Sequence[Delivery]
+    batch: Sequence[Delivery]
+    start: int
     earliest: float
 
 
@@ -81,7 +91,7 @@ class Intake:
                     self._handed_on.discard(delivery)
                     continue
                 try:
-                    behind = Behind(deliveries[index + 1 :], earliest[index])
+                    behind = Behind(deliveries, index + 1, earliest[index])
                     if (work := await self._admit(delivery, behind)) is not None:
                         self._held.hold(work)  # answered at its deadline while others go first
                         loading.append(work)
@@ -199,10 +209,13 @@ class Intake:
         self, envelope: Envelope, releases: Releases, behind: Behind
     ) -> Verdict | None:
         """The queue gate's verdict; None if a gate that waits inside ``apply``
-        (``local-max-concurrency`` in ``blocking`` mode) waits past this message's deadline
-        or ``--gate-wait-timeout``. Meanwhile each one behind it in the batch is answered
-        at its deadline (the wait is cut then, and taken up again); the ones ahead are
-        held, answered at their deadline by the pool's expiry."""
+        (``gates.base.waits_in_apply``: ``local-max-concurrency`` in ``blocking`` mode)
+        waits past this message's deadline or ``--gate-wait-timeout``. Meanwhile each one
+        behind it in the batch is answered at its deadline (the wait is cut then, and
+        taken up again); the ones ahead are held, answered at their deadline by the
+        pool's expiry."""
+        if not waits_in_apply(self._gate):  # its check ends by itself: no scope to pay for
+            return await self._gate.apply(envelope, releases)
         give_up = min(envelope.request.deadline, time.time() + self._gate_wait)
         while True:
             if behind.earliest <= time.time():
@@ -230,7 +243,7 @@ class Intake:
         """Those of ``behind`` whose deadline has passed answered now (the poller passes
         them by when it reaches them); ``behind.earliest`` becomes the rest's earliest."""
         behind.earliest = math.inf
-        for delivery in behind.deliveries:
+        for delivery in itertools.islice(behind.batch, behind.start, None):
             envelope = delivery.envelope
             if envelope is None or delivery in self._handed_on:
                 continue

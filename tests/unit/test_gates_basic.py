@@ -14,6 +14,7 @@ from async_processor.gates.adaptive import AdaptiveConcurrencyGate, AdaptivePara
 from async_processor.gates.base import (
     CONTINUE,
     DROP,
+    OPEN_GATE,
     REFUSE,
     WAIT,
     Action,
@@ -25,6 +26,7 @@ from async_processor.gates.base import (
     Verdict,
     WaitsForChange,
     build_gate,
+    waits_in_apply,
 )
 from async_processor.gates.basic import CompositeGate, LocalMaxConcurrencyGate, WaitOnRefuseGate
 from async_processor.gates.tiers import TOO_MANY_REQUESTS, TierPriorityAdmissionGate
@@ -382,3 +384,33 @@ def test_adaptive_params_defaults() -> None:
     p = AdaptiveParams()
     assert (p.min_limit, p.initial_limit, p.increase_step, p.decrease_factor) == (1, 16, 1.0, 0.9)
     assert p.latency_target == 0.0 and p.when_full == "wait"
+
+
+def test_only_a_gate_that_can_wait_in_apply_says_so_through_its_wrappers() -> None:
+    """The poller bounds a queue gate's check by the deadlines only where it can wait
+    (``waits_in_apply``): a blocking ``local-max-concurrency``, alone, in a composite or
+    wrapped; the rest end by themselves and pay no cancel scope."""
+    limit: dict[str, Any] = {"limit": 1}
+    blocking = {
+        "gate_type": "local-max-concurrency",
+        "gate_params": {**limit, "gating_mode": "blocking"},
+    }
+    refusing = {"gate_type": "local-max-concurrency", "gate_params": limit}
+    cases = {
+        ("local-max-concurrency", "blocking"): True,
+        ("composite", "blocking"): True,
+        ("wait-on-refuse", "blocking"): True,
+        ("local-max-concurrency", "refusing"): False,
+        ("composite", "refusing"): False,
+    }
+    specs = {"blocking": blocking, "refusing": refusing}
+    for (kind, inner), expected in cases.items():
+        spec = specs[inner]
+        if kind == "composite":
+            params: dict[str, Any] = {"gates": [spec]}
+        elif kind == "wait-on-refuse":
+            params = {"gate": spec}
+        else:
+            params = dict(spec["gate_params"])
+        assert waits_in_apply(build_gate(kind, params, ctx())) is expected, (kind, inner)
+    assert not waits_in_apply(OPEN_GATE)

@@ -420,6 +420,8 @@ class StuckGate:
     went elsewhere between the budget read and the message (a ``gate_group``'s other
     queue, the queue's other fetch loop), as ``local-max-concurrency`` in blocking mode."""
 
+    waits_in_apply = True
+
     async def budget(self) -> float:
         return 1.0
 
