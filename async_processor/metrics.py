@@ -208,19 +208,25 @@ class Metrics(SortedSetFamilies):
         return bound
 
     def forget_queue(self, queue_name: str, *, gauges_only: bool = False, **labels: str) -> None:
-        """Drop every series labelled with ``queue_name`` (and ``labels``), so tenant churn
-        does not grow the registry; a queue found again starts at 0. ``gauges_only`` (a
-        queue a reload removed): its counters stay, as upstream's, and only the levels go."""
+        """Drop every series labelled with ``queue_name`` (and ``labels``): tenant churn
+        must not grow the registry. ``gauges_only`` (a reload's removal): counters stay, as
+        upstream's, and the bound series stay cached (a late result binds no gauge again)."""
         match = {"queue_name": queue_name, **labels}
-        self._bound = {k: v for k, v in self._bound.items() if not _matches(k, match)}
+        if not gauges_only:
+            self._bound = {k: v for k, v in self._bound.items() if not _matches(k, match)}
         self.backlog.forget(match)  # levels only, whatever gauges_only says
         kind = Gauge if gauges_only else MetricWrapperBase
         for family in vars(self).values():
-            # Only families that have such a series: remove_by_labels refuses a family
-            # without a queue_name label (public API only: a prometheus-client upgrade
-            # must not break this quietly).
-            if isinstance(family, kind) and _has_queue(family, match):
+            # Only families with such a series: remove_by_labels refuses one without a
+            # queue_name label (public API only: an upgrade must not break this quietly).
+            if isinstance(family, kind) and any(
+                _matches(s.labels, match) for m in family.collect() for s in m.samples
+            ):
                 family.remove_by_labels(match)
+
+    def rebind(self, labels: tuple[str, str, str]) -> None:
+        """A queue served again after ``forget_queue(gauges_only=True)``: fresh gauges."""
+        self._bound.pop(labels, None)
 
     def pool(self, pool: str) -> QueueMetrics:
         """Pool-level series (pool gates): empty queue labels, as the reference does."""
@@ -230,11 +236,6 @@ class Metrics(SortedSetFamilies):
 def _matches(labels: dict[str, str] | tuple[str, ...], match: dict[str, str]) -> bool:
     named = labels if isinstance(labels, dict) else dict(zip(Q_LABELS, labels, strict=True))
     return all(named.get(k) == v for k, v in match.items())
-
-
-def _has_queue(family: MetricWrapperBase, match: dict[str, str]) -> bool:
-    samples = (sample for metric in family.collect() for sample in metric.samples)
-    return any(_matches(sample.labels, match) for sample in samples)
 
 
 class LoopGauge:

@@ -60,6 +60,8 @@ class RunningQueues:
         self._feeds: dict[str, MemoryObjectSendStream[Source]] = {}  # by pool
         self._running: dict[Key, _Running] = {}
         self._tg: TaskGroup | None = None
+        # Labels whose gauges a reload's removal took away: bound afresh if served again.
+        self._retired: set[tuple[str, str, str]] = set()
 
     def feed(self, pool: str) -> ObjectReceiveStream[Source]:
         """Where ``pool``'s merge takes the sources started later (``more``)."""
@@ -69,7 +71,7 @@ class RunningQueues:
     def wire(self, key: Key, spec: QueueSpec, forget: Forget) -> Source:
         """A queue known at startup: its source goes to the merge with its pool's others
         (its slot is in the pool's size); its poller starts with ``begin``."""
-        source, poller = self._wire(spec)
+        source, poller = self._wired(spec)
         self._running[key] = _Running(spec, poller, forget, sized=False)
         return source
 
@@ -82,11 +84,18 @@ class RunningQueues:
     async def start(self, key: Key, spec: QueueSpec, forget: Forget) -> None:
         """Wire and run a queue found or configured while running (after ``begin``)."""
         assert self._tg is not None
-        source, poller = self._wire(spec)
+        source, poller = self._wired(spec)
         entry = self._running[key] = _Running(spec, poller, forget, sized=True)
         self._capacities[spec.pool].resize(1)  # its message for the merge, as at startup
         await self._feeds[spec.pool].send(source)
         self._tg.start_soon(self._poll, entry)
+
+    def _wired(self, spec: QueueSpec) -> tuple[Source, Poller]:
+        labels = (spec.id, spec.name, spec.pool)
+        if labels in self._retired:
+            self._retired.discard(labels)
+            self._metrics.rebind(labels)
+        return self._wire(spec)
 
     def stop(self, key: Key) -> None:
         """Cancel the queue's poller (it hands back what it holds, then drains)."""
@@ -125,6 +134,7 @@ class RunningQueues:
         if not any(q.id == queue.id and q.pool == queue.pool for q in served):
             labels = {"queue_id": queue.id, "pool_name": queue.pool}
             self._metrics.forget_queue(queue.name, gauges_only=True, **labels)
+            self._retired.add((queue.id, queue.name, queue.pool))
 
     def close_feeds(self) -> None:
         """The pollers have stopped: the merges may finish once their sources have."""

@@ -232,6 +232,8 @@ async def test_a_removed_queue_answers_or_returns_each_message_once_and_its_gaug
             while "a1" not in [Result.decode(x).id for x in await r.lrange(answers, 0, -1)]:
                 await anyio.sleep(0.05)
         assert await r.zcard(name) == queued + 1  # nothing taken from it any more
+        # Late results of the removed queue bound none of its gauges again.
+        assert not any(series(processor, gauge, name) for gauge in GAUGES)
     answered = [Result.decode(raw).id for raw in await r.lrange(answers, 0, -1)]
     left = [decode_envelope(cast(bytes, raw)).id for raw in await r.zrange(name, 0, -1)]
     assert await r.zcard(redis_keys.inflight_key(name)) == 0  # no claim left behind
@@ -410,3 +412,54 @@ async def test_two_pools_with_tier_priority_lanes_gain_and_lose_queues(
     # Lane index = class x 3 + tier: unclassified (1) x 3 + interactive 0 / async 1 / batch 2.
     assert lanes["a1"] == ["3"] and lanes["b1"] == lanes["b2"] == ["5"]
     assert all(lanes[f"c{n}"] == ["4"] and lanes[f"d{n}"] == ["3"] for n in range(5))
+
+
+async def test_a_queue_moved_to_another_pool_mid_run_answers_each_message_once(
+    files: Files, r: Redis, simulator: SimulatorProcess
+) -> None:
+    """A changed queue (its pool) gets a new poller in the other pool while its old one
+    drains: both polling one sorted set for a moment, each message is answered once."""
+    simulator.configure(latency=0.05)
+    unique, name = files.unique, f"{files.unique}-a"
+    pools = files.dir / "pools.json"
+    files.write([{"id": "p1", "workers": 2}, {"id": "p2", "workers": 2}], pools)
+    files.write(
+        files.config(files.queue("a", worker_pool_id="p1"), files.queue("b", worker_pool_id="p2"))
+    )
+    ids = [f"m{n}" for n in range(60)]
+    await submit(files, "a", *ids)
+    async with running(files.daemon(f"--pool-config-file={pools}")) as processor:
+        got = await results(r, unique, 5)
+        files.write(
+            files.config(
+                files.queue("a", worker_pool_id="p2"), files.queue("b", worker_pool_id="p2")
+            )
+        )
+        await reloaded(processor, "success", 1)
+        got += await results(r, unique, len(ids) - 5)
+        moved = {"queue_name": name, "pool_name": "p2"}
+        await until(lambda: not series(processor, GAUGES[3], name, pool_name="p1"))
+        assert series(processor, GAUGES[3], **moved)  # the new pool's series stay
+    assert sorted(got) == sorted(ids)  # each answered once
+    assert await r.llen(f"{unique}:results") == 0 and await r.zcard(name) == 0
+
+
+async def test_weighted_fair_lanes_join_and_leave_with_their_weights(
+    files: Files, r: Redis
+) -> None:
+    unique = files.unique
+    merge = files.dir / "merge.json"
+    files.write({"type": "weighted-fair", "parameters": {}}, merge)
+    files.write(files.config(files.queue("a"), files.queue("b")))
+    async with running(files.daemon(f"--request-merge-policy-config-file={merge}")) as processor:
+        await submit(files, "a", "a1")
+        assert await results(r, unique, 1) == ["a1"]
+        heavy = files.queue("c", labels={"weight": "4"})
+        files.write(files.config(files.queue("b"), heavy))
+        await reloaded(processor, "success", 1)
+        await submit(files, "a", "a2")
+        await submit(files, "b", *[f"b{n}" for n in range(10)])
+        await submit(files, "c", *[f"c{n}" for n in range(10)])
+        got = await results(r, unique, 20)
+        assert sorted(got) == sorted([*(f"b{n}" for n in range(10)), *(f"c{n}" for n in range(10))])
+        assert await r.zcard(f"{unique}-a") == 1  # a2: its lane left the merge
