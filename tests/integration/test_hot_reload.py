@@ -329,10 +329,13 @@ async def test_every_queue_removed_then_one_added(files: Files, r: Redis) -> Non
         await submit(files, "a", "a1")
         await anyio.sleep(0.5)
         assert await r.zcard(f"{unique}-a") == 1
-        files.write(files.config(files.queue("b")))
+        await until(lambda: not series(processor, GAUGES[3], f"{unique}-a"))
+        files.write(files.config(files.queue("a"), files.queue("b")))  # a served again
         await reloaded(processor, "success", 2)
         await submit(files, "b", "b1")
-        assert await results(r, unique, 1) == ["b1"]
+        assert sorted(await results(r, unique, 2)) == ["a1", "b1"]
+        # Its gauges are bound afresh (not the ones its removal detached).
+        assert all(series(processor, gauge, f"{unique}-a") for gauge in GAUGES)
 
 
 async def test_with_queue_discovery_a_queue_moves_between_listed_and_configured(
