@@ -208,9 +208,8 @@ class Metrics(SortedSetFamilies):
         return bound
 
     def forget_queue(self, queue_name: str, *, gauges_only: bool = False, **labels: str) -> None:
-        """Drop every series labelled with ``queue_name`` (and ``labels``): tenant churn
-        must not grow the registry. ``gauges_only`` (a reload's removal): counters stay, as
-        upstream's, and the bound series stay cached (a late result binds no gauge again)."""
+        """Drop the series of ``queue_name`` (and ``labels``): churn must not grow the registry.
+        ``gauges_only`` (a reload's): counters and the cache stay (a late result rebinds none)."""
         match = {"queue_name": queue_name, **labels}
         if not gauges_only:
             self._bound = {k: v for k, v in self._bound.items() if not _matches(k, match)}
