@@ -138,6 +138,11 @@ class SortedSetConfig(RedisTransportBase):
     batch_size: Annotated[int, zero_is_default(10), Field(gt=0)] = 10
     # Ours: in-flight lease (kill -9 safety) and how long a request id's result is remembered.
     lease_seconds: Annotated[float, Field(gt=0)] = 30.0
+    # Upstream's names (Go v0.9.1+, so its configs load unchanged; 0 = default, negative is
+    # an error, as upstream): the lease when ``lease_seconds`` is not given, and how often
+    # expired claims are reclaimed (default: every ``lease_seconds / 2``).
+    claim_lease_ttl_seconds: Annotated[int, Field(ge=0)] = 0
+    claim_reclaim_interval_ms: Annotated[int, Field(ge=0)] = 0
     dedup_ttl_seconds: Annotated[int, Field(gt=0)] = 86400
     # Ours: a glob a message's own result_queue_name must match ("" = any name that is not
     # one of the daemon's keys); otherwise its result goes to the configured list.
@@ -173,6 +178,22 @@ class SortedSetConfig(RedisTransportBase):
             known = ttls.get(name, 0)
             ttls[name] = min(known, ttl) if known and ttl else known or ttl
         return ttls
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upstream_lease(cls, data: Any) -> Any:
+        """Upstream's ``claim_lease_ttl_seconds`` is the lease unless ours is given too."""
+        if isinstance(data, dict) and "lease_seconds" not in data:
+            ttl = data.get("claim_lease_ttl_seconds")
+            if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0:
+                return {**data, "lease_seconds": ttl}
+        return data
+
+    def reclaim_interval(self) -> float:
+        """Seconds between reaper rounds: upstream's ``claim_reclaim_interval_ms`` if set."""
+        if self.claim_reclaim_interval_ms:
+            return self.claim_reclaim_interval_ms / 1000
+        return self.lease_seconds / 2
 
     @model_validator(mode="after")
     def _unique(self, info: ValidationInfo) -> SortedSetConfig:

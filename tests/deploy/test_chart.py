@@ -137,6 +137,7 @@ def populated_metrics() -> Metrics:
     m.result_route_rejected_total.labels("q", "reserved_key")  # made by the sorted-set transport
     m.abandoned_total.labels("q", "write_failed")
     m.dead_letter_trimmed_total.labels("q")
+    m.legacy_claims_returned_total.labels("q")
     m.duplicates_suppressed_total.labels("q", "q", "default")
     m.pool_worker_limit.labels("default").set(1)
     m.tokens_total.labels("q", "q", "default", "", "none", "total")  # deprecated kind="total"

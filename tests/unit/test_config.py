@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from async_processor.config import (
     FLAGS,
@@ -358,3 +359,23 @@ def test_a_gate_param_of_exactly_env_name_comes_from_the_environment(tmp_path: P
     message = error_of(argv, {"QUOTA_URL": env["QUOTA_URL"]})
     assert "POOL_URL is not set" in message and "--pool-config-file" in message
     assert "QUOTA_URL is not set" in error_of(argv, {"QUOTA_URL": "", "POOL_URL": "x"})
+
+
+def test_upstreams_claim_settings_load_and_set_the_lease_and_reclaim_interval() -> None:
+    """A Go v0.9.1+ transport config names its claim lease and reclaim interval: it loads
+    unchanged (a pod-by-pod switch uses one config), and the values are used."""
+    queues = [{"queue_name": "q", "igw_base_url": "http://g"}]
+    go = {"url": "redis://h:1", "queues": queues}
+    upstream = SortedSetConfig.model_validate(
+        {**go, "claim_lease_ttl_seconds": 300, "claim_reclaim_interval_ms": 15000}
+    )
+    assert (upstream.lease_seconds, upstream.reclaim_interval()) == (300.0, 15.0)
+    ours = SortedSetConfig.model_validate(
+        {**go, "lease_seconds": 5, "claim_lease_ttl_seconds": 300}
+    )
+    assert (ours.lease_seconds, ours.reclaim_interval()) == (5.0, 2.5)  # ours wins
+    defaults = SortedSetConfig.model_validate({**go, "claim_lease_ttl_seconds": 0})
+    assert (defaults.lease_seconds, defaults.reclaim_interval()) == (30.0, 15.0)
+    for name in ("claim_lease_ttl_seconds", "claim_reclaim_interval_ms"):
+        with pytest.raises(ValidationError, match=name):
+            SortedSetConfig.model_validate({**go, name: -1})

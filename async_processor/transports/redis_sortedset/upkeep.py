@@ -73,7 +73,7 @@ class SortedSetUpkeep:
         await self.migrate_legacy()
         async with anyio.create_task_group() as tg:
             tg.start_soon(_every, "heartbeat", lease / 3, self.heartbeat)
-            tg.start_soon(_every, "reap", lease / 2, self.reap)
+            tg.start_soon(_every, "reap", self.config.reclaim_interval(), self.reap)
             tg.start_soon(_every, "retry_move", RETRY_MOVE_INTERVAL, self.move_due)
             tg.start_soon(_every, "expire", EXPIRE_INTERVAL, self.expire_due)
             tg.start_soon(_every, "retain", RETAIN_INTERVAL, self.retain)
