@@ -24,7 +24,6 @@ from async_processor.config import AppConfig, MergePolicyConfig, PoolConfig, Sor
 from async_processor.messages import ErrorCode, Result
 from async_processor.pipeline.processor import Processor
 from tests.fixtures.inprocess import metric, running, runtime_config, sortedset_config, submit
-from tests.fixtures.servers import free_port
 from tests.fixtures.simulator import SimulatorProcess
 
 pytestmark = pytest.mark.anyio
@@ -143,7 +142,7 @@ def queues_config(
         transport="redis-sortedset",
         transport_config=transport,
         runtime=runtime_config(
-            health_port=free_port(), metrics_port=free_port(), drain_timeout="1s"
+            drain_timeout="1s"  # ports 0 (runtime_config's): the OS's, no race for them
         ),
         pools=[PoolConfig(id="p", workers=workers)],
         merge_policy=MergePolicyConfig(type=policy),

@@ -18,7 +18,7 @@ from async_processor.gates.redis import BudgetKeys, RedisBudgetGate, RedisBudget
 from async_processor.redis.conn import connect
 from tests.fixtures.inprocess import metric, running, runtime_config
 from tests.fixtures.redis_cluster import RedisClusterNodes
-from tests.fixtures.servers import RedisServer, free_port
+from tests.fixtures.servers import RedisServer
 from tests.fixtures.simulator import SimulatorProcess
 
 pytestmark = pytest.mark.anyio
@@ -41,7 +41,7 @@ def _config(redis_url: str, gate_url: str, gateway: str, queues: list[str]) -> A
             ],
         }
     )  # fmt: skip
-    runtime = runtime_config(health_port=free_port(), metrics_port=free_port())
+    runtime = runtime_config()  # ports 0: the OS's, no race for them
     return AppConfig(transport="redis-sortedset", transport_config=transport, runtime=runtime)
 
 

@@ -340,7 +340,7 @@ async def test_urgent_queue_served_promptly_behind_a_deep_batch_backlog(
     })  # fmt: skip
     config = AppConfig(
         transport="redis-sortedset", transport_config=transport,
-        runtime=RuntimeConfig(health_port=free_port(), metrics_port=free_port(),
+        runtime=RuntimeConfig(health_port=0, metrics_port=0,  # the OS's ports: no race
                               bind_address="127.0.0.1", concurrency=1),
         merge_policy=MergePolicyConfig(type="tier-priority"),
     )  # fmt: skip

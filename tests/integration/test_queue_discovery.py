@@ -27,7 +27,7 @@ from async_processor.transports.redis_sortedset.discovery import (
 from async_processor.transports.redis_sortedset.transport import SortedSetTransport
 from tests.fixtures.inprocess import running, runtime_config
 from tests.fixtures.redis_cluster import RedisClusterNodes
-from tests.fixtures.servers import RedisServer, free_port
+from tests.fixtures.servers import RedisServer
 from tests.fixtures.simulator import SimulatorProcess
 
 pytestmark = pytest.mark.anyio
@@ -65,7 +65,7 @@ def daemon_config(transport: SortedSetConfig, gateway: str, workers: int = 4) ->
     return AppConfig(
         transport="redis-sortedset",
         transport_config=transport.model_copy(update={"queue_discovery": discovery}),
-        runtime=runtime_config(health_port=free_port(), metrics_port=free_port()),
+        runtime=runtime_config(),  # ports 0: the OS's, no race for them
         pools=[PoolConfig(id="p", workers=workers)],
     )
 
