@@ -209,10 +209,9 @@ class Metrics(SortedSetFamilies):
 
     def forget_queue(self, queue_name: str, *, gauges_only: bool = False, **labels: str) -> None:
         """Drop the series of ``queue_name`` (and ``labels``): churn must not grow the registry.
-        ``gauges_only`` (a reload's): counters and the cache stay (a late result rebinds none)."""
+        ``gauges_only`` (a reload's): counters stay. The cache of bound series stays, so a late
+        result binds none again; ``rebind`` when the queue is served again."""
         match = {"queue_name": queue_name, **labels}
-        if not gauges_only:
-            self._bound = {k: v for k, v in self._bound.items() if not _matches(k, match)}
         self.backlog.forget(match)  # levels only, whatever gauges_only says
         kind = Gauge if gauges_only else MetricWrapperBase
         for family in vars(self).values():
@@ -224,7 +223,7 @@ class Metrics(SortedSetFamilies):
                 family.remove_by_labels(match)
 
     def rebind(self, labels: tuple[str, str, str]) -> None:
-        """A queue served again after ``forget_queue(gauges_only=True)``: fresh gauges."""
+        """A queue served again after ``forget_queue``: fresh series (or its cache freed)."""
         self._bound.pop(labels, None)
 
     def pool(self, pool: str) -> QueueMetrics:
@@ -232,9 +231,8 @@ class Metrics(SortedSetFamilies):
         return self.queue("", "", pool)
 
 
-def _matches(labels: dict[str, str] | tuple[str, ...], match: dict[str, str]) -> bool:
-    named = labels if isinstance(labels, dict) else dict(zip(Q_LABELS, labels, strict=True))
-    return all(named.get(k) == v for k, v in match.items())
+def _matches(labels: dict[str, str], match: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in match.items())
 
 
 class LoopGauge:

@@ -34,6 +34,10 @@ from async_processor.pipeline.poller import Poller
 Wire = Callable[[QueueSpec], tuple[Source, Poller]]
 Forget = Callable[[QueueSpec], None]
 Key = tuple[str, str]  # (origin, id or name)
+Labels = tuple[str, str, str]  # (queue_id, queue_name, pool_name)
+# Removed queues whose bound series are kept (a late result of theirs binds no series
+# again, a gauge at 0 for a queue nobody serves): the oldest is freed past this many.
+RETIRED_MAX = 10_000
 
 
 @dataclass(slots=True)
@@ -60,8 +64,7 @@ class RunningQueues:
         self._feeds: dict[str, MemoryObjectSendStream[Source]] = {}  # by pool
         self._running: dict[Key, _Running] = {}
         self._tg: TaskGroup | None = None
-        # Labels whose gauges a reload's removal took away: bound afresh if served again.
-        self._retired: set[tuple[str, str, str]] = set()
+        self._retired: dict[Labels, None] = {}  # forgotten, oldest first
 
     def feed(self, pool: str) -> ObjectReceiveStream[Source]:
         """Where ``pool``'s merge takes the sources started later (``more``)."""
@@ -92,8 +95,8 @@ class RunningQueues:
 
     def _wired(self, spec: QueueSpec) -> tuple[Source, Poller]:
         labels = (spec.id, spec.name, spec.pool)
-        if labels in self._retired:
-            self._retired.discard(labels)
+        if labels in self._retired:  # forgotten: fresh series, not the detached ones
+            del self._retired[labels]
             self._metrics.rebind(labels)
         return self._wire(spec)
 
@@ -124,6 +127,7 @@ class RunningQueues:
         if not self.serving(queue.name):
             self._gates.forget(queue.name)
             self._metrics.forget_queue(queue.name)
+            self._retire(queue)
 
     def forget_configured(self, queue: QueueSpec) -> None:
         """A queue a reload removed or changed has drained: its gauges go unless a poller
@@ -134,7 +138,14 @@ class RunningQueues:
         if not any(q.id == queue.id and q.pool == queue.pool for q in served):
             labels = {"queue_id": queue.id, "pool_name": queue.pool}
             self._metrics.forget_queue(queue.name, gauges_only=True, **labels)
-            self._retired.add((queue.id, queue.name, queue.pool))
+            self._retire(queue)
+
+    def _retire(self, queue: QueueSpec) -> None:
+        self._retired[(queue.id, queue.name, queue.pool)] = None
+        if len(self._retired) > RETIRED_MAX:
+            oldest = next(iter(self._retired))
+            del self._retired[oldest]
+            self._metrics.rebind(oldest)  # its cache freed: churn must not grow it either
 
     def close_feeds(self) -> None:
         """The pollers have stopped: the merges may finish once their sources have."""

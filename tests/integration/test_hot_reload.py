@@ -466,3 +466,35 @@ async def test_weighted_fair_lanes_join_and_leave_with_their_weights(
         got = await results(r, unique, 20)
         assert sorted(got) == sorted([*(f"b{n}" for n in range(10)), *(f"c{n}" for n in range(10))])
         assert await r.zcard(f"{unique}-a") == 1  # a2: its lane left the merge
+
+
+async def test_a_removed_discovered_queue_binds_no_series_again_for_late_results(
+    files: Files, r: Redis, simulator: SimulatorProcess
+) -> None:
+    """Results of its in-flight messages land after its poller drained: they bound every
+    series of the queue again (a dispatch_budget of 0 for a queue nobody serves)."""
+    simulator.configure(latency=0.3)
+    unique, listed = files.unique, f"{files.unique}:tenants"
+    name = f"{unique}-d"
+    discovery = {
+        "set_key": listed,
+        "refresh_seconds": 0.2,
+        "template": {"igw_base_url": files.gateway},
+    }
+    ids = [f"d{n}" for n in range(40)]
+    await submit(files, "d", *ids)
+    await r.sadd(listed, name)
+    files.write(files.config(files.queue("a"), queue_discovery=discovery))
+    async with running(files.daemon("--concurrency=4")) as processor:
+        with anyio.fail_after(30):
+            while await r.llen(f"{unique}:results") < 4:
+                await anyio.sleep(0.05)
+        await r.srem(listed, name)
+        await until(lambda: not series(processor, GAUGES[3], name))
+        with anyio.fail_after(30):  # what was in flight is answered after the drain
+            while await r.zcard(redis_keys.inflight_key(name)):
+                await anyio.sleep(0.05)
+        await anyio.sleep(0.5)  # the result writer's batch observed
+        assert not any(series(processor, gauge, name) for gauge in GAUGES)
+        await r.sadd(listed, name)  # listed again: served, its series bound afresh
+        await until(lambda: all(series(processor, gauge, name) for gauge in GAUGES))

@@ -56,5 +56,10 @@ def test_loop_gauges_export_their_count_and_start_again_at_zero_when_forgotten()
     assert sample("llm_d_async_async_queue_depth", labels) == 1
     metrics.forget_queue("q")
     assert sample("llm_d_async_async_inflight_requests", labels) is None
+    # A late result of the forgotten queue binds none of its series again.
+    metrics.queue("q", "q", "default").failed_total.inc()
+    assert sample("llm_d_async_async_inflight_requests", labels) is None
+    assert sample("llm_d_async_async_failed_requests_total", labels) is None
+    metrics.rebind(("q", "q", "default"))  # served again
     metrics.queue("q", "q", "default").inflight.inc()
     assert sample("llm_d_async_async_inflight_requests", labels) == 1
