@@ -62,3 +62,4 @@ class QueueRefresh:
             if spec.name not in running:
                 await self._queues.start((DISCOVERED, spec.name), spec, self._forget)
                 log.info("queue_added", queue=spec.name, pool=spec.pool)
+        self._queues.prune()

@@ -275,6 +275,7 @@ class Processor:
             {pool_id: pool.capacity for pool_id, pool in pools.items()},
             self.queue_gates,
             self.metrics,
+            lambda: self.transport.queues,
         )
         self._discovery = self._queue_refresh(queues)
         self._reload = self._queue_reload(queues)

@@ -102,6 +102,7 @@ class QueueReload:
     async def run(self) -> None:
         """A pass at once (the file may have changed since startup), then every interval."""
         while True:
+            self._queues.prune()  # removed queues out of upkeep: their cached series freed
             await self.reload()
             await anyio.sleep(self._interval)
 

@@ -17,7 +17,7 @@ queue's new poller, a discovered queue configured by a reload, one found again).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import anyio
@@ -35,9 +35,6 @@ Wire = Callable[[QueueSpec], tuple[Source, Poller]]
 Forget = Callable[[QueueSpec], None]
 Key = tuple[str, str]  # (origin, id or name)
 Labels = tuple[str, str, str]  # (queue_id, queue_name, pool_name)
-# Removed queues whose bound series are kept (a late result of theirs binds no series
-# again, a gauge at 0 for a queue nobody serves): the oldest is freed past this many.
-RETIRED_MAX = 10_000
 
 
 @dataclass(slots=True)
@@ -56,6 +53,7 @@ class RunningQueues:
         capacities: Mapping[str, PoolCapacity],
         gates: QueueGates,
         metrics: Metrics,
+        upkeep: Callable[[], Iterable[QueueSpec]],
     ) -> None:
         self._wire = wire
         self._capacities = capacities
@@ -64,7 +62,11 @@ class RunningQueues:
         self._feeds: dict[str, MemoryObjectSendStream[Source]] = {}  # by pool
         self._running: dict[Key, _Running] = {}
         self._tg: TaskGroup | None = None
-        self._retired: dict[Labels, None] = {}  # forgotten, oldest first
+        self._upkeep = upkeep  # the queues the transport still settles claims of
+        # Removed queues whose bound series stay cached until no result of theirs can
+        # land (a late one bound every series again: a dispatch_budget of 0 for a queue
+        # nobody serves); freed by ``prune``, bound afresh if served again.
+        self._retired: set[Labels] = set()
 
     def feed(self, pool: str) -> ObjectReceiveStream[Source]:
         """Where ``pool``'s merge takes the sources started later (``more``)."""
@@ -96,7 +98,7 @@ class RunningQueues:
     def _wired(self, spec: QueueSpec) -> tuple[Source, Poller]:
         labels = (spec.id, spec.name, spec.pool)
         if labels in self._retired:  # forgotten: fresh series, not the detached ones
-            del self._retired[labels]
+            self._retired.discard(labels)
             self._metrics.rebind(labels)
         return self._wire(spec)
 
@@ -141,11 +143,16 @@ class RunningQueues:
             self._retire(queue)
 
     def _retire(self, queue: QueueSpec) -> None:
-        self._retired[(queue.id, queue.name, queue.pool)] = None
-        if len(self._retired) > RETIRED_MAX:
-            oldest = next(iter(self._retired))
-            del self._retired[oldest]
-            self._metrics.rebind(oldest)  # its cache freed: churn must not grow it either
+        self._retired.add((queue.id, queue.name, queue.pool))
+
+    def prune(self) -> None:
+        """Free the cached series of removed queues the transport no longer keeps in
+        upkeep: they hold no claim, so no result of theirs can land (churn must not grow
+        the cache)."""
+        kept = {queue.name for queue in self._upkeep()}
+        for labels in [labels for labels in self._retired if labels[1] not in kept]:
+            self._retired.discard(labels)
+            self._metrics.rebind(labels)
 
     def close_feeds(self) -> None:
         """The pollers have stopped: the merges may finish once their sources have."""
