@@ -108,10 +108,6 @@ class RunningQueues:
         if entry is not None:
             entry.scope.cancel()
 
-    def spec(self, key: Key) -> QueueSpec | None:
-        entry = self._running.get(key)
-        return entry.spec if entry is not None else None
-
     def keys(self, origin: str) -> list[str]:
         return [name for kind, name in self._running if kind == origin]
 
