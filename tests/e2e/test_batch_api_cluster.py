@@ -5,7 +5,6 @@ retry of its failed lines."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,10 +12,9 @@ import pytest
 
 from tests.e2e.test_batch_api import file_lines, line, run_batch, wait_for
 from tests.e2e.test_batch_api_results import failing, results
-from tests.fixtures.api import BatchStack
-from tests.fixtures.daemon import DaemonFactory, sortedset_config
+from tests.fixtures.api import BatchStack, running_stack
+from tests.fixtures.daemon import DaemonFactory
 from tests.fixtures.redis_cluster import RedisClusterNodes
-from tests.fixtures.servers import stop_process
 from tests.fixtures.simulator import SimulatorProcess
 
 pytestmark = [pytest.mark.slow]
@@ -30,21 +28,12 @@ def cluster_stack(
     simulator: SimulatorProcess,
     daemon_factory: DaemonFactory,
 ) -> Iterator[BatchStack]:
-    queue = f"{unique}:q"
-    config = sortedset_config(
-        redis_cluster.url, simulator.url, [queue],
-        result_list=f"{{{queue}}}:results", lease_seconds=2, mode="cluster",
-    )  # fmt: skip
-    config_path = tmp_path / "transport.json"
-    config_path.write_text(json.dumps(config))
-    daemon = daemon_factory.start(config, "--concurrency", "16")
-    stack = BatchStack(
-        tmp_path, redis_cluster.url, queue, config_path, daemon, simulator, unique, daemon_factory
-    )
-    stack.start_api()
-    yield stack
-    for api in stack.apis:
-        stop_process(api.proc, timeout=10)
+    results_list = f"{{{unique}:q}}:results"  # in the queue's slot
+    with running_stack(
+        tmp_path, redis_cluster.url, unique, simulator, daemon_factory, results_list,
+        mode="cluster",
+    ) as stack:  # fmt: skip
+        yield stack
 
 
 def test_a_batch_end_to_end_on_redis_cluster(cluster_stack: BatchStack) -> None:
