@@ -173,8 +173,9 @@ async def every(name: str, ledger: Ledger, fault: Callable[[int], Awaitable[obje
     await anyio.sleep(first)
     n = 0
     while ledger.producing:
+        ledger.faults[name] = n + 1  # counted when made (the run may end while it lasts)
         await fault(n)
-        ledger.faults[name] = n = n + 1
+        n += 1
         await anyio.sleep(period)
 
 
