@@ -42,9 +42,9 @@ from async_processor.pipeline.dispatch import DispatchSettings, stamped_header_n
 from async_processor.pipeline.held import HeldWork
 from async_processor.pipeline.idle_gates import IdleGates
 from async_processor.pipeline.poller import Poller
-from async_processor.pipeline.reload import CONFIGURED, QueueReload, ReloadMetrics
+from async_processor.pipeline.reload import QueueReload, ReloadMetrics
 from async_processor.pipeline.results import ResultWriter
-from async_processor.pipeline.running import RunningQueues
+from async_processor.pipeline.running import RunningQueues, configured_key
 from async_processor.pipeline.settle import Settler
 from async_processor.pipeline.usage import TokenAccounting
 from async_processor.pipeline.worker import Aborter, Worker
@@ -288,7 +288,7 @@ class Processor:
             settler = self._settler(writer, pool.capacity)
             pool.held = HeldWork(settler)
             sources = [
-                queues.wire((CONFIGURED, q.id), q, queues.forget_configured) for q in pool.queues
+                queues.wire(configured_key(q), q, queues.forget_configured) for q in pool.queues
             ]
             more = queues.feed(pool.config.id) if growing else None
             tg.start_soon(self.merge_policy.run, pool.config.id, sources, sink, more)

@@ -36,12 +36,11 @@ from async_processor.errors import ConfigError
 from async_processor.gates.base import Gate
 from async_processor.gates.owners import QueueGates
 from async_processor.metrics import PREFIX
-from async_processor.pipeline.running import Forget, RunningQueues
+from async_processor.pipeline.running import Forget, RunningQueues, configured_key
 from async_processor.transports.base import ReloadsQueues
 
 log = structlog.get_logger(__name__)
 
-CONFIGURED = "configured"
 RESULTS = ("success", "error")  # upstream's label values
 
 
@@ -200,7 +199,7 @@ class QueueReload:
         self.config = plan.config
         self._applied(plan.config)
         for queue in [*plan.removed, *plan.changed]:
-            self._queues.stop((CONFIGURED, queue.id))
+            self._queues.stop(configured_key(queue))
         for queue in [*plan.added, *plan.changed]:
             self._gates.install(queue, plan.gates[queue.name])
-            await self._queues.start((CONFIGURED, queue.id), queue, self._forget)
+            await self._queues.start(configured_key(queue), queue, self._forget)

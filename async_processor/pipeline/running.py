@@ -34,6 +34,16 @@ from async_processor.pipeline.poller import Poller
 Wire = Callable[[QueueSpec], tuple[Source, Poller]]
 Forget = Callable[[QueueSpec], None]
 Key = tuple[str, str]  # (origin, id or name)
+CONFIGURED = "configured"
+
+
+def configured_key(queue: QueueSpec) -> Key:
+    """A configured queue's key: its id, else its name. Pub/Sub queues have no id: under
+    one key, the second replaced the first, which was never polled while the merge waited
+    on its lane (the demo over redis-pubsub and gcp-pubsub answered nothing)."""
+    return (CONFIGURED, queue.id or queue.name)
+
+
 Labels = tuple[str, str, str]  # (queue_id, queue_name, pool_name)
 
 
