@@ -40,7 +40,16 @@ async def proxy(
     timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=idle_seconds or None)
     url = join_url(gateway, request.path)
     try:
-        async with session.post(url, data=body, headers=headers, timeout=timeout) as answer:
+        # Never followed (as the daemon's dispatch): a redirect would carry the tenant's
+        # body to wherever the gateway's answer names.
+        post = session.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
+        async with post as answer:
+            if 300 <= answer.status < 400:
+                raise ApiError(
+                    502,
+                    f"The gateway answered with a redirect (HTTP {answer.status}), never followed.",
+                    code="gateway_error",
+                )
             response = web.StreamResponse(status=answer.status)
             for name in RETURNED:
                 if name in answer.headers:

@@ -54,6 +54,30 @@ def test_an_unreachable_gateway_is_a_502_in_openai_shape(batch_stack: BatchStack
     assert set(body["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.anyio
+async def test_a_gateway_redirect_is_never_followed(batch_stack: BatchStack) -> None:
+    # The redirect names a gateway that would answer (the simulator): followed, the
+    # tenant's body would go there and its 200 come back.
+    async with scripted_gateway() as gateway:
+        base = gateway.url.removesuffix("/v1/completions")
+        batch_stack.start_api("--gateway-url", base, replica="r2")
+        elsewhere = f"{batch_stack.simulator.url}/v1/chat/completions"
+        redirect = f"HTTP/1.1 307 Temporary Redirect\r\nLocation: {elsewhere}\r\n"
+        gateway.play(Script(((redirect + "Content-Length: 0\r\n\r\n").encode(),)))
+        status, body = await anyio.to_thread.run_sync(
+            lambda: call(
+                batch_stack,
+                "POST",
+                "/chat/completions",
+                {"model": "m", "messages": MESSAGES},
+                **DIRECT,
+            )
+        )
+    assert status == 502 and body["error"]["code"] == "gateway_error"
+    assert "redirect" in body["error"]["message"]
+    assert batch_stack.simulator.requests() == []
+
+
 SSE = [
     b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m",'
     b'"choices":[{"index":0,"delta":{"role":"assistant","content":"he"}}]}\n\n',
