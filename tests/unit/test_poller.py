@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import TypeVar, cast
@@ -39,6 +40,7 @@ def _poller(
     metrics: QueueMetrics,
     *,
     bound_in_flight: bool = True,
+    gate_wait: float = math.inf,
 ) -> Poller:
     settler = Settler(transport=transport, writer=writer, capacity=capacity)
     return Poller(
@@ -50,6 +52,7 @@ def _poller(
         metrics=metrics,
         held=HeldWork(settler),
         bound_in_flight=bound_in_flight,
+        gate_wait=gate_wait,
     )
 
 
@@ -89,14 +92,19 @@ def message(request_id: str, deadline: float) -> bytes:
 
 
 async def run_until_blocked(
-    transport: FakeTransport, capacity: PoolCapacity
+    transport: FakeTransport,
+    capacity: PoolCapacity,
+    gate: Gate | None = None,
+    gate_wait: float = math.inf,
 ) -> tuple[list[Work], list[Op]]:
-    """Run one poller until its fetch blocks on an empty queue, then cancel it."""
+    """Run one poller (behind ``gate``, else an open one) until its fetch blocks on an
+    empty queue, then cancel it."""
     lane_in, lane_out = anyio.create_memory_object_stream[Work](16)
     writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
     metrics = Metrics().queue("q", "q", "default")
     fake = cast(Transport, transport)  # only the methods a poller calls
-    poller = _poller(QUEUE, fake, ConstantGate(1.0), capacity, lane_in, writer_in, metrics)
+    gate = gate or ConstantGate(1.0)
+    poller = _poller(QUEUE, fake, gate, capacity, lane_in, writer_in, metrics, gate_wait=gate_wait)
     async with anyio.create_task_group() as tg:
         tg.start_soon(poller.run)
         with anyio.fail_after(5):
@@ -434,24 +442,10 @@ async def _stuck_gate_ops(deadlines: dict[str, float], gate_wait: float) -> list
     """A batch of ``deadlines`` against ``StuckGate``: the ops written, once the poller is
     back at its next fetch (it gave up every wait)."""
     transport = FakeTransport([message(i, d) for i, d in deadlines.items()])
-    lane_in, lane_out = anyio.create_memory_object_stream[Work](16)
-    writer_in, writer_out = anyio.create_memory_object_stream[Op](16)
-    settler = Settler(
-        transport=cast(Transport, transport), writer=writer_in, capacity=PoolCapacity(8)
-    )
-    poller = Poller(
-        queue=QUEUE, transport=cast(Transport, transport), gate=cast(Gate, StuckGate()),
-        settler=settler, lane=lane_in, metrics=Metrics().queue("q", "q", "default"),
-        held=HeldWork(settler), gate_wait=gate_wait,
-    )  # fmt: skip
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(poller.run)
-        with anyio.fail_after(5):
-            await transport.blocked.wait()
-        tg.cancel_scope.cancel()
-    async with lane_out, writer_out:
-        assert not _drain(lane_out)
-        return _drain(writer_out)
+    gate = cast(Gate, StuckGate())
+    forwarded, ops = await run_until_blocked(transport, PoolCapacity(8), gate, gate_wait)
+    assert not forwarded
+    return ops
 
 
 async def test_one_behind_a_queue_gate_that_waits_is_answered_at_its_deadline() -> None:
