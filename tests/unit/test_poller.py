@@ -410,10 +410,11 @@ async def test_a_batch_behind_a_full_lane_waits_held_and_a_stop_hands_back_the_r
     async with anyio.create_task_group() as tg:
         tg.start_soon(poller._line._held.run)
         tg.start_soon(poller.run)
-        await anyio.sleep(1.3)  # past m2's deadline
+        with anyio.fail_after(10):  # m2's answer at its deadline, however loaded the machine
+            first = await writer_out.receive()
         tg.cancel_scope.cancel()
     async with lane_out, writer_out:
-        lane, ops = _drain(lane_out), _drain(writer_out)
+        lane, ops = _drain(lane_out), [first, *_drain(writer_out)]
     assert [w.envelope.id for w in lane] == ["m0"]
     assert [(type(op).__name__, op.delivery.envelope.id) for op in ops] == [  # type: ignore[union-attr]
         ("Completion", "m2"),
