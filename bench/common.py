@@ -7,12 +7,13 @@ bench and a test start them the same way.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,3 +144,19 @@ def table(title: str, rows: Sequence[tuple[str, str]]) -> None:
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
     sys.stdout.flush()
+
+
+Measure = Callable[[int, int], Awaitable[list[tuple[str, str]]]]
+
+
+def messages_workers_main(prog: str, title: str, measure: Measure, argv: list[str] | None) -> int:
+    """The command line of a bench that runs ``measure(messages, workers)`` once and prints
+    its rows: ``--messages`` (20,000), ``--workers`` (256), ``--quick`` (5,000 messages)."""
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--messages", type=int, default=20000)
+    p.add_argument("--workers", type=int, default=256)
+    p.add_argument("--quick", action="store_true", help="5,000 messages")
+    args = p.parse_args(argv)
+    messages = 5000 if args.quick else args.messages
+    table(title, anyio.run(measure, messages, args.workers))
+    return 0

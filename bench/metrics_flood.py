@@ -11,16 +11,13 @@ Run: ``python -m bench.metrics_flood [--quick]``. Figures only, never asserted.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import socket
 import time
 import urllib.request
 from contextlib import ExitStack
 
-import anyio
-
-from bench.common import redis, simulator, table
+from bench.common import messages_workers_main, redis, simulator
 from bench.harness import Lane, Run, start_daemon, submit, watch
 from tests.fixtures.servers import free_port
 from tests.fixtures.simulator import SimulatorProcess
@@ -91,14 +88,9 @@ async def measure(messages: int, workers: int) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.metrics_flood")
-    p.add_argument("--messages", type=int, default=20000)
-    p.add_argument("--workers", type=int, default=256)
-    p.add_argument("--quick", action="store_true", help="5,000 messages")
-    args = p.parse_args(argv)
-    messages = 5000 if args.quick else args.messages
-    table("metrics port flood: the dispatch path", anyio.run(measure, messages, args.workers))
-    return 0
+    return messages_workers_main(
+        "python -m bench.metrics_flood", "metrics port flood: the dispatch path", measure, argv
+    )
 
 
 if __name__ == "__main__":

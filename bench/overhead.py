@@ -9,12 +9,9 @@ baseline. Run alone: ``python -m bench.overhead [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 from contextlib import ExitStack
 
-import anyio
-
-from bench.common import mib, redis, simulator, table, verdict
+from bench.common import messages_workers_main, mib, redis, simulator, verdict
 from bench.harness import Run, drain
 
 TARGET_CPU_MS = 0.25  # issue 13: daemon CPU per message, zero-latency gateway, 256 workers
@@ -46,14 +43,9 @@ def describe(run: Run) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.overhead")
-    p.add_argument("--messages", type=int, default=20000)
-    p.add_argument("--workers", type=int, default=256)
-    p.add_argument("--quick", action="store_true", help="5,000 messages")
-    args = p.parse_args(argv)
-    messages = 5000 if args.quick else args.messages
-    table("(b) overhead vs a minimal loop", anyio.run(measure, messages, args.workers))
-    return 0
+    return messages_workers_main(
+        "python -m bench.overhead", "(b) overhead vs a minimal loop", measure, argv
+    )
 
 
 if __name__ == "__main__":
