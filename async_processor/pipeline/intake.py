@@ -227,8 +227,12 @@ class Intake:
 
     def _earliest_behind(self, deliveries: Sequence[Delivery]) -> list[float]:
         """For each delivery, the earliest deadline among those after it in the batch
-        (each decoded once here, kept on it for ``_decode``; a poison one has none)."""
+        (each decoded once here, kept on it for ``_decode``; a poison one has none).
+        Only ``_gated``'s bounded wait reads it: behind a gate that cannot wait, the
+        pass over the batch (and a poison message's second decode) is not paid."""
         earliest, running = [math.inf] * len(deliveries), math.inf
+        if not waits_in_apply(self._gate):
+            return earliest
         for index in range(len(deliveries) - 1, -1, -1):
             earliest[index] = running
             delivery = deliveries[index]
