@@ -42,7 +42,13 @@ async def read_budget(gate: Gate, queue_log: BoundLogger) -> float:
     except Exception as exc:
         queue_log.warning("queue_gate_budget_failed", error=str(exc))
         return 0.0
-    return min(1.0, max(0.0, budget))  # max(0.0, nan) is 0.0
+    return _clamped(budget)
+
+
+def _clamped(budget: float) -> float:
+    """A gate's budget in [0, 1], NaN as 0 (``max(0.0, nan)`` is 0.0): one rule for a
+    budget read alone or in a batch."""
+    return min(1.0, max(0.0, budget))
 
 
 @dataclass
@@ -100,7 +106,7 @@ class IdleGates:
         batch = cast(ReadsInBatch, entries[0].gate).batch  # grouped by it in read_round
         budgets = await batch.budgets([entry.gate for entry in entries])
         for entry, budget in zip(entries, budgets, strict=True):
-            _set(entry, min(1.0, max(0.0, budget)))  # as read_budget clamps
+            _set(entry, _clamped(budget))
 
 
 def _set(entry: _Waiting, budget: float) -> None:
