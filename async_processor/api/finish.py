@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from async_processor.api import keys
 from async_processor.api.context import Context
 from async_processor.api.lines import failed_line, split_lines
-from async_processor.api.storage import Writer
+from async_processor.api.storage import writing
 from async_processor.api.store import as_bytes, as_int
 from async_processor.client import SortedSetClient
 
@@ -107,7 +105,7 @@ async def _copy_list(ctx: Context, key: str, file_id: str) -> int:
     if not length:
         return 0
     size = 0
-    async with _writing(ctx, file_id) as writer:
+    async with writing(ctx.storage, file_id) as writer:
         for start in range(0, length, CHUNK):
             lines = await redis.lrange(key, start, start + CHUNK - 1)
             data = b"".join(as_bytes(line) + b"\n" for line in lines)
@@ -131,7 +129,7 @@ async def _reorder(ctx: Context, record: dict[str, str], source: str, file_id: s
     if not spots:
         return 0
     size = 0
-    async with _writing(ctx, file_id) as writer:
+    async with writing(ctx.storage, file_id) as writer:
         for start in range(0, as_int(record, "total"), CHUNK):
             custom_ids = await ctx.store.custom_ids(
                 record["id"], range(start, min(start + CHUNK, as_int(record, "total")))
@@ -141,15 +139,3 @@ async def _reorder(ctx: Context, record: dict[str, str], source: str, file_id: s
             size += len(data)
             await writer.write(data)
     return size
-
-
-@asynccontextmanager
-async def _writing(ctx: Context, file_id: str) -> AsyncIterator[Writer]:
-    """A writer that commits when the block ends, and leaves nothing if it fails."""
-    writer = await ctx.storage.writer(file_id)
-    try:
-        yield writer
-        await writer.commit()
-    except BaseException:
-        await writer.discard()
-        raise

@@ -21,6 +21,7 @@ from async_processor.api.batches import batch_object, create, digest, new_record
 from async_processor.api.context import Context, context, owned
 from async_processor.api.errors import ApiError
 from async_processor.api.lines import split_lines
+from async_processor.api.storage import writing
 from async_processor.api.store import as_int, loads
 
 RETRYABLE = ("completed", "expired", "cancelled")
@@ -76,25 +77,20 @@ async def _failed_lines_file(ctx: Context, record: dict[str, str]) -> str:
         raise ApiError(409, "The batch's error file no longer exists.") from None
     file_id = keys.new_id(keys.FILE_PREFIX)
     size = lines = 0
-    writer = await ctx.storage.writer(file_id)
+    buffer: list[bytes] = []
     try:
-        buffer: list[bytes] = []
-        async for _, line in split_lines(ctx.storage.reader(record["input_file_id"])):
-            if msgspec.json.decode(line)["custom_id"] in failed:
-                buffer.append(line + b"\n")
-            if len(buffer) >= CHUNK:
-                size, lines = size + sum(map(len, buffer)), lines + len(buffer)
-                await writer.write(b"".join(buffer))
-                buffer.clear()
-        size, lines = size + sum(map(len, buffer)), lines + len(buffer)
-        await writer.write(b"".join(buffer))
-        await writer.commit()
+        async with writing(ctx.storage, file_id) as writer:
+            async for _, line in split_lines(ctx.storage.reader(record["input_file_id"])):
+                if msgspec.json.decode(line)["custom_id"] in failed:
+                    buffer.append(line + b"\n")
+                if len(buffer) >= CHUNK:
+                    size, lines = size + sum(map(len, buffer)), lines + len(buffer)
+                    await writer.write(b"".join(buffer))
+                    buffer.clear()
+            size, lines = size + sum(map(len, buffer)), lines + len(buffer)
+            await writer.write(b"".join(buffer))
     except OSError:
-        await writer.discard()
         raise ApiError(409, "The batch's input file no longer exists.") from None
-    except BaseException:
-        await writer.discard()
-        raise
     now = int(time.time())
     await ctx.store.put_file({
         "id": file_id, "tenant": record["tenant"], "bytes": size, "lines": lines,

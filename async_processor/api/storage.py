@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -31,6 +32,18 @@ class Storage(Protocol):
     def reader(self, file_id: str) -> AsyncIterator[bytes]: ...
     async def read_at(self, file_id: str, spans: Sequence[tuple[int, int]]) -> list[bytes]: ...
     async def delete(self, file_id: str) -> None: ...
+
+
+@asynccontextmanager
+async def writing(storage: Storage, file_id: str) -> AsyncIterator[Writer]:
+    """A writer that commits when the block ends, and leaves nothing if it fails."""
+    writer = await storage.writer(file_id)
+    try:
+        yield writer
+        await writer.commit()
+    except BaseException:
+        await writer.discard()
+        raise
 
 
 class DirWriter:
