@@ -25,6 +25,7 @@ MAX_QUEUED_LINES = 1_000_000  # twenty full files' worth
 MAX_STORED_BYTES = 10 * 1024**3
 RETRY_AFTER = 60  # seconds a refused caller is told to wait (lines finish, files expire)
 FIELDS = ("open_batches", "queued_lines", "stored_bytes")
+COUNTS = ("total", "file_lines", "completed", "failed")  # a batch's fields queued_lines reads
 
 # KEYS: the tenant's open-batch zset. ARGV: batch id, created_at, cap. 1: taken (or the
 # batch holds a place already); 0: the cap is reached. One script: two creates at once
@@ -118,12 +119,14 @@ class Guard:
     async def queued_lines(self, tenant: str) -> int:
         """Lines of the tenant's open batches without a result (a batch still validating
         counts its input file's lines)."""
-        ids = await self.store.redis.zrange(keys.tenant_open(tenant), 0, -1)
-        queued = 0
+        redis = self.store.redis
+        ids = await redis.zrange(keys.tenant_open(tenant), 0, -1)
+        pipe = redis.pipeline(transaction=False)  # one round trip, not one per batch
         for batch_id in ids:
-            record = await self.store.batch(text(batch_id))
-            if record is None:
-                continue
+            pipe.hmget(keys.batch_key(text(batch_id)), COUNTS)
+        queued = 0
+        for values in await pipe.execute():  # a batch gone meanwhile reads as all 0
+            record = {name: text(v) for name, v in zip(COUNTS, values, strict=True) if v}
             total = as_int(record, "total") or as_int(record, "file_lines")
             queued += max(0, total - as_int(record, "completed") - as_int(record, "failed"))
         return queued
