@@ -62,7 +62,7 @@ def _budget_key(key: str) -> Callable[[Redis], Awaitable[str]]:
         raw = await client.get(key)
         if raw is None:
             return f"key {key!r} not set: budget 1 (open)"
-        text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        text = _text(raw)
         try:
             value = float(text)
         except ValueError:
