@@ -43,12 +43,17 @@ class Probe:
 def main(config: AppConfig) -> int:
     """Print the report for ``config``; 1 when a target or gate source is unreachable or
     any metric gate would fall back."""
-    checks = anyio.run(check_targets, config)
-    sources, probes = anyio.run(probe, config)
-    checks += sources
+    checks, probes = anyio.run(_everything, config)
     print("\n".join([*(check.line() for check in checks), report(probes)]))
     failed = any(c.problem for c in checks) or any(p.reading.value is None for p in probes)
     return BLIND_EXIT if failed else 0
+
+
+async def _everything(config: AppConfig) -> tuple[list[Check], list[Probe]]:
+    """The targets, then the gates' sources: one event loop for both."""
+    checks = await check_targets(config)
+    sources, probes = await probe(config)
+    return checks + sources, probes
 
 
 async def probe(config: AppConfig) -> tuple[list[Check], list[Probe]]:
