@@ -37,7 +37,7 @@ def test_with_the_watch_only_a_change_outside_the_queues_rolls_the_pods(every: s
     assert checksum(watched(requestMergePolicyConfig={"type": "weighted-fair"})) != base
 
 
-@pytest.mark.parametrize("every", ["", "0", "0s", "0.0m"])
+@pytest.mark.parametrize("every", ["", "0", "0s", "0.0m", "0m0s", "0h0.0m0s"])
 def test_without_the_watch_a_queue_change_rolls_the_pods(every: str) -> None:
     values = with_ap(transportConfigWatchInterval=every)
     changed = with_ap(transportConfigWatchInterval=every, transportConfig=QUEUES)

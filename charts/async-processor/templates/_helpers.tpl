@@ -205,10 +205,11 @@ config, so it looks at the same keys). */}}
 {{- end -}}
 
 {{/* "true" when the daemon applies queue changes without a restart: a sorted-set
-transport and a watch interval other than zero (--transport-config-watch-interval). */}}
+transport and a watch interval other than zero (--transport-config-watch-interval; zero
+in any spelling the schema takes, "0m0s" too: each part all zeros). */}}
 {{- define "async-processor.watchesQueues" -}}
 {{- $every := toString (.Values.ap.transportConfigWatchInterval | default "") -}}
-{{- if and (eq .Values.ap.transport "redis-sortedset") $every (not (regexMatch "^[+]?[0.]+(ns|us|µs|μs|ms|s|m|h)?$" $every)) -}}
+{{- if and (eq .Values.ap.transport "redis-sortedset") $every (not (regexMatch "^[+]?([0.]+(ns|us|µs|μs|ms|s|m|h)?)+$" $every)) -}}
 true
 {{- end -}}
 {{- end -}}
