@@ -10,9 +10,6 @@ to saying so (``redis_dataset_lost``, ``redis_dataset_lost_total``) and going on
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import anyio
 import pytest
 from redis.asyncio import Redis, RedisCluster
@@ -22,7 +19,7 @@ from async_processor.client.redis_sortedset import SortedSetClient
 from async_processor.config.redis import RedisConnection
 from async_processor.metrics import Metrics
 from async_processor.transports.redis_sortedset.dataset import DatasetWatch, marker_keys
-from tests.fixtures.inprocess import metric, running, sortedset_config
+from tests.fixtures.inprocess import metric, numbered_requests, running, sortedset_config
 from tests.fixtures.redis_cluster import RedisClusterNodes
 from tests.fixtures.redis_modes import MASTER_NAME, SentinelGroup
 from tests.fixtures.servers import RedisServer
@@ -32,15 +29,10 @@ pytestmark = pytest.mark.anyio
 LOST = "llm_d_async_async_redis_dataset_lost_total"
 
 
-def _requests(prefix: str, n: int) -> list[dict[str, Any]]:
-    deadline = int(time.time() + 600)
-    return [{"id": f"{prefix}-{i}", "deadline": deadline, "payload": {"i": i}} for i in range(n)]
-
-
 async def _answered(conn: RedisConnection, queue: str, prefix: str, n: int) -> set[str]:
     """Submit ``n`` requests and read their results (give up after 20 s)."""
     async with SortedSetClient(conn, queue, f"{queue}:results") as client:
-        await client.submit_many(_requests(prefix, n))
+        await client.submit_many(numbered_requests(prefix, n))
         seen: set[str] = set()
         with anyio.move_on_after(20):
             while len(seen) < n:

@@ -46,7 +46,7 @@ from async_processor.redis.conn import connect
 from async_processor.redis.keyspace import KeySpace
 from async_processor.transports.base import Completion, Delivery, TransportContext
 from async_processor.transports.redis_sortedset.transport import SortedSetTransport
-from tests.fixtures.inprocess import running, sortedset_config
+from tests.fixtures.inprocess import numbered_requests, running, sortedset_config
 from tests.fixtures.redis_cluster import RedisClusterNodes
 from tests.fixtures.redis_modes import (
     MASTER_NAME,
@@ -63,15 +63,10 @@ pytestmark = pytest.mark.anyio
 SECURITY_DOC = Path(__file__).parents[2] / "docs" / "security.md"
 
 
-def _requests(prefix: str, n: int) -> list[dict[str, Any]]:
-    deadline = int(time.time() + 600)
-    return [{"id": f"{prefix}-{i}", "deadline": deadline, "payload": {"i": i}} for i in range(n)]
-
-
 async def _round_trip(conn: RedisConnection, queue: str, prefix: str, n: int) -> set[str]:
     """Submit ``n`` requests through ``conn`` to a running daemon; the ids answered."""
     async with SortedSetClient(conn, queue, f"{queue}:results") as client:
-        await client.submit_many(_requests(prefix, n))
+        await client.submit_many(numbered_requests(prefix, n))
         results = await client.drain_results(n, 30)
     assert all(not r.error_code for r in results), results[:3]
     return {r.id for r in results}
@@ -132,7 +127,7 @@ def test_producer_commands_connect_like_the_daemon(
     transport = tmp_path / "transport.json"
     transport.write_text(json.dumps({**_tls(tls_redis, certs), "queues": []}))
     lines = tmp_path / "in.jsonl"
-    lines.write_text("".join(json.dumps(r) + "\n" for r in _requests("cli", 3)))
+    lines.write_text("".join(json.dumps(r) + "\n" for r in numbered_requests("cli", 3)))
     args = ["submit", str(lines), "--transport-config-file", str(transport), "--queue", unique]
     assert producer_main(args) == 0
     plain = f"redis://127.0.0.1:{tls_redis.port}/0"
@@ -165,7 +160,7 @@ async def test_acl_users_from_the_security_doc_are_enough(
     await admin.zadd("request-sortedset", {b"not json": time.time() + 600})
     simulator.configure(error_rate=0.3, error_status=503, seed=7)
     async with running(config) as processor, SortedSetClient(producer_url) as client:
-        await client.submit_many(_requests("acl", 30))
+        await client.submit_many(numbered_requests("acl", 30))
         results = await client.drain_results(30, 60)
         assert await client.cancel(["acl-0"]) == 0  # finished: nothing to cancel
         await _upkeep(processor)
