@@ -168,8 +168,9 @@ class QueueReload:
                 f"{', '.join(other)} changed; only queues change without a restart "
                 "(restart required)"
             )
-        old = {q.id: q for q in before.queue_specs()}
-        now = {q.id: q for q in after.queue_specs()}
+        # Matched under the key their pollers run under (``running.configured_key``).
+        old = {configured_key(q): q for q in before.queue_specs()}
+        now = {configured_key(q): q for q in after.queue_specs()}
         kept = [q for key, q in now.items() if old.get(key) == q]
         added = [q for key, q in now.items() if key not in old]
         changed = [q for key, q in now.items() if key in old and old[key] != q]
