@@ -199,3 +199,8 @@ def inflight_meta_key(queue: str) -> str:
 
 def dead_letter_key(queue: str) -> str:
     return f"{queue}:dead-letter"
+
+
+def retry_key(queue: str) -> str:
+    """A queue's own retry set (cluster mode, or discovered queues)."""
+    return f"{queue}:retry"

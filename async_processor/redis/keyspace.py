@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,23 +43,24 @@ class KeySpace:
     # queues, so a due retry never goes to a queue other than its own.
     queue_retry: bool = False
 
-    def _own(self, queue: str, suffix: str) -> str:
-        if self.cluster and hash_tag(queue) == queue:
-            return f"{{{queue}}}:{suffix}"
-        return f"{queue}:{suffix}"
+    def _own(self, queue: str, key: Callable[[str], str]) -> str:
+        """``key`` (one of ``redis.keys``' per-queue names) of ``queue``, or of ``{queue}``
+        in cluster mode when the name has no tag of its own: one rule for every derived
+        key, so a standalone name is always exactly the ``redis.keys`` one."""
+        return key(f"{{{queue}}}" if self.cluster and hash_tag(queue) == queue else queue)
 
     def _marker(self, queue: str, name: str) -> str:
         return f"{{{hash_tag(queue)}}}:{name}" if self.cluster else name
 
     def claimed(self, queue: str) -> str:
         """Upstream's claim hash (claim key -> member), ``{Q}:claimed`` in cluster mode."""
-        return self._own(queue, "claimed") if self.cluster else keys.claimed_key(queue)
+        return self._own(queue, keys.claimed_key)
 
     def owners(self, queue: str) -> str:
-        return self._own(queue, "claim-owners") if self.cluster else keys.claim_owners_key(queue)
+        return self._own(queue, keys.claim_owners_key)
 
     def claims_idx(self, queue: str) -> str:
-        return self._own(queue, "claims-idx") if self.cluster else keys.claims_idx_key(queue)
+        return self._own(queue, keys.claims_idx_key)
 
     def claim_keys(self, queue: str) -> list[str]:
         """The three claim keys, in the order every claim script takes them."""
@@ -70,31 +71,27 @@ class KeySpace:
         return self._marker(queue, keys.CLAIM_RECORD_PREFIX + call)
 
     def inflight(self, queue: str) -> str:
-        return self._own(queue, "inflight") if self.cluster else keys.inflight_key(queue)
+        return self._own(queue, keys.inflight_key)
 
     def inflight_meta(self, queue: str) -> str:
-        return self._own(queue, "inflight:meta") if self.cluster else keys.inflight_meta_key(queue)
+        return self._own(queue, keys.inflight_meta_key)
 
     def dead_letter(self, queue: str) -> str:
-        return self._own(queue, "dead-letter") if self.cluster else keys.dead_letter_key(queue)
+        return self._own(queue, keys.dead_letter_key)
 
     def sequence(self, queue: str, deadline: int) -> str:
         """The counter of submissions with ``deadline`` (upstream's order tie-breaker):
         ``request-seq:<Q>:<deadline>``, in cluster mode ``request-seq:{Q}:<deadline>``
         unless ``Q`` has a tag of its own, as upstream names it."""
-        if self.cluster and hash_tag(queue) == queue:
-            return keys.sequence_key(f"{{{queue}}}", deadline)
-        return keys.sequence_key(queue, deadline)
+        return self._own(queue, lambda q: keys.sequence_key(q, deadline))
 
     def live(self, queue: str, request_id: str) -> str:
         """The queue's id index: the token of the id's live submission (client library)."""
-        if self.cluster:
-            return self._own(queue, f"live:{request_id}")
-        return keys.live_key(queue, request_id)
+        return self._own(queue, lambda q: keys.live_key(q, request_id))
 
     def retry(self, queue: str, configured: str) -> str:
         """The retry set ``queue``'s deferrals go to: the shared one, or per queue (cluster)."""
-        return self._own(queue, "retry") if self.cluster or self.queue_retry else configured
+        return self._own(queue, keys.retry_key) if self.cluster or self.queue_retry else configured
 
     def active(self, queue: str, request_id: str) -> str:
         return self._marker(queue, keys.active_key(request_id))

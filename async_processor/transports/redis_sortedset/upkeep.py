@@ -263,7 +263,7 @@ class SortedSetUpkeep:
         if not self._keys.cluster and not self._keys.queue_retry:
             await self._drain("retry_move", "move_due", [[self.config.retry_queue_name, *names]])
             # Discovery turned off: removed discovered queues still have their own sets.
-            removed = [[f"{n}:retry", n] for n in self._catalog.removed]
+            removed = [[keys.retry_key(n), n] for n in self._catalog.removed]
             await self._drain("retry_move", "move_due_own", removed)
             return
         groups = [
