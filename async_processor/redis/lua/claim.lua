@@ -33,13 +33,12 @@ local function claim_key(member)
   if type(id) ~= 'string' then
     return redis.sha1hex(member), nil
   end
-  local deadline = data['deadline']
   local routing = msg['internal']
   local token = type(routing) == 'table' and routing['request_token']
   if type(token) == 'string' and token ~= '' then
     id = id .. '\0' .. token
   end
-  return id, type(deadline) == 'number' and deadline or nil
+  return id, deadline_of(msg, nil)
 end
 
 local function claim_queue(queue, claimed, owners, idx, record, limit)

@@ -50,30 +50,6 @@ local function envelope_of(member)
   return nil
 end
 
--- The score a message goes back to its queue with, as text: its deadline plus upstream's
--- submission-order fraction (internal.enqueue_seq, llm-d-async #463: the n-th of its
--- deadline scores deadline + min(n, 2^21 - 1) / 2^21), so a retried message keeps its
--- place among equal deadlines; fallback (a number) without a deadline. %.17g: Lua's own
--- number text has 14 digits, which would cut the fraction.
-local function queue_score(msg, fallback)
-  local score = fallback
-  if msg ~= nil then
-    local data = msg['data']
-    if type(data) ~= 'table' then
-      data = msg
-    end
-    if type(data['deadline']) == 'number' then
-      score = data['deadline']
-      local routing = msg['internal']
-      local seq = type(routing) == 'table' and routing['enqueue_seq']
-      if type(seq) == 'number' and seq >= 1 and score < 4294967296 then
-        score = score + math.min(math.floor(seq), 2097151) / 2097152
-      end
-    end
-  end
-  return string.format('%.17g', score)
-end
-
 -- The request's deadline, from an envelope ({data = request}) or a bare request, else
 -- fallback: a message going back to its queue is scored by its deadline, as producers do.
 local function deadline_of(msg, fallback)
@@ -88,4 +64,22 @@ local function deadline_of(msg, fallback)
     return data['deadline']
   end
   return fallback
+end
+
+-- The score a message goes back to its queue with, as text: its deadline plus upstream's
+-- submission-order fraction (internal.enqueue_seq, llm-d-async #463: the n-th of its
+-- deadline scores deadline + min(n, 2^21 - 1) / 2^21), so a retried message keeps its
+-- place among equal deadlines; fallback (a number) without a deadline. %.17g: Lua's own
+-- number text has 14 digits, which would cut the fraction.
+local function queue_score(msg, fallback)
+  local score = deadline_of(msg, nil)
+  if score == nil then
+    return string.format('%.17g', fallback)
+  end
+  local routing = msg['internal']
+  local seq = type(routing) == 'table' and routing['enqueue_seq']
+  if type(seq) == 'number' and seq >= 1 and score < 4294967296 then
+    score = score + math.min(math.floor(seq), 2097151) / 2097152
+  end
+  return string.format('%.17g', score)
 end
