@@ -83,8 +83,7 @@ local function claim_queue(queue, claimed, owners, idx, record, limit)
     return out
   end
   if now == nil then
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+    now = server_now()
   end
   local kept = {}
   for i = 1, #lowest, 2 do

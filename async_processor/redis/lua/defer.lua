@@ -15,8 +15,7 @@ if ARGV[6] == '' or redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[6] then
 end
 local score = tonumber(ARGV[3])
 if ARGV[4] == 'delay' then
-  local t = redis.call('TIME')
-  score = math.min(tonumber(t[1]) + tonumber(t[2]) / 1000000 + score, tonumber(ARGV[5]))
+  score = math.min(server_now() + score, tonumber(ARGV[5]))
 end
 redis.call('ZADD', KEYS[4], score, ARGV[2])
 redis.call('HDEL', KEYS[1], ARGV[1])

@@ -8,8 +8,7 @@
 -- followed by n pairs (claim key, latest expiry: its deadline + 300, as upstream caps it).
 -- Returns per queue the claim keys no longer held, or the WRONGTYPE text of a queue whose
 -- claim keys have the wrong type: that queue is left alone, the others are renewed.
-local t = redis.call('TIME')
-local expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
+local expiry = server_now() + tonumber(ARGV[1])
 local owner = ARGV[2]
 local replies = {}
 local at = 3

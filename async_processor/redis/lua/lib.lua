@@ -35,6 +35,13 @@ local function usable_as(key, kind)
   return actual == 'none' or actual == kind
 end
 
+-- Redis's clock in Unix seconds with its microseconds: every lease, due time and expiry
+-- a script compares or writes is on this one clock, never a daemon's.
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
 -- A member's envelope as a table, or nil for bytes that are not a JSON object.
 -- cjson refuses a lone surrogate escape ("\ud800"), which JSON and the daemon accept (a
 -- payload passes through verbatim): read again with every surrogate escape as "?", since

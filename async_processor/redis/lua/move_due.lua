@@ -12,8 +12,7 @@ for i = 2, #KEYS do
   queues[KEYS[i]] = true
 end
 expect_types(KEYS[1], 'zset')
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local now = server_now()
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local moves = {}
 for j, member in ipairs(due) do

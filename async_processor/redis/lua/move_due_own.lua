@@ -16,8 +16,7 @@ end
 if redis.call('EXISTS', unpack(sets)) == 0 then
   return {most}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local now = server_now()
 local moves = {}
 for i = 1, #KEYS, 2 do
   local due = redis.pcall('ZRANGEBYSCORE', KEYS[i], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))

@@ -10,8 +10,7 @@ local done = redis.call('LRANGE', KEYS[2], 0, -1)
 if #done > 0 then
   return done
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local now = server_now()
 local room = {}
 for i = 3, #ARGV, 2 do
   room[ARGV[i]] = tonumber(ARGV[i + 1])

@@ -7,8 +7,7 @@
 -- its member (evicted, deleted by hand) has nothing to put back: it is removed (as
 -- upstream does) and counted, so the daemon reports the message it may have lost.
 expect_types(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'hash', KEYS[4], 'zset')
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local now = server_now()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local missing = 0
 for _, key in ipairs(expired) do

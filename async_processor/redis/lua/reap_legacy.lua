@@ -6,8 +6,7 @@
 -- entry (evicted, deleted by hand) has no bytes to put back: it is dropped, and counted so
 -- the daemon reports the message it may have lost; the claim id does not name the request.
 expect_types(KEYS[1], 'zset', KEYS[2], 'zset', KEYS[3], 'hash')
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local now = server_now()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local missing = 0
 for _, claim in ipairs(expired) do

@@ -17,8 +17,7 @@ if not (usable_as(KEYS[1], 'list') and usable_as(KEYS[2], 'string')
     and usable_as(KEYS[3], 'zset')) then
   return {0, -1, 0}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local now = server_now()
 -- The counter starts here, with its first mark below, so only retained lists are counted
 -- (complete.lua increments existing counters). Results pushed before it are dated by
 -- that first mark (count 0), which they precede.
