@@ -13,12 +13,16 @@ import pytest
 from redis.asyncio import RedisCluster
 
 from async_processor.client.redis_sortedset import SortedSetClient
+from async_processor.config import SortedSetConfig
 from async_processor.config.redis import RedisConnection, slot
+from async_processor.messages import Result
+from async_processor.transports.base import Completion
 from tests.conformance.go_side import GoProducer, GoRequest, GoResultReader, go_score
 from tests.conformance.support import GoSide, deadline_in, upstream
 from tests.fixtures.inprocess import running, sortedset_config
 from tests.fixtures.redis_modes import RedisClusterNodes
 from tests.fixtures.simulator import LocalSimulator
+from tests.integration.test_sortedset import opened
 
 pytestmark = pytest.mark.anyio
 PAYLOAD = b'{"model": "sim-model",  "prompt": "<hi>", "n": 1.10}'
@@ -150,3 +154,27 @@ async def test_go_cancels_on_two_queues_in_two_slots_are_both_honoured(
             assert results[f"{side.queue}-stop"]["error_code"] == "CANCELLED"
             assert results[f"{side.queue}-go"]["status_code"] == 200
     assert len(local_simulator.requests()) == 2
+
+
+@upstream("§6", "§4")
+async def test_a_late_answer_on_a_cluster_leaves_the_reclaimed_requests_payload_key(
+    redis_cluster: RedisClusterNodes, rc: RedisCluster, go_cluster: GoSide
+) -> None:
+    """Our result for a claim another owner took since is refused (fenced ack), and the
+    payload key stays: that owner reads the request's body from it."""
+    sent = await go_cluster.producer.submit(GoRequest("late", deadline_in(300), PAYLOAD))
+    config = SortedSetConfig.model_validate(
+        {
+            "url": redis_cluster.url,
+            "mode": "cluster",
+            "result_queue_name": go_cluster.results,
+            "queues": [{"queue_name": go_cluster.queue, "igw_base_url": "http://gw.test:8000"}],
+        }
+    )
+    async with opened(config) as transport:
+        [held] = await transport.fetch(transport.queues[0], 1, 0)
+        # Its lease lapsed, and another owner reclaimed and claimed it.
+        await rc.hset(f"{go_cluster.queue}:claim-owners", held.handle.id, "0" * 16)
+        await transport.complete([Completion(held, Result.http("late", 200, b"{}"))])
+    assert await rc.llen(go_cluster.results) == 0
+    assert await rc.exists(f"request-payload:late:{sent.token}")

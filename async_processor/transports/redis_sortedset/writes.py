@@ -65,8 +65,10 @@ class ResultWrites:
             try:
                 replies = await self._write_results(items, queued=False)
                 self._settled(items, replies)
+                # Only where the ack was ours: a reclaimed message's next owner reads its
+                # body from that key (complete.lua deletes it only after its ack, too).
                 await self._drop_payloads(
-                    [d for (d, _), r in zip(items, replies, strict=True) if not _failed(r)]
+                    [d for (d, _), r in zip(items, replies, strict=True) if _acked(r)]
                 )
             except TransportError:
                 # The scripts may have run (the reply lost, or the cleanup after them
@@ -262,8 +264,9 @@ def _written(reply: Any) -> Written | TransportError:
     return int(reply[0]), int(reply[1]), int(reply[2])
 
 
-def _failed(reply: Written | TransportError) -> bool:
-    return isinstance(reply, TransportError)
+def _acked(reply: Written | TransportError) -> bool:
+    """Whether the item's claim was still ours and is now acknowledged."""
+    return not isinstance(reply, TransportError) and bool(reply[1])
 
 
 def _stamped(result: Result, token: str) -> Result:
